@@ -1,0 +1,84 @@
+//! The artifact store seam (PROTOCOL §9): immutable, put-if-absent, keyed by project,
+//! run, attempt and artifact id. It never sees a worker identity or a token.
+//!
+//! A put streams content in through [`BlobStore::begin`] and [`Upload::write`], hashing
+//! as it goes, and [`Upload::finish`] makes it visible atomically. Same key and same
+//! content again is a replay with the same receipt; same key, other content, a conflict.
+
+pub mod fs;
+
+use std::future::Future;
+
+use ql_wire::artifact::Receipt;
+use ql_wire::ids::{ArtifactId, AttemptId, ProjectId, RunId};
+
+/// Where an artifact lives.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ArtifactKey {
+    /// Project.
+    pub project: ProjectId,
+    /// Run.
+    pub run: RunId,
+    /// Attempt.
+    pub attempt: AttemptId,
+    /// Artifact.
+    pub artifact: ArtifactId,
+}
+
+/// How a put ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// Stored now.
+    Stored(Receipt),
+    /// The same content was stored before; this is its receipt.
+    AlreadyStored(Receipt),
+    /// Other content is stored under the key; nothing changed.
+    Conflict,
+}
+
+/// The store failed (disk, permissions, network to the bucket).
+#[derive(Debug)]
+pub struct BlobError(pub String);
+
+impl std::fmt::Display for BlobError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "artifact store: {}", self.0)
+    }
+}
+
+impl std::error::Error for BlobError {}
+
+impl From<std::io::Error> for BlobError {
+    fn from(e: std::io::Error) -> Self {
+        Self(e.to_string())
+    }
+}
+
+/// An upload in progress. Dropping it without [`Upload::finish`] discards it.
+pub trait Upload: Send {
+    /// Appends content.
+    fn write(&mut self, bytes: &[u8]) -> impl Future<Output = Result<(), BlobError>> + Send;
+
+    /// Makes the content durable and visible, unless other content holds the key.
+    fn finish(self) -> impl Future<Output = Result<PutOutcome, BlobError>> + Send;
+}
+
+/// An immutable artifact store.
+pub trait BlobStore: Clone + Send + Sync + 'static {
+    /// The upload type.
+    type Upload: Upload;
+
+    /// Starts an upload of exactly `length` bytes; `truncated` is recorded in the receipt.
+    fn begin(
+        &self,
+        key: &ArtifactKey,
+        length: u64,
+        truncated: bool,
+    ) -> impl Future<Output = Result<Self::Upload, BlobError>> + Send;
+
+    /// The receipt of what is stored under `key`, re-read from the store.
+    fn inspect(&self, key: &ArtifactKey) -> impl Future<Output = Result<Option<Receipt>, BlobError>> + Send;
+
+    /// The stored content (operators read logs with it).
+    fn read(&self, key: &ArtifactKey) -> impl Future<Output = Result<Option<Vec<u8>>, BlobError>> + Send;
+}

@@ -1,0 +1,214 @@
+//! Artifact admission and the atomic completion of ADR-0117 (PROTOCOL §9, §10).
+
+use serde_json::json;
+
+use ql_wire::artifact::{ArtifactHeader, Receipt};
+use ql_wire::completion::{Completion, CompletionReply, TerminalStatus};
+use ql_wire::lease::StopIntent;
+use ql_wire::limits::FINISHED_AT_SKEW_MS;
+use ql_wire::route::AttemptPath;
+use ql_wire::{ErrorCode, Outcome};
+
+use super::fence::{effective_stop, identify, live, Held, SessionNeed};
+use super::start::{facts_at, run_transition, transition, EXECUTION_CANCELLED, EXECUTION_TIMED_OUT};
+use super::{event, Decision, IdGen, Reply, Rows, Write};
+use crate::model::{Attempt, AttemptStatus, EndKind, Lease, LeaseState, Millis, Run, RunStatus};
+
+/// Error code of a run whose process exited non-zero or by a signal.
+pub const EXECUTION_FAILED: &str = "EXECUTION_FAILED";
+
+/// The event type of a completion; replays compare against it.
+pub const COMPLETION_EVENT: &str = "attempt.completed";
+
+pub(super) fn admit_artifact(path: &AttemptPath, header: &ArtifactHeader, rows: &Rows, now: Millis) -> Decision {
+    let fence = header.fence();
+    let held = match identify(path, &fence, rows, now, SessionNeed::SameGeneration) {
+        Ok(h) => h,
+        Err(code) => return Decision::refuse(code),
+    };
+    if held.attempt.status.is_terminal() || held.run.status.is_terminal() {
+        return Decision::refuse(ErrorCode::AlreadyTerminal);
+    }
+    if !matches!(held.attempt.status, AttemptStatus::Starting | AttemptStatus::Running) {
+        return Decision::refuse(ErrorCode::StateConflict);
+    }
+    if let Err(code) = live(&held, &fence, now, true) {
+        return Decision::refuse(code);
+    }
+    Decision::answer(Reply::ArtifactAdmitted(held.run.project.clone()))
+}
+
+fn statuses(status: TerminalStatus) -> (AttemptStatus, RunStatus) {
+    match status {
+        TerminalStatus::Succeeded => (AttemptStatus::Succeeded, RunStatus::Succeeded),
+        TerminalStatus::Failed => (AttemptStatus::Failed, RunStatus::Failed),
+        TerminalStatus::Cancelled => (AttemptStatus::Cancelled, RunStatus::Cancelled),
+        TerminalStatus::TimedOut => (AttemptStatus::TimedOut, RunStatus::TimedOut),
+    }
+}
+
+fn terminal_of(status: AttemptStatus) -> Option<TerminalStatus> {
+    match status {
+        AttemptStatus::Succeeded => Some(TerminalStatus::Succeeded),
+        AttemptStatus::Failed => Some(TerminalStatus::Failed),
+        AttemptStatus::Cancelled => Some(TerminalStatus::Cancelled),
+        AttemptStatus::TimedOut => Some(TerminalStatus::TimedOut),
+        _ => None,
+    }
+}
+
+/// Stop intent first (timeout over cancel), then the exit code.
+pub fn terminal_status(stop: Option<StopIntent>, exit_code: Option<i32>) -> (TerminalStatus, Option<&'static str>) {
+    match (stop, exit_code) {
+        (Some(StopIntent::Timeout), _) => (TerminalStatus::TimedOut, Some(EXECUTION_TIMED_OUT)),
+        (Some(StopIntent::Cancel), _) => (TerminalStatus::Cancelled, Some(EXECUTION_CANCELLED)),
+        (None, Some(0)) => (TerminalStatus::Succeeded, None),
+        (None, _) => (TerminalStatus::Failed, Some(EXECUTION_FAILED)),
+    }
+}
+
+/// The completion event's payload: every terminal fact, and nothing secret.
+fn completion_payload(
+    body: &Completion,
+    status: TerminalStatus,
+    code: Option<&str>,
+    version: u64,
+) -> serde_json::Value {
+    json!({
+        "status": status,
+        "errorCode": code,
+        "exitCode": body.exit_code,
+        "signal": body.signal,
+        "finishedAt": body.finished_at,
+        "callbackSequence": body.callback_sequence,
+        "artifact": body.artifact,
+        "leaseVersion": version,
+    })
+}
+
+pub(super) fn complete(
+    path: &AttemptPath,
+    body: &Completion,
+    stored: Option<&Receipt>,
+    rows: &Rows,
+    now: Millis,
+    ids: &mut IdGen,
+) -> Decision {
+    let fence = body.fence();
+    let held = match identify(path, &fence, rows, now, SessionNeed::SameGeneration) {
+        Ok(h) => h,
+        Err(code) => return Decision::refuse(code),
+    };
+    let (run, attempt, lease) = (held.run, held.attempt, held.lease);
+    if attempt.status.is_terminal() || run.status.is_terminal() {
+        return replay(&held, body, rows);
+    }
+    match (attempt.status, run.status) {
+        (AttemptStatus::Starting, RunStatus::Dispatching) | (AttemptStatus::Running, RunStatus::Running) => {}
+        _ => return Decision::refuse(ErrorCode::StateConflict),
+    }
+    // The lease must not have been swept; it may have lapsed on the clock meanwhile.
+    if let Err(code) = live(&held, &fence, now, false) {
+        return Decision::refuse(code);
+    }
+    if body.finished_at.millis() > now + FINISHED_AT_SKEW_MS {
+        return Decision::refuse(ErrorCode::InvalidRequest);
+    }
+    let digest = body.callback_token.digest();
+    if attempt.status == AttemptStatus::Running {
+        let registered = attempt.callback_sequence == Some(body.callback_sequence)
+            && attempt.callback_digest.as_ref().is_some_and(|d| d.ct_eq(&digest));
+        if !registered {
+            return Decision::refuse(ErrorCode::LeaseConflict);
+        }
+    }
+    if let Some(receipt) = &body.artifact {
+        let declared = attempt.log_artifact.as_ref().is_none_or(|id| *id == receipt.artifact_id);
+        if stored != Some(receipt) || !declared {
+            return Decision::refuse(ErrorCode::ArtifactConflict);
+        }
+    }
+    let Some(version) = lease.facts.version.next() else {
+        return Decision::refuse(ErrorCode::LeaseConflict);
+    };
+    let (status, code) = terminal_status(effective_stop(run, now), body.exit_code);
+    let (attempt_status, run_status) = statuses(status);
+    let evidence = body.finished_at.millis();
+    let ended_at = [now, evidence, attempt.created_at, run.created_at, attempt.started_at.unwrap_or(0)]
+        .into_iter()
+        .max()
+        .unwrap_or(now);
+    let facts = facts_at(lease, version);
+    let next_lease = Lease { state: LeaseState::Completed, facts: facts.clone(), ..lease.clone() };
+    let next_attempt = Attempt {
+        status: attempt_status,
+        lease: Some(facts),
+        callback_sequence: Some(body.callback_sequence),
+        callback_digest: Some(digest),
+        exit_code: body.exit_code,
+        signal: body.signal,
+        worker_finished_at: Some(evidence),
+        artifact: body.artifact.clone(),
+        end: Some(EndKind::Completion),
+        ended_at: Some(ended_at),
+        error_code: code.map(str::to_owned),
+        ..attempt.clone()
+    };
+    let next_run =
+        Run { status: run_status, finished_at: Some(ended_at), error_code: code.map(str::to_owned), ..run.clone() };
+    let attempt_ev = event(
+        ids,
+        &run.id,
+        Some(&attempt.id),
+        COMPLETION_EVENT,
+        transition(attempt.status, attempt_status),
+        completion_payload(body, status, code, version.get()),
+        ended_at,
+    );
+    let run_ev = event(
+        ids,
+        &run.id,
+        Some(&attempt.id),
+        &format!("run.{run_status}"),
+        run_transition(run.status, run_status),
+        json!({ "attemptId": attempt.id, "errorCode": code }),
+        ended_at,
+    );
+    let reply = CompletionReply { result: Outcome::Completed, status };
+    Decision::apply(
+        Reply::Completed(reply),
+        vec![Write::Lease(next_lease), Write::Attempt(next_attempt), Write::Run(next_run), attempt_ev, run_ev],
+    )
+    .waking()
+}
+
+/// `already_completed` only for the exact same completion: lease completed at exactly
+/// expected + 1 by a completion, the same terminal facts, and a stored completion event
+/// with exactly the payload this request would have written.
+fn replay(held: &Held<'_>, body: &Completion, rows: &Rows) -> Decision {
+    let (attempt, lease) = (held.attempt, held.lease);
+    let at_next = body.expected_lease_version.next() == Some(lease.facts.version);
+    if lease.state != LeaseState::Completed || !at_next || attempt.end != Some(EndKind::Completion) {
+        return Decision::refuse(ErrorCode::AlreadyTerminal);
+    }
+    let Some(status) = terminal_of(attempt.status) else {
+        return Decision::refuse(ErrorCode::AlreadyTerminal);
+    };
+    let facts_match = attempt.exit_code == body.exit_code
+        && attempt.signal == body.signal
+        && attempt.callback_sequence == Some(body.callback_sequence)
+        && attempt.callback_digest.as_ref().is_some_and(|d| body.callback_token.matches(d))
+        && attempt.artifact == body.artifact
+        && attempt.worker_finished_at == Some(body.finished_at.millis());
+    let expected = completion_payload(body, status, attempt.error_code.as_deref(), lease.facts.version.get());
+    let event_matches = rows.completion_event.as_ref().is_some_and(|e| {
+        e.kind == COMPLETION_EVENT
+            && matches!(e.from_status.as_deref(), Some("starting" | "running"))
+            && e.payload == expected
+    });
+    if facts_match && event_matches {
+        Decision::answer(Reply::Completed(CompletionReply { result: Outcome::AlreadyCompleted, status }))
+    } else {
+        Decision::refuse(ErrorCode::ReplayMismatch)
+    }
+}

@@ -1,0 +1,365 @@
+//! The decisions of the authority: pure functions of (loaded rows, request, DB time).
+//!
+//! Every store runs every command the same way, in one short transaction:
+//!
+//! 1. [`Command::keys`] names the rows the command needs;
+//! 2. the store locks and loads them in the protocol's fixed order (attempt fence,
+//!    worker session, run and attempt, run lease) into [`Rows`];
+//! 3. the store reads DB time *after* the locks;
+//! 4. [`decide`] returns a [`Decision`]: the reply, and the rows and events to write;
+//! 5. the store writes them in the same transaction and commits — or rolls back on any
+//!    error, so a refusal or a failure changes nothing.
+//!
+//! Nothing here touches a database, a clock or a socket, so each rule is unit-tested
+//! directly. A refusal never carries writes (see [`Decision::refuse`]).
+
+mod delivery;
+mod fence;
+mod finish;
+mod operator;
+mod session;
+mod start;
+mod sweep;
+#[cfg(test)]
+pub(crate) mod testkit;
+
+pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
+pub use operator::{CancelOutcome, Submit};
+pub use start::{EXECUTION_CANCELLED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED};
+pub use sweep::{LEASE_LOST, OFFER_EXPIRED};
+
+use ql_wire::ack::{AckReply, Running, StartFailure};
+use ql_wire::artifact::{ArtifactHeader, Receipt};
+use ql_wire::completion::{Completion, CompletionReply};
+use ql_wire::ids::{ArtifactId, AttemptId, EventId, OfferId, ProjectId, RunId, SessionId, WorkerId};
+use ql_wire::lease::Renewed;
+use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
+use ql_wire::route::AttemptPath;
+use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened};
+use ql_wire::{ErrorCode, Fence};
+
+use crate::model::{Attempt, Event, Lease, Millis, Offer, Run, Session};
+
+/// Durations the authority hands out. Every one is configurable so tests run short.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timings {
+    /// How often agents should heartbeat.
+    pub heartbeat_ms: u64,
+    /// How long a session lives without a heartbeat or poll.
+    pub session_ttl_ms: u64,
+    /// How long an offer waits for a claim.
+    pub offer_ttl_ms: u64,
+    /// How long a lease lives without renewal.
+    pub lease_ttl_ms: u64,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Self { heartbeat_ms: 10_000, session_ttl_ms: 45_000, offer_ttl_ms: 30_000, lease_ttl_ms: 30_000 }
+    }
+}
+
+/// One request to the authority.
+#[derive(Debug, Clone)]
+pub enum Command {
+    /// Open a session.
+    OpenSession(WorkerId, OpenSession),
+    /// Heartbeat a session.
+    Heartbeat(WorkerId, SessionId, Heartbeat),
+    /// Place queued runs on the session and list its open offers.
+    PollOffers(WorkerId, SessionId, PollOffers),
+    /// Claim an offer.
+    Claim(WorkerId, SessionId, OfferId, Claim),
+    /// `starting`.
+    Starting(AttemptPath, Fence),
+    /// `running`.
+    Running(AttemptPath, Running),
+    /// `start-failure`.
+    StartFailure(AttemptPath, StartFailure),
+    /// `lease:renew`.
+    Renew(AttemptPath, Fence),
+    /// The fence check before an artifact's content is read.
+    AdmitArtifact(AttemptPath, ArtifactId, ArtifactHeader),
+    /// Completion, with what the artifact store holds for its receipt (inspected before
+    /// the transaction, as ADR-0117 requires).
+    Complete(AttemptPath, Completion, Option<Receipt>),
+    /// Operator: submit a run.
+    Submit(Submit),
+    /// Operator: cancel a run.
+    Cancel(RunId),
+    /// Expire what has lapsed, by DB time.
+    Sweep,
+}
+
+/// The rows a command needs, in lock order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Keys {
+    /// Lock the attempt's advisory fence and load it with its run and lease.
+    pub attempt: Option<AttemptId>,
+    /// Load this session (and lock it).
+    pub session: Option<SessionId>,
+    /// Load this run (and lock it).
+    pub run: Option<RunId>,
+    /// Load this offer.
+    pub offer: Option<OfferId>,
+    /// Load every session of this worker (to open a new one).
+    pub worker_sessions: Option<WorkerId>,
+    /// Load placement candidates: queued runs, and the session's open offers and
+    /// active attempt count.
+    pub placement: bool,
+    /// Load the run's current attempt with its lease and offer (cancel).
+    pub current_attempt: bool,
+    /// Load the attempt's completion event (for replays).
+    pub completion_event: bool,
+    /// Load everything that has lapsed by DB time (sweeper).
+    pub sweep: bool,
+}
+
+/// Rows loaded for a command. What is absent was not asked for or does not exist.
+#[derive(Debug, Clone, Default)]
+pub struct Rows {
+    /// The session named by the path.
+    pub session: Option<Session>,
+    /// The run.
+    pub run: Option<Run>,
+    /// The attempt.
+    pub attempt: Option<Attempt>,
+    /// The attempt's lease.
+    pub lease: Option<Lease>,
+    /// The offer.
+    pub offer: Option<Offer>,
+    /// The attempt's completion event, when asked for.
+    pub completion_event: Option<Event>,
+    /// Every session of the worker, when asked for.
+    pub worker_sessions: Vec<Session>,
+    /// Queued runs, oldest first (placement).
+    pub queued: Vec<Run>,
+    /// The session's open offers (placement).
+    pub open_offers: Vec<Offer>,
+    /// Attempts occupying the session's capacity (placement).
+    pub active_attempts: u32,
+    /// Lapsed rows (sweep).
+    pub lapsed: Lapsed,
+}
+
+/// What the sweeper found lapsed, each with the rows its decision needs.
+#[derive(Debug, Clone, Default)]
+pub struct Lapsed {
+    /// Online or draining sessions past their expiry.
+    pub sessions: Vec<Session>,
+    /// Open offers past expiry, with their run and attempt.
+    pub offers: Vec<(Offer, Run, Attempt)>,
+    /// Leased leases past expiry, with their run and attempt.
+    pub leases: Vec<(Lease, Run, Attempt)>,
+    /// Non-terminal runs past their deadline without a timeout intent.
+    pub overdue: Vec<Run>,
+}
+
+/// A successful answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// To open.
+    SessionOpened(SessionOpened),
+    /// To heartbeat.
+    Heartbeat(HeartbeatReply),
+    /// To poll.
+    Offers(Offers),
+    /// To claim.
+    Claimed(Box<Claimed>),
+    /// To a start ACK.
+    Ack(AckReply),
+    /// To renewal.
+    Renewed(Renewed),
+    /// The artifact may be stored under this project.
+    ArtifactAdmitted(ProjectId),
+    /// To completion.
+    Completed(CompletionReply),
+    /// To submit.
+    Submitted(RunId),
+    /// To cancel.
+    Cancelled(CancelOutcome),
+    /// To sweep: how many rows it changed.
+    Swept(usize),
+}
+
+/// A row or event to write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Write {
+    /// Insert or replace a session.
+    Session(Session),
+    /// Insert or replace a run.
+    Run(Run),
+    /// Insert or replace an attempt.
+    Attempt(Attempt),
+    /// Insert or replace an offer.
+    Offer(Offer),
+    /// Insert or replace a lease.
+    Lease(Lease),
+    /// Append an event (never replaced).
+    Event(Event),
+}
+
+/// The outcome of one command: a reply and its writes, or a refusal that writes nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// What to answer.
+    pub reply: Result<Reply, ErrorCode>,
+    /// What to write, in order, in the same transaction.
+    pub writes: Vec<Write>,
+    /// Whether long-polls should look again (new work or freed capacity).
+    pub wake: bool,
+}
+
+impl Decision {
+    /// A refusal: an error code and nothing written.
+    pub fn refuse(code: ErrorCode) -> Self {
+        Self { reply: Err(code), writes: Vec::new(), wake: false }
+    }
+
+    /// An answer with no writes.
+    pub fn answer(reply: Reply) -> Self {
+        Self { reply: Ok(reply), writes: Vec::new(), wake: false }
+    }
+
+    /// An answer with writes.
+    pub fn apply(reply: Reply, writes: Vec<Write>) -> Self {
+        Self { reply: Ok(reply), writes, wake: false }
+    }
+
+    fn waking(mut self) -> Self {
+        self.wake = true;
+        self
+    }
+}
+
+/// Makes server ids. Stores seed it with fresh randomness per transaction, which keeps
+/// [`decide`] a pure function of its inputs.
+#[derive(Debug, Clone)]
+pub struct IdGen {
+    prefix: String,
+    next: u32,
+}
+
+impl IdGen {
+    /// A generator whose ids start with 16 random bytes' worth of base-36-ish text.
+    pub fn new(seed: [u8; 12]) -> Self {
+        const ALPHABET: &[u8; 32] = b"0123456789abcdefghjkmnpqrstvwxyz";
+        let mut prefix = String::with_capacity(20);
+        let bits = seed.iter().fold(0u128, |acc, &b| acc << 8 | u128::from(b));
+        for i in 0..19 {
+            prefix.push(char::from(ALPHABET[(bits >> (i * 5) & 31) as usize]));
+        }
+        Self { prefix, next: 0 }
+    }
+
+    /// A fresh random generator.
+    pub fn random() -> Self {
+        let mut seed = [0u8; 12];
+        getrandom::getrandom(&mut seed).expect("the OS CSPRNG is available");
+        Self::new(seed)
+    }
+
+    fn make(&mut self, kind: &str) -> String {
+        self.next += 1;
+        format!("{kind}_{}{}", self.prefix, self.next)
+    }
+
+    /// A new session id.
+    pub fn session(&mut self) -> SessionId {
+        SessionId::parse(self.make("ses")).expect("generated ids are valid")
+    }
+
+    /// A new run id.
+    pub fn run(&mut self) -> RunId {
+        RunId::parse(self.make("run")).expect("generated ids are valid")
+    }
+
+    /// A new attempt id.
+    pub fn attempt(&mut self) -> AttemptId {
+        AttemptId::parse(self.make("att")).expect("generated ids are valid")
+    }
+
+    /// A new offer id.
+    pub fn offer(&mut self) -> OfferId {
+        OfferId::parse(self.make("off")).expect("generated ids are valid")
+    }
+
+    /// A new event id.
+    pub fn event(&mut self) -> EventId {
+        EventId::parse(self.make("evt")).expect("generated ids are valid")
+    }
+}
+
+impl Command {
+    /// The rows this command needs.
+    pub fn keys(&self) -> Keys {
+        let attempt = |p: &AttemptPath| Keys {
+            attempt: Some(p.attempt.clone()),
+            session: Some(p.session.clone()),
+            run: Some(p.run.clone()),
+            ..Keys::default()
+        };
+        match self {
+            Self::OpenSession(w, _) => Keys { worker_sessions: Some(w.clone()), ..Keys::default() },
+            Self::Heartbeat(_, s, _) => Keys { session: Some(s.clone()), ..Keys::default() },
+            Self::PollOffers(_, s, _) => Keys { session: Some(s.clone()), placement: true, ..Keys::default() },
+            Self::Claim(_, s, o, body) => Keys {
+                attempt: Some(body.attempt_id.clone()),
+                session: Some(s.clone()),
+                run: Some(body.run_id.clone()),
+                offer: Some(o.clone()),
+                ..Keys::default()
+            },
+            Self::Starting(p, _)
+            | Self::Running(p, _)
+            | Self::StartFailure(p, _)
+            | Self::Renew(p, _)
+            | Self::AdmitArtifact(p, ..) => attempt(p),
+            Self::Complete(p, ..) => Keys { completion_event: true, ..attempt(p) },
+            Self::Submit(_) => Keys::default(),
+            Self::Cancel(r) => Keys { run: Some(r.clone()), current_attempt: true, ..Keys::default() },
+            Self::Sweep => Keys { sweep: true, ..Keys::default() },
+        }
+    }
+}
+
+/// Decides one command. `now` is DB time read after the locks.
+pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &mut IdGen) -> Decision {
+    match cmd {
+        Command::OpenSession(w, body) => session::open(w, body, rows, now, timings, ids),
+        Command::Heartbeat(w, s, body) => session::heartbeat(w, s, body, rows, now, timings),
+        Command::PollOffers(w, s, body) => delivery::poll(w, s, body, rows, now, timings, ids),
+        Command::Claim(w, s, o, body) => delivery::claim(w, s, o, body, rows, now, timings, ids),
+        Command::Starting(p, fence) => start::starting(p, fence, rows, now, ids),
+        Command::Running(p, body) => start::running(p, body, rows, now, ids),
+        Command::StartFailure(p, body) => start::start_failure(p, body, rows, now, ids),
+        Command::Renew(p, fence) => start::renew(p, fence, rows, now),
+        Command::AdmitArtifact(p, _, header) => finish::admit_artifact(p, header, rows, now),
+        Command::Complete(p, body, stored) => finish::complete(p, body, stored.as_ref(), rows, now, ids),
+        Command::Submit(s) => operator::submit(s, now, ids),
+        Command::Cancel(_) => operator::cancel(rows, now, ids),
+        Command::Sweep => sweep::sweep(&rows.lapsed, now, ids),
+    }
+}
+
+/// Builds an event.
+pub(crate) fn event(
+    ids: &mut IdGen,
+    run: &RunId,
+    attempt: Option<&AttemptId>,
+    kind: &str,
+    transition: (Option<&str>, Option<&str>),
+    payload: serde_json::Value,
+    at: Millis,
+) -> Write {
+    Write::Event(Event {
+        id: ids.event(),
+        run: run.clone(),
+        attempt: attempt.cloned(),
+        kind: kind.to_owned(),
+        from_status: transition.0.map(str::to_owned),
+        to_status: transition.1.map(str::to_owned),
+        payload,
+        at,
+    })
+}

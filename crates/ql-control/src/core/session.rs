@@ -1,0 +1,191 @@
+//! Sessions: open (replacing older ones) and heartbeat (which also drains).
+
+use ql_wire::ids::{Counter, SessionId, WorkerId};
+use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened, SessionStatus};
+use ql_wire::ErrorCode;
+
+use super::{Decision, IdGen, Reply, Rows, Timings, Write};
+use crate::model::{Millis, Session, SessionState};
+
+/// Whether a session may still speak: the same worker, online or draining, unexpired.
+pub(crate) fn is_live(s: &Session, worker: &WorkerId, now: Millis) -> bool {
+    &s.worker == worker && matches!(s.state, SessionState::Online | SessionState::Draining) && s.expires_at > now
+}
+
+pub(super) fn open(
+    worker: &WorkerId,
+    body: &OpenSession,
+    rows: &Rows,
+    now: Millis,
+    timings: &Timings,
+    ids: &mut IdGen,
+) -> Decision {
+    let highest = rows.worker_sessions.iter().map(|s| s.generation.get()).max().unwrap_or(0);
+    let Ok(generation) = Counter::new(highest + 1) else {
+        return Decision::refuse(ErrorCode::SessionConflict);
+    };
+    let mut writes: Vec<Write> = rows
+        .worker_sessions
+        .iter()
+        .filter(|s| matches!(s.state, SessionState::Online | SessionState::Draining))
+        .map(|s| Write::Session(Session { state: SessionState::Replaced, ..s.clone() }))
+        .collect();
+    let session = Session {
+        id: ids.session(),
+        worker: worker.clone(),
+        generation,
+        state: SessionState::Online,
+        capacity: body.capacity,
+        labels: body.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        agent_version: body.agent_version.to_string(),
+        arch: body.arch.to_string(),
+        created_at: now,
+        seen_at: now,
+        expires_at: now + timings.session_ttl_ms as i64,
+    };
+    let reply = SessionOpened {
+        session_id: session.id.clone(),
+        generation,
+        heartbeat_ms: timings.heartbeat_ms,
+        session_ttl_ms: timings.session_ttl_ms,
+    };
+    writes.push(Write::Session(session));
+    Decision::apply(Reply::SessionOpened(reply), writes).waking()
+}
+
+pub(super) fn heartbeat(
+    worker: &WorkerId,
+    session: &SessionId,
+    body: &Heartbeat,
+    rows: &Rows,
+    now: Millis,
+    timings: &Timings,
+) -> Decision {
+    let Some(s) = rows.session.as_ref().filter(|s| &s.worker == worker && &s.id == session) else {
+        return Decision::refuse(ErrorCode::NotFound);
+    };
+    if s.generation != body.generation || !is_live(s, worker, now) {
+        return Decision::refuse(ErrorCode::SessionConflict);
+    }
+    // Draining is one-way: a session that said it drains never takes new work again.
+    let state =
+        if body.draining || s.state == SessionState::Draining { SessionState::Draining } else { SessionState::Online };
+    let status = if state == SessionState::Draining { SessionStatus::Draining } else { SessionStatus::Online };
+    let updated = Session { state, seen_at: now, expires_at: now + timings.session_ttl_ms as i64, ..s.clone() };
+    Decision::apply(Reply::Heartbeat(HeartbeatReply { status }), vec![Write::Session(updated)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::testkit::*;
+
+    #[test]
+    fn open_takes_the_next_generation_and_replaces_live_sessions() {
+        let mut rows = Rows::default();
+        let mut old = session(3);
+        old.state = SessionState::Online;
+        let mut older = session(2);
+        older.state = SessionState::Expired;
+        rows.worker_sessions = vec![old.clone(), older.clone()];
+        let d = open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids());
+        let Ok(Reply::SessionOpened(reply)) = &d.reply else { panic!("{d:?}") };
+        assert_eq!(reply.generation.get(), 4);
+        assert_eq!(reply.heartbeat_ms, timings().heartbeat_ms);
+        assert!(d.writes.contains(&Write::Session(Session { state: SessionState::Replaced, ..old })));
+        assert!(!d.writes.iter().any(|w| matches!(w, Write::Session(s) if s.id == older.id)));
+        let fresh = d.writes.iter().find_map(|w| match w {
+            Write::Session(s) if s.id == reply.session_id => Some(s),
+            _ => None,
+        });
+        let fresh = fresh.expect("the new session is written");
+        assert_eq!(fresh.state, SessionState::Online);
+        assert_eq!(fresh.expires_at, NOW + timings().session_ttl_ms as i64);
+    }
+
+    #[test]
+    fn first_session_is_generation_one() {
+        let d = open(&worker(), &open_body(), &Rows::default(), NOW, &timings(), &mut ids());
+        assert!(matches!(d.reply, Ok(Reply::SessionOpened(SessionOpened { generation, .. })) if generation.get() == 1));
+    }
+
+    #[test]
+    fn heartbeat_extends_a_live_session() {
+        let s = session(1);
+        let rows = Rows { session: Some(s.clone()), ..Rows::default() };
+        let body = Heartbeat { generation: s.generation, draining: false };
+        let d = heartbeat(&worker(), &s.id, &body, &rows, NOW + 5, &timings());
+        assert_eq!(d.reply, Ok(Reply::Heartbeat(HeartbeatReply { status: SessionStatus::Online })));
+        assert_eq!(
+            d.writes,
+            vec![Write::Session(Session {
+                seen_at: NOW + 5,
+                expires_at: NOW + 5 + timings().session_ttl_ms as i64,
+                ..s
+            })]
+        );
+    }
+
+    #[test]
+    fn heartbeat_with_draining_drains_for_good() {
+        let s = session(1);
+        let rows = Rows { session: Some(s.clone()), ..Rows::default() };
+        let d = heartbeat(
+            &worker(),
+            &s.id,
+            &Heartbeat { generation: s.generation, draining: true },
+            &rows,
+            NOW,
+            &timings(),
+        );
+        assert_eq!(d.reply, Ok(Reply::Heartbeat(HeartbeatReply { status: SessionStatus::Draining })));
+        let drained = Session { state: SessionState::Draining, ..s.clone() };
+        let rows = Rows { session: Some(drained.clone()), ..Rows::default() };
+        let d = heartbeat(
+            &worker(),
+            &s.id,
+            &Heartbeat { generation: s.generation, draining: false },
+            &rows,
+            NOW,
+            &timings(),
+        );
+        assert_eq!(d.reply, Ok(Reply::Heartbeat(HeartbeatReply { status: SessionStatus::Draining })));
+    }
+
+    #[test]
+    fn heartbeat_refusals_write_nothing() {
+        let s = session(2);
+        let body = Heartbeat { generation: s.generation, draining: false };
+        let cases: Vec<(Rows, Heartbeat, ErrorCode)> = vec![
+            (Rows::default(), body.clone(), ErrorCode::NotFound),
+            (
+                Rows { session: Some(s.clone()), ..Rows::default() },
+                Heartbeat { generation: Counter::ONE, ..body.clone() },
+                ErrorCode::SessionConflict,
+            ),
+            (
+                Rows { session: Some(Session { state: SessionState::Replaced, ..s.clone() }), ..Rows::default() },
+                body.clone(),
+                ErrorCode::SessionConflict,
+            ),
+            (
+                Rows { session: Some(Session { state: SessionState::Expired, ..s.clone() }), ..Rows::default() },
+                body.clone(),
+                ErrorCode::SessionConflict,
+            ),
+            (
+                Rows { session: Some(Session { expires_at: NOW, ..s.clone() }), ..Rows::default() },
+                body.clone(),
+                ErrorCode::SessionConflict,
+            ),
+            (
+                Rows { session: Some(Session { worker: other_worker(), ..s.clone() }), ..Rows::default() },
+                body.clone(),
+                ErrorCode::NotFound,
+            ),
+        ];
+        for (rows, body, code) in cases {
+            assert_eq!(heartbeat(&worker(), &s.id, &body, &rows, NOW, &timings()), Decision::refuse(code));
+        }
+    }
+}

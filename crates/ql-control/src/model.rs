@@ -1,0 +1,390 @@
+//! The authority's rows: sessions, runs, attempts, offers, leases and events, as plain
+//! values. Stores persist them column for column; the decision code in [`crate::core`]
+//! reads and returns them. Times are DB-time milliseconds since the Unix epoch.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+use ql_wire::artifact::Receipt;
+use ql_wire::capability::Digest;
+use ql_wire::ids::{ArtifactId, AttemptId, Counter, EventId, OfferId, ProjectId, RunId, SessionId, WorkerId};
+use ql_wire::lease::StopIntent;
+use ql_wire::spec::ExecutionSpec;
+use ql_wire::text::ExecutorHandle;
+
+/// DB time: milliseconds since the Unix epoch, read inside the transaction.
+pub type Millis = i64;
+
+/// The only executor type this control plane hands to remote workers.
+pub const REMOTE_WORKER: &str = "remote_worker";
+
+/// Declares a status enum with its stable text form (used in SQL and events).
+macro_rules! status {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),* $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $name { $($(#[$vmeta])* $variant),* }
+
+        impl $name {
+            /// The stable text form.
+            pub fn as_str(self) -> &'static str {
+                match self { $(Self::$variant => $text),* }
+            }
+
+            /// Parses the text form.
+            pub fn parse(s: &str) -> Option<Self> {
+                match s { $($text => Some(Self::$variant),)* _ => None }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+status!(
+    /// A worker session's life.
+    SessionState {
+        /// Takes offers.
+        Online = "online",
+        /// Finishes its work, takes nothing new.
+        Draining = "draining",
+        /// A newer session of the same worker took over.
+        Replaced = "replaced",
+        /// No heartbeat within its TTL.
+        Expired = "expired",
+    }
+);
+
+status!(
+    /// A run's life.
+    RunStatus {
+        /// Waiting for placement.
+        Queued = "queued",
+        /// Offered or claimed, not yet running.
+        Dispatching = "dispatching",
+        /// The worker reported its executor running.
+        Running = "running",
+        /// Exit code 0.
+        Succeeded = "succeeded",
+        /// Non-zero exit, start failure, or lease lost beyond the retry budget.
+        Failed = "failed",
+        /// Cancelled by an operator.
+        Cancelled = "cancelled",
+        /// Over its time limit.
+        TimedOut = "timed_out",
+    }
+);
+
+status!(
+    /// An attempt's life.
+    AttemptStatus {
+        /// Offered to a session.
+        Offered = "offered",
+        /// Claimed under a lease.
+        Claimed = "claimed",
+        /// The worker is setting up the executor.
+        Starting = "starting",
+        /// The executor runs.
+        Running = "running",
+        /// Exit code 0.
+        Succeeded = "succeeded",
+        /// Failed.
+        Failed = "failed",
+        /// Cancelled.
+        Cancelled = "cancelled",
+        /// Timed out.
+        TimedOut = "timed_out",
+        /// Its lease or offer lapsed.
+        Lost = "lost",
+    }
+);
+
+status!(
+    /// An offer's life.
+    OfferState {
+        /// Waiting for a claim.
+        Open = "open",
+        /// Claimed.
+        Claimed = "claimed",
+        /// Lapsed unclaimed.
+        Expired = "expired",
+        /// Withdrawn (the run was cancelled before a claim).
+        Withdrawn = "withdrawn",
+    }
+);
+
+status!(
+    /// A run lease's life.
+    LeaseState {
+        /// Held by a worker.
+        Leased = "leased",
+        /// Ended by start-failure or completion.
+        Completed = "completed",
+        /// Lapsed and swept.
+        Expired = "expired",
+    }
+);
+
+status!(
+    /// What ended an attempt.
+    EndKind {
+        /// The worker could not start the executor.
+        StartFailure = "start_failure",
+        /// The worker completed it.
+        Completion = "completion",
+        /// The lease lapsed.
+        LeaseLost = "lease_lost",
+        /// The offer lapsed unclaimed.
+        OfferExpired = "offer_expired",
+        /// An operator cancelled the run before a claim.
+        Withdrawn = "withdrawn",
+    }
+);
+
+impl RunStatus {
+    /// Whether the run has ended.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled | Self::TimedOut)
+    }
+}
+
+impl AttemptStatus {
+    /// Whether the attempt has ended.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled | Self::TimedOut | Self::Lost)
+    }
+
+    /// Whether the attempt occupies a slot of its session's capacity.
+    pub fn is_active(self) -> bool {
+        matches!(self, Self::Offered | Self::Claimed | Self::Starting | Self::Running)
+    }
+}
+
+/// A worker session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Session {
+    /// Server-made id.
+    pub id: SessionId,
+    /// The worker (certificate principal).
+    pub worker: WorkerId,
+    /// One more than the worker's previous highest.
+    pub generation: Counter,
+    /// Life state.
+    pub state: SessionState,
+    /// Jobs at once.
+    pub capacity: u32,
+    /// Placement labels.
+    pub labels: BTreeMap<String, String>,
+    /// Agent version, for operators.
+    pub agent_version: String,
+    /// Agent architecture, for operators.
+    pub arch: String,
+    /// Opened at.
+    pub created_at: Millis,
+    /// Last heartbeat or poll.
+    pub seen_at: Millis,
+    /// Expires unless seen again.
+    pub expires_at: Millis,
+}
+
+/// The lease fields an attempt carries as a projection of its lease. They must always
+/// equal the lease's own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseFacts {
+    /// Holder.
+    pub worker: WorkerId,
+    /// Holder's session.
+    pub session: SessionId,
+    /// Holder's session generation.
+    pub session_generation: Counter,
+    /// The offer claimed.
+    pub offer: OfferId,
+    /// The run's lease counter at claim.
+    pub lease_generation: Counter,
+    /// SHA-256 of the raw lease token.
+    pub token_digest: Digest,
+    /// Advanced by renewal and by the terminal step.
+    pub version: Counter,
+    /// Lapses at (DB time).
+    pub expires_at: Millis,
+}
+
+/// A run: one requested execution of a spec, through one or more attempts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Run {
+    /// Server-made id.
+    pub id: RunId,
+    /// Project.
+    pub project: ProjectId,
+    /// What to run.
+    pub spec: ExecutionSpec,
+    /// Labels a session must carry to be offered this run.
+    pub labels: BTreeMap<String, String>,
+    /// Status.
+    pub status: RunStatus,
+    /// Stop intent.
+    pub stop: Option<StopIntent>,
+    /// Lost leases tolerated before the run fails.
+    pub retry_budget: u32,
+    /// Lost leases so far.
+    pub retries_used: u32,
+    /// Attempts made so far (offers included).
+    pub attempts: u32,
+    /// Leases issued so far; the next claim's lease generation is this plus one.
+    pub lease_generations: u64,
+    /// The attempt in flight, if any.
+    pub current_attempt: Option<AttemptId>,
+    /// When the run times out (set at claim).
+    pub deadline_at: Option<Millis>,
+    /// Submitted at.
+    pub created_at: Millis,
+    /// Running since.
+    pub started_at: Option<Millis>,
+    /// Ended at.
+    pub finished_at: Option<Millis>,
+    /// Fixed error code when it did not succeed.
+    pub error_code: Option<String>,
+    /// Low-sensitivity summary.
+    pub summary: Option<String>,
+}
+
+/// One attempt of a run on a remote worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    /// Server-made id.
+    pub id: AttemptId,
+    /// Its run.
+    pub run: RunId,
+    /// 1 for the first attempt.
+    pub number: u32,
+    /// Always [`REMOTE_WORKER`] here.
+    pub executor_type: String,
+    /// Status.
+    pub status: AttemptStatus,
+    /// The offer that made it.
+    pub offer: OfferId,
+    /// The session it was offered to.
+    pub session: SessionId,
+    /// The worker it was offered to.
+    pub worker: WorkerId,
+    /// Projection of its lease, once claimed.
+    pub lease: Option<LeaseFacts>,
+    /// Stable handle from `running`.
+    pub executor_handle: Option<ExecutorHandle>,
+    /// Log artifact declared by `running`.
+    pub log_artifact: Option<ArtifactId>,
+    /// Callback sequence a completion must present.
+    pub callback_sequence: Option<Counter>,
+    /// Digest of the callback token a completion must present.
+    pub callback_digest: Option<Digest>,
+    /// Worker evidence: exit code.
+    pub exit_code: Option<i32>,
+    /// Worker evidence: signal.
+    pub signal: Option<i32>,
+    /// Worker evidence: when it saw the process end.
+    pub worker_finished_at: Option<Millis>,
+    /// The stored log's receipt.
+    pub artifact: Option<Receipt>,
+    /// What ended it.
+    pub end: Option<EndKind>,
+    /// Created (offered) at.
+    pub created_at: Millis,
+    /// Running since (DB time).
+    pub started_at: Option<Millis>,
+    /// Ended at.
+    pub ended_at: Option<Millis>,
+    /// Fixed error code when it did not succeed.
+    pub error_code: Option<String>,
+    /// Low-sensitivity summary.
+    pub summary: Option<String>,
+}
+
+/// An execution offer to one session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Offer {
+    /// Server-made id.
+    pub id: OfferId,
+    /// Run offered.
+    pub run: RunId,
+    /// Attempt it would start.
+    pub attempt: AttemptId,
+    /// Worker offered to.
+    pub worker: WorkerId,
+    /// Session offered to.
+    pub session: SessionId,
+    /// That session's generation.
+    pub session_generation: Counter,
+    /// State.
+    pub state: OfferState,
+    /// Lapses at.
+    pub expires_at: Millis,
+    /// The claim's answer, kept so an exact repeat gets the same one.
+    pub claim: Option<ClaimFacts>,
+}
+
+/// What a claim answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimFacts {
+    /// Digest of the claiming token.
+    pub token_digest: Digest,
+    /// Lease generation issued.
+    pub lease_generation: Counter,
+    /// Lease expiry at claim.
+    pub lease_expires_at: Millis,
+    /// Lease TTL at claim.
+    pub lease_ttl_ms: u64,
+}
+
+/// The run lease of one attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The attempt (one lease per attempt).
+    pub attempt: AttemptId,
+    /// Its run.
+    pub run: RunId,
+    /// State.
+    pub state: LeaseState,
+    /// Holder, fence and expiry.
+    pub facts: LeaseFacts,
+    /// TTL each renewal grants.
+    pub ttl_ms: u64,
+}
+
+/// An event, appended in the same transaction as the change it records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// Server-made id.
+    pub id: EventId,
+    /// Run.
+    pub run: RunId,
+    /// Attempt, when the event concerns one.
+    pub attempt: Option<AttemptId>,
+    /// `attempt.starting`, `run.running`, ...
+    pub kind: String,
+    /// Status before.
+    pub from_status: Option<String>,
+    /// Status after.
+    pub to_status: Option<String>,
+    /// Details; never a token or a token digest.
+    pub payload: serde_json::Value,
+    /// DB time.
+    pub at: Millis,
+}
+
+/// A security audit record, written before any body byte is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditRecord {
+    /// DB time (filled by the store).
+    pub at: Millis,
+    /// The certificate principal, when there was one.
+    pub principal: Option<WorkerId>,
+    /// Route name (`attempt.starting`, ...) or `unknown`.
+    pub route: String,
+    /// `admitted` or the refusal code.
+    pub outcome: String,
+}

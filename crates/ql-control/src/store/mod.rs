@@ -1,0 +1,92 @@
+//! The storage seam: one trait every authority store implements (SQLite today,
+//! PostgreSQL for replicas), and one contract test suite that runs against each.
+//!
+//! A store does not decide anything. For each [`Command`] it opens one short
+//! transaction, locks and loads the command's [`Keys`](crate::core::Keys) in the protocol's
+//! lock order (attempt fence, worker session, run and attempt, run lease), reads DB time
+//! after the locks, calls [`crate::core::decide`], writes the decision's rows and events,
+//! and commits. A refusal or any error rolls back, so nothing changes.
+//!
+//! Raw tokens never reach a store: commands carry them only to be digested by the
+//! decision code, and rows hold digests.
+
+pub mod sqlite;
+
+use std::future::Future;
+
+use ql_wire::ids::RunId;
+use ql_wire::ErrorCode;
+use tokio::sync::watch;
+
+use crate::core::{Command, Reply};
+use crate::model::{Attempt, AuditRecord, Event, Lease, Offer, Run, Session};
+
+/// The store could not reach or use its database. Maps to `503 unavailable`.
+#[derive(Debug)]
+pub struct StoreError(pub String);
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "store unavailable: {}", self.0)
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+/// A run with everything recorded about it, for operators.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunDetail {
+    /// The run.
+    pub run: Run,
+    /// Its attempts, oldest first.
+    pub attempts: Vec<Attempt>,
+    /// Its leases, oldest first.
+    pub leases: Vec<Lease>,
+    /// Its events, in commit order.
+    pub events: Vec<Event>,
+}
+
+/// Every row, in a stable order: what tests compare to prove a refusal changed nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Sessions by id.
+    pub sessions: Vec<Session>,
+    /// Runs by id.
+    pub runs: Vec<Run>,
+    /// Attempts by id.
+    pub attempts: Vec<Attempt>,
+    /// Offers by id.
+    pub offers: Vec<Offer>,
+    /// Leases by attempt id.
+    pub leases: Vec<Lease>,
+    /// Events in commit order.
+    pub events: Vec<Event>,
+}
+
+/// An authority store. Cheap to clone handles are expected (`Arc` inside).
+pub trait Store: Clone + Send + Sync + 'static {
+    /// Runs one command in one transaction (see the module doc).
+    fn execute(&self, cmd: Command) -> impl Future<Output = Result<Result<Reply, ErrorCode>, StoreError>> + Send;
+
+    /// Appends a security audit record (its `at` is filled with DB time).
+    fn audit(&self, record: AuditRecord) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Audit records, oldest first (for operators and tests).
+    fn audits(&self) -> impl Future<Output = Result<Vec<AuditRecord>, StoreError>> + Send;
+
+    /// Runs, newest first, at most `limit`.
+    fn runs(&self, limit: usize) -> impl Future<Output = Result<Vec<Run>, StoreError>> + Send;
+
+    /// One run with its attempts, leases and events.
+    fn run_detail(&self, run: &RunId) -> impl Future<Output = Result<Option<RunDetail>, StoreError>> + Send;
+
+    /// Sessions, newest first, at most `limit`.
+    fn sessions(&self, limit: usize) -> impl Future<Output = Result<Vec<Session>, StoreError>> + Send;
+
+    /// Every row (tests and invariant checks).
+    fn snapshot(&self) -> impl Future<Output = Result<Snapshot, StoreError>> + Send;
+
+    /// A counter that rises whenever work may have appeared or capacity freed — in
+    /// this process or, for shared databases, in another one. Long-polls wait on it.
+    fn changes(&self) -> watch::Receiver<u64>;
+}
