@@ -246,3 +246,148 @@ fn claimed(c: &ClaimFacts, run: &Run) -> Reply {
         spec: run.spec.clone(),
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::testkit::*;
+    use crate::core::{decide, Command};
+
+    fn poll_body(max: u32) -> PollOffers {
+        PollOffers { generation: Counter::ONE, wait_ms: 0, max }
+    }
+
+    fn polling(rows: &Rows, max: u32) -> Decision {
+        let s = rows.session.as_ref().unwrap();
+        decide(&Command::PollOffers(worker(), s.id.clone(), poll_body(max)), rows, NOW, &timings(), &mut ids())
+    }
+
+    fn placement_rows(queued: usize, capacity: u32) -> Rows {
+        let mut s = session(1);
+        s.capacity = capacity;
+        let queued = (0..queued).map(|i| Run { id: format!("run_{i}").parse().unwrap(), ..queued_run() }).collect();
+        Rows { session: Some(s), queued, ..Rows::default() }
+    }
+
+    fn offers(d: &Decision) -> Vec<WireOffer> {
+        match &d.reply {
+            Ok(Reply::Offers(o)) => o.offers.clone(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn poll_places_queued_runs_up_to_free_capacity() {
+        let rows = placement_rows(3, 2);
+        let d = polling(&rows, 8);
+        assert_eq!(offers(&d).len(), 2);
+        let runs: Vec<&Run> =
+            d.writes.iter().filter_map(|w| if let Write::Run(r) = w { Some(r) } else { None }).collect();
+        assert_eq!(runs.len(), 2);
+        assert!(runs
+            .iter()
+            .all(|r| r.status == RunStatus::Dispatching && r.attempts == 1 && r.current_attempt.is_some()));
+        let kinds = event_kinds(&d);
+        assert_eq!(kinds.iter().filter(|k| *k == "attempt.offered").count(), 2);
+        assert_eq!(kinds.iter().filter(|k| *k == "run.dispatching").count(), 2);
+        let seen = d.writes.iter().find_map(|w| if let Write::Session(s) = w { Some(s) } else { None }).unwrap();
+        assert_eq!(seen.expires_at, NOW + timings().session_ttl_ms as i64, "a poll keeps the session alive");
+    }
+
+    #[test]
+    fn poll_respects_max_active_attempts_labels_and_draining() {
+        assert_eq!(offers(&polling(&placement_rows(3, 4), 1)).len(), 1);
+        let mut busy = placement_rows(3, 2);
+        busy.active_attempts = 2;
+        assert!(offers(&polling(&busy, 8)).is_empty());
+        let mut labelled = placement_rows(1, 1);
+        labelled.queued[0].labels.insert("arch".into(), "mips".into());
+        assert!(offers(&polling(&labelled, 8)).is_empty());
+        labelled.session.as_mut().unwrap().labels.insert("arch".into(), "mips".into());
+        assert_eq!(offers(&polling(&labelled, 8)).len(), 1);
+        let mut draining = placement_rows(3, 2);
+        draining.session.as_mut().unwrap().state = SessionState::Draining;
+        assert!(offers(&polling(&draining, 8)).is_empty());
+    }
+
+    #[test]
+    fn poll_returns_open_offers_it_made_before() {
+        let mut rows = placement_rows(0, 1);
+        let open = world(AttemptStatus::Offered).offer.unwrap();
+        rows.open_offers = vec![open.clone(), Offer { expires_at: NOW, ..open.clone() }];
+        rows.active_attempts = 1;
+        assert_eq!(offers(&polling(&rows, 8)), vec![wire_offer(&open)]);
+    }
+
+    #[test]
+    fn poll_refuses_a_stale_or_foreign_session() {
+        let rows = placement_rows(1, 1);
+        let s = rows.session.as_ref().unwrap();
+        let stale = PollOffers { generation: Counter::new(2).unwrap(), ..poll_body(1) };
+        let d = decide(&Command::PollOffers(worker(), s.id.clone(), stale), &rows, NOW, &timings(), &mut ids());
+        assert_eq!(d, Decision::refuse(ErrorCode::SessionConflict));
+        let d = decide(
+            &Command::PollOffers(other_worker(), s.id.clone(), poll_body(1)),
+            &rows,
+            NOW,
+            &timings(),
+            &mut ids(),
+        );
+        assert_eq!(d, Decision::refuse(ErrorCode::NotFound));
+    }
+
+    fn claim_body(tok: ql_wire::capability::Token) -> Claim {
+        Claim {
+            generation: Counter::ONE,
+            run_id: "run_1".parse().unwrap(),
+            attempt_id: "att_1".parse().unwrap(),
+            lease_token: tok,
+        }
+    }
+
+    fn claiming(rows: &Rows, body: Claim) -> Decision {
+        let s = rows.session.as_ref().unwrap().id.clone();
+        decide(&Command::Claim(worker(), s, "off_1".parse().unwrap(), body), rows, NOW, &timings(), &mut ids())
+    }
+
+    #[test]
+    fn claim_issues_lease_version_one_and_an_exact_repeat_gets_the_same_answer() {
+        let rows = world(AttemptStatus::Offered);
+        let d = claiming(&rows, claim_body(lease_token()));
+        let Ok(Reply::Claimed(c)) = &d.reply else { panic!("{d:?}") };
+        assert_eq!((c.lease_generation.get(), c.lease_version.get(), c.lease_ttl_ms), (2, 1, 5_000));
+        assert_eq!(c.spec, spec());
+        let after = applied(&rows, &d);
+        let (a, l, r) = (after.attempt.clone().unwrap(), after.lease.clone().unwrap(), after.run.clone().unwrap());
+        assert_eq!(a.status, AttemptStatus::Claimed);
+        assert_eq!(a.lease, Some(l.facts.clone()));
+        assert_eq!(l.facts.token_digest, lease_token().digest());
+        assert_eq!(r.deadline_at, Some(NOW + 60_000));
+        assert_eq!(event_kinds(&d), ["attempt.claimed"]);
+        assert_eq!(claiming(&after, claim_body(lease_token())), Decision::answer(Reply::Claimed(c.clone())));
+        assert_eq!(claiming(&after, claim_body(token(5))), Decision::refuse(ErrorCode::OfferConflict));
+    }
+
+    #[test]
+    fn claim_refusals() {
+        let rows = world(AttemptStatus::Offered);
+        let mut lapsed = rows.clone();
+        lapsed.offer.as_mut().unwrap().expires_at = NOW;
+        assert_eq!(claiming(&lapsed, claim_body(lease_token())), Decision::refuse(ErrorCode::OfferConflict));
+        for state in [OfferState::Expired, OfferState::Withdrawn] {
+            let mut gone = rows.clone();
+            gone.offer.as_mut().unwrap().state = state;
+            assert_eq!(claiming(&gone, claim_body(lease_token())), Decision::refuse(ErrorCode::OfferConflict));
+        }
+        let wrong_run = Claim { run_id: "run_2".parse().unwrap(), ..claim_body(lease_token()) };
+        assert_eq!(claiming(&rows, wrong_run), Decision::refuse(ErrorCode::OfferConflict));
+        let stale = Claim { generation: Counter::new(2).unwrap(), ..claim_body(lease_token()) };
+        assert_eq!(claiming(&rows, stale), Decision::refuse(ErrorCode::SessionConflict));
+        let mut elsewhere = rows.clone();
+        elsewhere.offer.as_mut().unwrap().session = "ses_9".parse().unwrap();
+        assert_eq!(claiming(&elsewhere, claim_body(lease_token())), Decision::refuse(ErrorCode::NotFound));
+        let mut replaced = rows.clone();
+        replaced.session.as_mut().unwrap().state = SessionState::Replaced;
+        assert_eq!(claiming(&replaced, claim_body(lease_token())), Decision::refuse(ErrorCode::SessionConflict));
+    }
+}

@@ -50,7 +50,8 @@ pub(super) fn identify<'a>(
     if attempt.executor_type != REMOTE_WORKER {
         return Err(ErrorCode::StateConflict);
     }
-    let Some(lease) = rows.lease.as_ref().filter(|l| l.attempt == attempt.id) else {
+    // A swept lease is gone for good: whatever the attempt's state, the worker must stop.
+    let Some(lease) = rows.lease.as_ref().filter(|l| l.attempt == attempt.id && l.state != LeaseState::Expired) else {
         return Err(ErrorCode::LeaseConflict);
     };
     let f = &lease.facts;
@@ -102,4 +103,197 @@ pub(super) fn live(held: &Held<'_>, fence: &Fence, now: Millis, unexpired: bool)
 pub(super) fn effective_stop(run: &Run, now: Millis) -> Option<StopIntent> {
     let overdue = run.deadline_at.is_some_and(|d| d <= now).then_some(StopIntent::Timeout);
     StopIntent::strongest(run.stop, overdue)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Every drift of PROTOCOL §7, for every fenced command: refused with its code, and
+    //! the decision carries no writes.
+
+    use super::super::testkit::*;
+    use super::super::{decide, Command, Decision, Rows};
+    use crate::model::*;
+    use ql_wire::artifact::{ArtifactHeader, ArtifactSchema};
+    use ql_wire::ids::{ArtifactId, Counter, OfferId, SessionId};
+    use ql_wire::route::AttemptPath;
+    use ql_wire::{ErrorCode, Fence};
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Kind {
+        Starting,
+        Running,
+        StartFailure,
+        Renew,
+        Admit,
+        Complete,
+    }
+
+    const ALL: [Kind; 6] =
+        [Kind::Starting, Kind::Running, Kind::StartFailure, Kind::Renew, Kind::Admit, Kind::Complete];
+
+    /// The attempt state each command succeeds from.
+    fn base(kind: Kind) -> Rows {
+        world(match kind {
+            Kind::Starting => AttemptStatus::Claimed,
+            Kind::Running | Kind::StartFailure => AttemptStatus::Starting,
+            Kind::Renew | Kind::Admit | Kind::Complete => AttemptStatus::Running,
+        })
+    }
+
+    fn command(kind: Kind, p: AttemptPath, f: Fence) -> Command {
+        match kind {
+            Kind::Starting => Command::Starting(p, f),
+            Kind::Running => {
+                let b = running_body();
+                Command::Running(
+                    p,
+                    ql_wire::ack::Running::new(f, b.executor_handle, None, Counter::ONE, b.callback_token_digest),
+                )
+            }
+            Kind::StartFailure => {
+                Command::StartFailure(p, ql_wire::ack::StartFailure::new(f, start_failure_body().reason))
+            }
+            Kind::Renew => Command::Renew(p, f),
+            Kind::Admit => Command::AdmitArtifact(
+                p,
+                ArtifactId::parse("log").unwrap(),
+                ArtifactHeader::new(f, ArtifactSchema, 3, false),
+            ),
+            Kind::Complete => {
+                let b = completion_body(Some(0));
+                Command::Complete(
+                    p,
+                    ql_wire::completion::Completion::new(
+                        f,
+                        b.schema,
+                        b.callback_sequence,
+                        b.callback_token,
+                        b.exit_code,
+                        b.signal,
+                        b.finished_at,
+                        None,
+                    ),
+                    None,
+                )
+            }
+        }
+    }
+
+    fn run(kind: Kind, rows: &Rows, p: AttemptPath, f: Fence) -> Decision {
+        decide(&command(kind, p, f), rows, NOW, &timings(), &mut ids())
+    }
+
+    #[test]
+    fn every_command_succeeds_from_its_base_state() {
+        for kind in ALL {
+            let rows = base(kind);
+            let d = run(kind, &rows, path(&rows), fence());
+            assert!(d.reply.is_ok(), "{kind:?}: {d:?}");
+        }
+    }
+
+    fn assert_refused(kind: Kind, rows: &Rows, p: AttemptPath, f: Fence, code: ErrorCode, what: &str) {
+        assert_eq!(run(kind, rows, p, f), Decision::refuse(code), "{kind:?} with {what}");
+    }
+
+    #[test]
+    fn fence_drift_is_refused_with_its_code_and_no_writes() {
+        for kind in ALL {
+            let rows = base(kind);
+            let p = path(&rows);
+            let cases: Vec<(&str, Fence, ErrorCode)> = vec![
+                (
+                    "another session generation",
+                    Fence { session_generation: Counter::new(2).unwrap(), ..fence() },
+                    ErrorCode::SessionConflict,
+                ),
+                (
+                    "another offer",
+                    Fence { offer_id: OfferId::parse("off_2").unwrap(), ..fence() },
+                    ErrorCode::LeaseConflict,
+                ),
+                (
+                    "another lease generation",
+                    Fence { lease_generation: Counter::new(2).unwrap(), ..fence() },
+                    ErrorCode::LeaseConflict,
+                ),
+                ("another token", Fence { lease_token: token(99), ..fence() }, ErrorCode::LeaseConflict),
+                (
+                    "a stale version",
+                    Fence { expected_lease_version: Counter::new(2).unwrap(), ..fence() },
+                    ErrorCode::LeaseConflict,
+                ),
+            ];
+            for (what, f, code) in cases {
+                assert_refused(kind, &rows, p.clone(), f, code, what);
+            }
+        }
+    }
+
+    #[test]
+    fn path_drift_is_not_found() {
+        for kind in ALL {
+            let rows = base(kind);
+            let other_session = AttemptPath { session: SessionId::parse("ses_9").unwrap(), ..path(&rows) };
+            assert_refused(kind, &rows, other_session, fence(), ErrorCode::NotFound, "another session id");
+            let other_worker = AttemptPath { worker: other_worker(), ..path(&rows) };
+            assert_refused(kind, &rows, other_worker, fence(), ErrorCode::NotFound, "another worker");
+            let missing = Rows { attempt: None, ..rows.clone() };
+            assert_refused(kind, &missing, path(&rows), fence(), ErrorCode::NotFound, "no attempt");
+        }
+    }
+
+    #[test]
+    fn state_drift_is_refused() {
+        for kind in ALL {
+            let rows = base(kind);
+            let mut foreign = rows.clone();
+            foreign.attempt.as_mut().unwrap().executor_type = "local".into();
+            assert_refused(kind, &foreign, path(&rows), fence(), ErrorCode::StateConflict, "another executor type");
+            let mut drifted = rows.clone();
+            drifted.attempt.as_mut().unwrap().lease.as_mut().unwrap().expires_at += 1;
+            assert_refused(kind, &drifted, path(&rows), fence(), ErrorCode::StateConflict, "a projection drift");
+            let mut swept = rows.clone();
+            swept.lease.as_mut().unwrap().state = LeaseState::Expired;
+            assert_refused(kind, &swept, path(&rows), fence(), ErrorCode::LeaseConflict, "a swept lease");
+            let unleased = Rows { lease: None, ..rows.clone() };
+            assert_refused(kind, &unleased, path(&rows), fence(), ErrorCode::LeaseConflict, "no lease");
+        }
+    }
+
+    #[test]
+    fn a_lapsed_lease_refuses_non_terminal_commands_only() {
+        for kind in ALL {
+            let mut rows = base(kind);
+            let expiry = NOW;
+            rows.lease.as_mut().unwrap().facts.expires_at = expiry;
+            rows.attempt.as_mut().unwrap().lease.as_mut().unwrap().expires_at = expiry;
+            let d = run(kind, &rows, path(&rows), fence());
+            match kind {
+                // Terminal steps may finish from durable evidence until a sweep expires it.
+                Kind::StartFailure | Kind::Complete => assert!(d.reply.is_ok(), "{kind:?}: {d:?}"),
+                _ => assert_eq!(d, Decision::refuse(ErrorCode::LeaseConflict), "{kind:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_dead_session_refuses_acks_but_not_completion_or_upload() {
+        for state in [SessionState::Replaced, SessionState::Expired] {
+            for kind in ALL {
+                let mut rows = base(kind);
+                rows.session.as_mut().unwrap().state = state;
+                let d = run(kind, &rows, path(&rows), fence());
+                match kind {
+                    Kind::Complete | Kind::Admit => assert!(d.reply.is_ok(), "{kind:?}: {d:?}"),
+                    _ => assert_eq!(d, Decision::refuse(ErrorCode::SessionConflict), "{kind:?} {state}"),
+                }
+            }
+        }
+        for kind in [Kind::Starting, Kind::Running, Kind::StartFailure, Kind::Renew] {
+            let mut rows = base(kind);
+            rows.session.as_mut().unwrap().expires_at = NOW;
+            assert_refused(kind, &rows, path(&rows), fence(), ErrorCode::SessionConflict, "a lapsed session");
+        }
+    }
 }

@@ -212,3 +212,209 @@ fn replay(held: &Held<'_>, body: &Completion, rows: &Rows) -> Decision {
         Decision::refuse(ErrorCode::ReplayMismatch)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::testkit::*;
+    use crate::core::{decide, Command};
+    use ql_wire::ids::Counter;
+    use ql_wire::time::Timestamp;
+
+    fn go(cmd: Command, rows: &Rows) -> Decision {
+        decide(&cmd, rows, NOW, &timings(), &mut ids())
+    }
+
+    fn complete_with(rows: &Rows, body: Completion, stored: Option<Receipt>) -> Decision {
+        go(Command::Complete(path(rows), body, stored), rows)
+    }
+
+    fn receipt() -> Receipt {
+        Receipt {
+            artifact_id: "log".parse().unwrap(),
+            length: 3,
+            sha256: ql_wire::capability::Digest::of(b"hi\n"),
+            truncated: false,
+        }
+    }
+
+    #[test]
+    fn completion_from_running_ends_lease_attempt_and_run_with_two_events() {
+        let rows = world(AttemptStatus::Running);
+        let d = complete_with(&rows, completion_body(Some(0)), None);
+        assert_eq!(
+            d.reply,
+            Ok(Reply::Completed(CompletionReply { result: Outcome::Completed, status: TerminalStatus::Succeeded }))
+        );
+        assert_eq!(event_kinds(&d), [COMPLETION_EVENT, "run.succeeded"]);
+        let after = applied(&rows, &d);
+        let (a, r, l) = (after.attempt.unwrap(), after.run.unwrap(), after.lease.unwrap());
+        assert_eq!(
+            (a.status, r.status, l.state),
+            (AttemptStatus::Succeeded, RunStatus::Succeeded, LeaseState::Completed)
+        );
+        assert_eq!(l.facts.version.get(), 2);
+        assert_eq!(a.lease, Some(l.facts));
+        assert_eq!((a.exit_code, a.end), (Some(0), Some(EndKind::Completion)));
+        assert_eq!(r.finished_at, Some(NOW), "terminal time is DB time when the evidence is older");
+        assert!(d.wake, "a completion frees capacity");
+    }
+
+    #[test]
+    fn status_follows_stop_intent_then_exit_code() {
+        let cases = [
+            (None, None, Some(0), TerminalStatus::Succeeded),
+            (None, None, Some(3), TerminalStatus::Failed),
+            (None, None, None, TerminalStatus::Failed),
+            (Some(StopIntent::Cancel), None, Some(0), TerminalStatus::Cancelled),
+            (Some(StopIntent::Timeout), None, Some(0), TerminalStatus::TimedOut),
+            (Some(StopIntent::Cancel), Some(NOW), Some(0), TerminalStatus::TimedOut),
+            (None, Some(NOW), Some(0), TerminalStatus::TimedOut),
+        ];
+        for (stop, deadline, exit, status) in cases {
+            let mut rows = world(AttemptStatus::Running);
+            let run = rows.run.as_mut().unwrap();
+            run.stop = stop;
+            if deadline.is_some() {
+                run.deadline_at = deadline;
+            }
+            let d = complete_with(&rows, completion_body(exit), None);
+            assert!(
+                matches!(d.reply, Ok(Reply::Completed(CompletionReply { status: s, .. })) if s == status),
+                "{stop:?} {exit:?}: {d:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn completion_from_starting_registers_the_callback_now() {
+        let rows = world(AttemptStatus::Starting);
+        let d = complete_with(&rows, completion_body(Some(0)), None);
+        let after = applied(&rows, &d);
+        let a = after.attempt.unwrap();
+        assert_eq!(a.callback_digest, Some(callback_token().digest()));
+        assert_eq!(after.run.unwrap().status, RunStatus::Succeeded);
+        let Some(crate::core::Write::Event(e)) =
+            d.writes.iter().find(|w| matches!(w, crate::core::Write::Event(e) if e.kind == COMPLETION_EVENT))
+        else {
+            panic!("no completion event");
+        };
+        assert_eq!(e.from_status.as_deref(), Some("starting"));
+    }
+
+    #[test]
+    fn completion_refusals() {
+        let rows = world(AttemptStatus::Claimed);
+        assert_eq!(complete_with(&rows, completion_body(Some(0)), None), Decision::refuse(ErrorCode::StateConflict));
+        let rows = world(AttemptStatus::Running);
+        let mut body = completion_body(Some(0));
+        body.callback_token = token(60);
+        assert_eq!(complete_with(&rows, body, None), Decision::refuse(ErrorCode::LeaseConflict));
+        let mut body = completion_body(Some(0));
+        body.callback_sequence = Counter::new(2).unwrap();
+        assert_eq!(complete_with(&rows, body, None), Decision::refuse(ErrorCode::LeaseConflict));
+        let mut body = completion_body(Some(0));
+        body.finished_at = Timestamp::from_millis(NOW + FINISHED_AT_SKEW_MS + 1).unwrap();
+        assert_eq!(complete_with(&rows, body, None), Decision::refuse(ErrorCode::InvalidRequest));
+        let mut body = completion_body(Some(0));
+        body.finished_at = Timestamp::from_millis(NOW + FINISHED_AT_SKEW_MS).unwrap();
+        let d = complete_with(&rows, body, None);
+        assert_eq!(
+            applied(&rows, &d).run.unwrap().finished_at,
+            Some(NOW + FINISHED_AT_SKEW_MS),
+            "the safe upper bound"
+        );
+    }
+
+    #[test]
+    fn the_receipt_must_match_the_stored_artifact_exactly() {
+        let rows = world(AttemptStatus::Running);
+        let mut body = completion_body(Some(0));
+        body.artifact = Some(receipt());
+        assert_eq!(complete_with(&rows, body.clone(), None), Decision::refuse(ErrorCode::ArtifactConflict));
+        let other = Receipt { length: 4, ..receipt() };
+        assert_eq!(complete_with(&rows, body.clone(), Some(other)), Decision::refuse(ErrorCode::ArtifactConflict));
+        let d = complete_with(&rows, body.clone(), Some(receipt()));
+        assert_eq!(applied(&rows, &d).attempt.unwrap().artifact, Some(receipt()));
+        let mut declared_other = rows.clone();
+        declared_other.attempt.as_mut().unwrap().log_artifact = Some("other".parse().unwrap());
+        assert_eq!(
+            complete_with(&declared_other, body, Some(receipt())),
+            Decision::refuse(ErrorCode::ArtifactConflict)
+        );
+    }
+
+    #[test]
+    fn exact_replay_is_already_completed_and_any_drift_a_mismatch() {
+        let rows = world(AttemptStatus::Running);
+        let mut body = completion_body(Some(3));
+        body.artifact = Some(receipt());
+        let first = complete_with(&rows, body.clone(), Some(receipt()));
+        let after = applied(&rows, &first);
+        let replay = complete_with(&after, body.clone(), Some(receipt()));
+        assert_eq!(
+            replay,
+            Decision::answer(Reply::Completed(CompletionReply {
+                result: Outcome::AlreadyCompleted,
+                status: TerminalStatus::Failed
+            }))
+        );
+        let drifts: Vec<Completion> = vec![
+            Completion { exit_code: Some(0), ..body.clone() },
+            Completion { signal: Some(9), ..body.clone() },
+            Completion { artifact: None, ..body.clone() },
+            Completion { finished_at: Timestamp::from_millis(NOW - 99).unwrap(), ..body.clone() },
+            Completion { callback_token: token(61), ..body.clone() },
+        ];
+        for drift in drifts {
+            assert_eq!(complete_with(&after, drift, Some(receipt())), Decision::refuse(ErrorCode::ReplayMismatch));
+        }
+        let mut tampered = after.clone();
+        tampered.completion_event.as_mut().unwrap().payload["exitCode"] = 4.into();
+        assert_eq!(
+            complete_with(&tampered, body.clone(), Some(receipt())),
+            Decision::refuse(ErrorCode::ReplayMismatch)
+        );
+        let mut extra_key = after.clone();
+        extra_key.completion_event.as_mut().unwrap().payload["extra"] = 1.into();
+        assert_eq!(
+            complete_with(&extra_key, body.clone(), Some(receipt())),
+            Decision::refuse(ErrorCode::ReplayMismatch)
+        );
+        let mut missing_event = after.clone();
+        missing_event.completion_event = None;
+        assert_eq!(
+            complete_with(&missing_event, body.clone(), Some(receipt())),
+            Decision::refuse(ErrorCode::ReplayMismatch)
+        );
+        let mut later = body.clone();
+        later.expected_lease_version = Counter::new(2).unwrap();
+        assert_eq!(complete_with(&after, later, Some(receipt())), Decision::refuse(ErrorCode::AlreadyTerminal));
+    }
+
+    #[test]
+    fn a_late_completion_after_start_failure_is_already_terminal() {
+        let rows = world(AttemptStatus::Starting);
+        let failed = go(Command::StartFailure(path(&rows), start_failure_body()), &rows);
+        let after = applied(&rows, &failed);
+        assert_eq!(complete_with(&after, completion_body(Some(0)), None), Decision::refuse(ErrorCode::AlreadyTerminal));
+        let mut at_next = completion_body(Some(0));
+        at_next.expected_lease_version = Counter::new(2).unwrap();
+        assert_eq!(complete_with(&after, at_next, None), Decision::refuse(ErrorCode::AlreadyTerminal));
+    }
+
+    #[test]
+    fn artifact_admission_follows_attempt_state() {
+        let header = ArtifactHeader::new(fence(), ql_wire::artifact::ArtifactSchema, 3, false);
+        let cmd = |rows: &Rows| Command::AdmitArtifact(path(rows), "log".parse().unwrap(), header.clone());
+        for status in [AttemptStatus::Starting, AttemptStatus::Running] {
+            let rows = world(status);
+            assert_eq!(go(cmd(&rows), &rows), Decision::answer(Reply::ArtifactAdmitted("default".parse().unwrap())));
+        }
+        let rows = world(AttemptStatus::Claimed);
+        assert_eq!(go(cmd(&rows), &rows), Decision::refuse(ErrorCode::StateConflict));
+        let rows = world(AttemptStatus::Running);
+        let after = applied(&rows, &complete_with(&rows, completion_body(Some(0)), None));
+        assert_eq!(go(cmd(&after), &after), Decision::refuse(ErrorCode::AlreadyTerminal));
+    }
+}

@@ -183,6 +183,8 @@ pub enum Reply {
 }
 
 /// A row or event to write.
+// A decision holds a handful of writes; boxing the large rows would only add allocations.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Write {
     /// Insert or replace a session.

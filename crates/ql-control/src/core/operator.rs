@@ -136,3 +136,83 @@ pub(super) fn cancel(rows: &Rows, now: Millis, ids: &mut IdGen) -> Decision {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::testkit::*;
+
+    fn submit_req() -> Submit {
+        Submit { project: "default".parse().unwrap(), spec: spec(), labels: BTreeMap::new(), retry_budget: 2 }
+    }
+
+    #[test]
+    fn submit_queues_a_run_with_one_event() {
+        let d = submit(&submit_req(), NOW, &mut ids());
+        let Ok(Reply::Submitted(id)) = &d.reply else { panic!("{d:?}") };
+        let Some(Write::Run(run)) = d.writes.first() else { panic!() };
+        assert_eq!((&run.id, run.status, run.retry_budget, run.created_at), (id, RunStatus::Queued, 2, NOW));
+        assert_eq!(event_kinds(&d), ["run.queued"]);
+        assert!(d.wake);
+    }
+
+    #[test]
+    fn submit_refuses_a_spec_of_another_project_or_out_of_bounds() {
+        let mut other = submit_req();
+        other.project = "elsewhere".parse().unwrap();
+        assert_eq!(submit(&other, NOW, &mut ids()), Decision::refuse(ErrorCode::InvalidRequest));
+        let mut bad = submit_req();
+        bad.spec.timeout_ms = 0;
+        assert_eq!(submit(&bad, NOW, &mut ids()), Decision::refuse(ErrorCode::InvalidRequest));
+    }
+
+    #[test]
+    fn cancel_of_a_queued_run_ends_it() {
+        let rows = Rows { run: Some(queued_run()), ..Rows::default() };
+        let d = cancel(&rows, NOW, &mut ids());
+        assert_eq!(d.reply, Ok(Reply::Cancelled(CancelOutcome::Cancelled)));
+        let after = applied(&rows, &d);
+        assert_eq!(after.run.unwrap().status, RunStatus::Cancelled);
+        assert_eq!(event_kinds(&d), ["run.cancelled"]);
+    }
+
+    #[test]
+    fn cancel_of_an_offered_run_withdraws_the_offer() {
+        let rows = world(AttemptStatus::Offered);
+        let d = cancel(&rows, NOW, &mut ids());
+        let after = applied(&rows, &d);
+        assert_eq!(after.offer.unwrap().state, OfferState::Withdrawn);
+        assert_eq!(after.attempt.unwrap().status, AttemptStatus::Cancelled);
+        assert_eq!(after.run.unwrap().status, RunStatus::Cancelled);
+        assert_eq!(event_kinds(&d), ["attempt.cancelled", "run.cancelled"]);
+    }
+
+    #[test]
+    fn cancel_of_a_held_run_records_the_stop_intent_once() {
+        for status in [AttemptStatus::Claimed, AttemptStatus::Starting, AttemptStatus::Running] {
+            let rows = world(status);
+            let d = cancel(&rows, NOW, &mut ids());
+            assert_eq!(d.reply, Ok(Reply::Cancelled(CancelOutcome::StopRequested)));
+            let after = applied(&rows, &d);
+            assert_eq!(after.run.as_ref().unwrap().stop, Some(StopIntent::Cancel));
+            assert_eq!(
+                cancel(&after, NOW, &mut ids()),
+                Decision::answer(Reply::Cancelled(CancelOutcome::StopRequested))
+            );
+        }
+        let mut timed = world(AttemptStatus::Running);
+        timed.run.as_mut().unwrap().stop = Some(StopIntent::Timeout);
+        assert!(cancel(&timed, NOW, &mut ids()).writes.is_empty(), "timeout outranks cancel");
+    }
+
+    #[test]
+    fn cancel_of_an_ended_run_changes_nothing() {
+        let mut rows = Rows { run: Some(queued_run()), ..Rows::default() };
+        rows.run.as_mut().unwrap().status = RunStatus::Succeeded;
+        assert_eq!(
+            cancel(&rows, NOW, &mut ids()),
+            Decision::answer(Reply::Cancelled(CancelOutcome::AlreadyEnded(RunStatus::Succeeded)))
+        );
+        assert_eq!(cancel(&Rows::default(), NOW, &mut ids()), Decision::refuse(ErrorCode::NotFound));
+    }
+}

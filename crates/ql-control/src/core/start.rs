@@ -273,3 +273,194 @@ pub(super) fn transition(from: AttemptStatus, to: AttemptStatus) -> (Option<&'st
 pub(super) fn run_transition(from: RunStatus, to: RunStatus) -> (Option<&'static str>, Option<&'static str>) {
     (Some(from.as_str()), Some(to.as_str()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::testkit::*;
+    use crate::core::{decide, Command};
+    use crate::model::*;
+
+    fn go(cmd: Command, rows: &Rows) -> Decision {
+        decide(&cmd, rows, NOW, &timings(), &mut ids())
+    }
+
+    fn starting_cmd(rows: &Rows) -> Command {
+        Command::Starting(path(rows), fence())
+    }
+
+    #[test]
+    fn starting_moves_claimed_to_starting_and_keeps_the_run_dispatching() {
+        let rows = world(AttemptStatus::Claimed);
+        let d = go(starting_cmd(&rows), &rows);
+        assert_eq!(d.reply, Ok(ack(Outcome::Started)));
+        assert_eq!(event_kinds(&d), ["attempt.starting"]);
+        let after = applied(&rows, &d);
+        assert_eq!(after.attempt.as_ref().unwrap().status, AttemptStatus::Starting);
+        assert_eq!(after.run, rows.run, "the run stays dispatching, untouched");
+        assert_eq!(after.lease, rows.lease, "starting does not touch the lease");
+    }
+
+    #[test]
+    fn starting_replays_answer_already_starting_or_already_running() {
+        let rows = world(AttemptStatus::Starting);
+        assert_eq!(go(starting_cmd(&rows), &rows), Decision::answer(ack(Outcome::AlreadyStarting)));
+        let rows = world(AttemptStatus::Running);
+        assert_eq!(go(starting_cmd(&rows), &rows), Decision::answer(ack(Outcome::AlreadyRunning)));
+    }
+
+    #[test]
+    fn running_moves_attempt_and_run_to_running_with_db_time() {
+        let rows = world(AttemptStatus::Starting);
+        let d = go(Command::Running(path(&rows), running_body()), &rows);
+        assert_eq!(d.reply, Ok(ack(Outcome::Running)));
+        assert_eq!(event_kinds(&d), ["attempt.running", "run.running"]);
+        let after = applied(&rows, &d);
+        let (a, r) = (after.attempt.unwrap(), after.run.unwrap());
+        assert_eq!((a.status, r.status), (AttemptStatus::Running, RunStatus::Running));
+        assert_eq!((a.started_at, r.started_at), (Some(NOW), Some(NOW)));
+        assert_eq!(a.executor_handle, Some(handle()));
+        assert_eq!(a.callback_sequence, Some(Counter::ONE));
+        assert_eq!(a.callback_digest, Some(callback_token().digest()));
+        assert_eq!(after.lease, rows.lease, "running does not advance the lease version");
+    }
+
+    #[test]
+    fn running_replay_needs_the_same_facts() {
+        let rows = world(AttemptStatus::Starting);
+        let d = go(Command::Running(path(&rows), running_body()), &rows);
+        let after = applied(&rows, &d);
+        assert_eq!(
+            go(Command::Running(path(&after), running_body()), &after),
+            Decision::answer(ack(Outcome::AlreadyRunning))
+        );
+        let mut other = running_body();
+        other.executor_handle = "pid:43 start:7".parse().unwrap();
+        assert_eq!(go(Command::Running(path(&after), other), &after), Decision::refuse(ErrorCode::ReplayMismatch));
+        let mut other = running_body();
+        other.callback_token_digest = token(50).digest();
+        assert_eq!(go(Command::Running(path(&after), other), &after), Decision::refuse(ErrorCode::ReplayMismatch));
+        let mut other = running_body();
+        other.log_artifact_id = Some("log".parse().unwrap());
+        assert_eq!(go(Command::Running(path(&after), other), &after), Decision::refuse(ErrorCode::ReplayMismatch));
+    }
+
+    #[test]
+    fn running_requires_starting() {
+        let rows = world(AttemptStatus::Claimed);
+        assert_eq!(
+            go(Command::Running(path(&rows), running_body()), &rows),
+            Decision::refuse(ErrorCode::StateConflict)
+        );
+    }
+
+    fn fail(rows: &Rows) -> Decision {
+        go(Command::StartFailure(path(rows), start_failure_body()), rows)
+    }
+
+    #[test]
+    fn start_failure_terminates_attempt_run_and_lease_atomically() {
+        let rows = world(AttemptStatus::Starting);
+        let d = fail(&rows);
+        assert_eq!(d.reply, Ok(ack(Outcome::Failed)));
+        assert_eq!(event_kinds(&d), ["attempt.failed", "run.failed"]);
+        let after = applied(&rows, &d);
+        let (a, r, l) = (after.attempt.unwrap(), after.run.unwrap(), after.lease.unwrap());
+        assert_eq!((a.status, r.status, l.state), (AttemptStatus::Failed, RunStatus::Failed, LeaseState::Completed));
+        assert_eq!(l.facts.version.get(), 2);
+        assert_eq!(a.lease.as_ref(), Some(&l.facts), "the projection follows the lease");
+        assert_eq!(a.error_code.as_deref(), Some(EXECUTOR_START_FAILED));
+        assert_eq!(a.summary.as_deref(), Some("spawn failed: no such file"));
+        assert_eq!(a.callback_sequence, Some(Counter::ONE), "the callback sequence advances past none");
+    }
+
+    #[test]
+    fn start_failure_maps_the_stop_intent_timeout_over_cancel() {
+        let cases = [
+            (None, None, Outcome::Failed, EXECUTOR_START_FAILED),
+            (Some(StopIntent::Cancel), None, Outcome::Cancelled, EXECUTION_CANCELLED),
+            (Some(StopIntent::Timeout), None, Outcome::TimedOut, EXECUTION_TIMED_OUT),
+            (Some(StopIntent::Cancel), Some(NOW), Outcome::TimedOut, EXECUTION_TIMED_OUT),
+        ];
+        for (stop, deadline, outcome, code) in cases {
+            let mut rows = world(AttemptStatus::Starting);
+            let run = rows.run.as_mut().unwrap();
+            run.stop = stop;
+            if deadline.is_some() {
+                run.deadline_at = deadline;
+            }
+            let d = fail(&rows);
+            assert_eq!(d.reply, Ok(ack(outcome)), "{stop:?}");
+            assert_eq!(applied(&rows, &d).run.unwrap().error_code.as_deref(), Some(code));
+        }
+    }
+
+    #[test]
+    fn start_failure_replay_at_expected_plus_one_answers_the_same_without_writes() {
+        let mut rows = world(AttemptStatus::Starting);
+        rows.run.as_mut().unwrap().stop = Some(StopIntent::Cancel);
+        let first = fail(&rows);
+        let after = applied(&rows, &first);
+        assert_eq!(fail(&after), Decision::answer(ack(Outcome::Cancelled)));
+        let mut wrong_token = start_failure_body();
+        wrong_token.lease_token = token(77);
+        assert_eq!(
+            go(Command::StartFailure(path(&after), wrong_token), &after),
+            Decision::refuse(ErrorCode::LeaseConflict)
+        );
+        let mut beyond = after.clone();
+        let next = beyond.lease.as_ref().unwrap().facts.version.next().unwrap();
+        beyond.lease.as_mut().unwrap().facts.version = next;
+        beyond.attempt.as_mut().unwrap().lease.as_mut().unwrap().version = next;
+        assert_eq!(fail(&beyond), Decision::refuse(ErrorCode::AlreadyTerminal));
+        let mut remapped = after.clone();
+        remapped.attempt.as_mut().unwrap().error_code = Some(EXECUTOR_START_FAILED.into());
+        assert_eq!(fail(&remapped), Decision::refuse(ErrorCode::ReplayMismatch));
+    }
+
+    #[test]
+    fn start_failure_only_from_starting() {
+        for status in [AttemptStatus::Claimed, AttemptStatus::Running] {
+            let rows = world(status);
+            assert_eq!(fail(&rows), Decision::refuse(ErrorCode::StateConflict), "{status}");
+        }
+    }
+
+    #[test]
+    fn renewal_advances_the_version_and_delivers_the_stop() {
+        let mut rows = world(AttemptStatus::Running);
+        let d = go(Command::Renew(path(&rows), fence()), &rows);
+        let Ok(Reply::Renewed(r)) = &d.reply else { panic!("{d:?}") };
+        assert_eq!((r.lease_version.get(), r.stop), (2, None));
+        assert_eq!(r.lease_expires_at.millis(), NOW + 5_000);
+        let after = applied(&rows, &d);
+        assert_eq!(after.attempt.unwrap().lease, Some(after.lease.unwrap().facts));
+        assert!(event_kinds(&d).is_empty());
+        rows.run.as_mut().unwrap().stop = Some(StopIntent::Cancel);
+        let d = go(Command::Renew(path(&rows), fence()), &rows);
+        assert!(matches!(d.reply, Ok(Reply::Renewed(Renewed { stop: Some(StopIntent::Cancel), .. }))));
+        rows.run.as_mut().unwrap().deadline_at = Some(NOW);
+        let d = go(Command::Renew(path(&rows), fence()), &rows);
+        assert!(matches!(d.reply, Ok(Reply::Renewed(Renewed { stop: Some(StopIntent::Timeout), .. }))));
+    }
+
+    #[test]
+    fn renewal_of_a_completed_lease_is_a_lease_conflict() {
+        let rows = world(AttemptStatus::Starting);
+        let after = applied(&rows, &fail(&rows));
+        let mut f = fence();
+        f.expected_lease_version = Counter::new(2).unwrap();
+        assert_eq!(go(Command::Renew(path(&after), f), &after), Decision::refuse(ErrorCode::LeaseConflict));
+    }
+
+    #[test]
+    fn acks_on_a_terminal_attempt_are_already_terminal() {
+        let rows = world(AttemptStatus::Starting);
+        let after = applied(&rows, &fail(&rows));
+        assert_eq!(go(starting_cmd(&after), &after), Decision::refuse(ErrorCode::AlreadyTerminal));
+        assert_eq!(
+            go(Command::Running(path(&after), running_body()), &after),
+            Decision::refuse(ErrorCode::AlreadyTerminal)
+        );
+    }
+}

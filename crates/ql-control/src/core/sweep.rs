@@ -152,3 +152,114 @@ fn requeued(run: &Run, retries_used: u32) -> Run {
 fn ended(run: &Run, status: RunStatus, code: &str, now: Millis) -> Run {
     Run { status, finished_at: Some(now), error_code: Some(code.to_owned()), ..run.clone() }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::testkit::*;
+    use crate::core::{Lapsed, Rows};
+
+    fn swept(lapsed: &Lapsed) -> Decision {
+        sweep(lapsed, NOW, &mut ids())
+    }
+
+    fn lapsed_lease(rows: &Rows) -> Lapsed {
+        let mut lease = rows.lease.clone().unwrap();
+        lease.facts.expires_at = NOW;
+        let mut attempt = rows.attempt.clone().unwrap();
+        attempt.lease = Some(lease.facts.clone());
+        Lapsed { leases: vec![(lease, rows.run.clone().unwrap(), attempt)], ..Lapsed::default() }
+    }
+
+    fn written_run(d: &Decision) -> Run {
+        d.writes.iter().find_map(|w| if let Write::Run(r) = w { Some(r.clone()) } else { None }).unwrap()
+    }
+
+    #[test]
+    fn an_expired_lease_loses_the_attempt_and_requeues_within_budget() {
+        let rows = world(AttemptStatus::Running);
+        let d = swept(&lapsed_lease(&rows));
+        assert_eq!(d.reply, Ok(Reply::Swept(1)));
+        let run = written_run(&d);
+        assert_eq!((run.status, run.retries_used, run.current_attempt.clone()), (RunStatus::Queued, 1, None));
+        assert!(d.writes.iter().any(|w| matches!(w, Write::Lease(l) if l.state == LeaseState::Expired)));
+        assert!(d.writes.iter().any(
+            |w| matches!(w, Write::Attempt(a) if a.status == AttemptStatus::Lost && a.end == Some(EndKind::LeaseLost))
+        ));
+        assert_eq!(event_kinds(&d), ["attempt.lost", "run.queued"]);
+        assert!(d.wake);
+    }
+
+    #[test]
+    fn an_expired_lease_beyond_budget_fails_the_run_with_lease_lost() {
+        let mut rows = world(AttemptStatus::Running);
+        rows.run.as_mut().unwrap().retries_used = 1;
+        let d = swept(&lapsed_lease(&rows));
+        let run = written_run(&d);
+        assert_eq!((run.status, run.error_code.as_deref()), (RunStatus::Failed, Some(LEASE_LOST)));
+        assert_eq!(event_kinds(&d), ["attempt.lost", "run.failed"]);
+    }
+
+    #[test]
+    fn an_expired_lease_under_a_stop_intent_ends_as_the_intent_says() {
+        for (stop, status) in [(StopIntent::Cancel, RunStatus::Cancelled), (StopIntent::Timeout, RunStatus::TimedOut)] {
+            let mut rows = world(AttemptStatus::Running);
+            rows.run.as_mut().unwrap().stop = Some(stop);
+            assert_eq!(written_run(&swept(&lapsed_lease(&rows))).status, status);
+        }
+    }
+
+    #[test]
+    fn an_unclaimed_offer_requeues_without_spending_retries() {
+        let rows = world(AttemptStatus::Offered);
+        let mut offer = rows.offer.clone().unwrap();
+        offer.expires_at = NOW;
+        let lapsed = Lapsed {
+            offers: vec![(offer, rows.run.clone().unwrap(), rows.attempt.clone().unwrap())],
+            ..Lapsed::default()
+        };
+        let d = swept(&lapsed);
+        let run = written_run(&d);
+        assert_eq!((run.status, run.retries_used), (RunStatus::Queued, 0));
+        assert!(d.writes.iter().any(|w| matches!(w, Write::Offer(o) if o.state == OfferState::Expired)));
+    }
+
+    #[test]
+    fn sessions_expire_and_overdue_runs_get_a_timeout_intent() {
+        let mut s = session(1);
+        s.expires_at = NOW;
+        let mut overdue = world(AttemptStatus::Running).run.unwrap();
+        overdue.deadline_at = Some(NOW);
+        let d = swept(&Lapsed { sessions: vec![s.clone()], overdue: vec![overdue], ..Lapsed::default() });
+        assert!(d.writes.contains(&Write::Session(Session { state: SessionState::Expired, ..s })));
+        assert_eq!(written_run(&d).stop, Some(StopIntent::Timeout));
+        assert_eq!(event_kinds(&d), ["run.timeout_requested"]);
+    }
+
+    #[test]
+    fn sweeping_what_is_not_lapsed_changes_nothing() {
+        let rows = world(AttemptStatus::Running);
+        let mut live = lapsed_lease(&rows);
+        live.leases[0].0.facts.expires_at = NOW + 1;
+        let mut s = session(1);
+        s.state = SessionState::Expired;
+        s.expires_at = NOW - 1;
+        live.sessions.push(s);
+        let mut timed = rows.run.clone().unwrap();
+        timed.stop = Some(StopIntent::Timeout);
+        timed.deadline_at = Some(NOW);
+        live.overdue.push(timed);
+        let d = swept(&live);
+        assert_eq!(d, Decision::apply(Reply::Swept(0), vec![]));
+    }
+
+    #[test]
+    fn a_run_with_a_lost_lease_is_not_also_marked_overdue() {
+        let mut rows = world(AttemptStatus::Running);
+        rows.run.as_mut().unwrap().deadline_at = Some(NOW);
+        let mut lapsed = lapsed_lease(&rows);
+        lapsed.overdue.push(rows.run.clone().unwrap());
+        let d = swept(&lapsed);
+        assert_eq!(d.writes.iter().filter(|w| matches!(w, Write::Run(_))).count(), 1);
+    }
+}

@@ -227,3 +227,31 @@ pub(crate) fn completion_body(exit_code: Option<i32>) -> Completion {
         None,
     )
 }
+
+/// The rows after a store applied `d`'s writes: what the next command would load.
+pub(crate) fn applied(rows: &Rows, d: &super::Decision) -> Rows {
+    let mut next = rows.clone();
+    for w in &d.writes {
+        match w {
+            super::Write::Session(s) => next.session = Some(s.clone()),
+            super::Write::Run(r) => next.run = Some(r.clone()),
+            super::Write::Attempt(a) => next.attempt = Some(a.clone()),
+            super::Write::Offer(o) => next.offer = Some(o.clone()),
+            super::Write::Lease(l) => next.lease = Some(l.clone()),
+            super::Write::Event(e) if e.kind == super::COMPLETION_EVENT => next.completion_event = Some(e.clone()),
+            super::Write::Event(_) => {}
+        }
+    }
+    next
+}
+
+/// The kinds of the events a decision appends, in order.
+pub(crate) fn event_kinds(d: &super::Decision) -> Vec<String> {
+    d.writes
+        .iter()
+        .filter_map(|w| match w {
+            super::Write::Event(e) => Some(e.kind.clone()),
+            _ => None,
+        })
+        .collect()
+}
