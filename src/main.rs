@@ -7,6 +7,8 @@ use argh::FromArgs;
 
 // The main loop that drives these lands separately; until then they are only tested.
 #[allow(dead_code, unused_imports)]
+mod exec;
+#[allow(dead_code, unused_imports)]
 mod journal;
 
 /// QingLong Edge agent: runs scheduled scripts handed out by ql-control.

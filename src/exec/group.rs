@@ -1,0 +1,190 @@
+//! Process groups seen through `/proc` and reached with `kill(2)`: executor handles, group
+//! liveness, group signals, and stopping a group the agent no longer has as a child.
+//!
+//! `kill(-pgid, 0)` keeps succeeding while a group's zombies wait to be reaped, so liveness
+//! is decided by scanning `/proc/*/stat` for members of the group that are not zombies.
+//! Signals go through rustix's safe `kill_process_group`, so no unsafe code is needed.
+
+use rustix::process::{kill_process_group, Pid, Signal};
+use smol::{future, Timer};
+use std::fs;
+use std::io;
+use std::time::Duration;
+
+use ql_wire::text::ExecutorHandle;
+
+/// The fields of `/proc/<pid>/stat` the agent uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Stat {
+    /// The state letter (`R`, `S`, `D`, `Z`, ...).
+    pub(crate) state: u8,
+    /// The process group.
+    pub(crate) pgrp: i32,
+    /// Start time in clock ticks after boot: with the pid, names one process for good.
+    pub(crate) starttime: u64,
+}
+
+impl Stat {
+    /// Whether the process still runs: zombies and dead tasks do not.
+    pub(crate) fn is_live(&self) -> bool {
+        !matches!(self.state, b'Z' | b'X' | b'x')
+    }
+}
+
+/// Parses `/proc/<pid>/stat`. The command name (field 2) may hold spaces and parentheses,
+/// so fields are counted from the last `)`.
+pub(crate) fn parse_stat(text: &str) -> Option<Stat> {
+    let rest = &text[text.rfind(')')? + 1..];
+    let mut fields = rest.split_ascii_whitespace();
+    // Fields 3 (state) and 5 (pgrp); field 22 (starttime) is 17 further on.
+    let state = *fields.next()?.as_bytes().first()?;
+    let pgrp = fields.nth(1)?.parse().ok()?;
+    let starttime = fields.nth(16)?.parse().ok()?;
+    Some(Stat { state, pgrp, starttime })
+}
+
+/// Reads one process's stat; `NotFound` once the process has been reaped.
+pub(crate) fn read_stat(pid: u32) -> io::Result<Stat> {
+    let text = fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    parse_stat(&text).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("unreadable /proc/{pid}/stat")))
+}
+
+/// Whether any process of group `pgid` is alive (zombies excluded).
+pub(crate) fn group_alive(pgid: u32) -> io::Result<bool> {
+    let Ok(pgid) = i32::try_from(pgid) else {
+        return Ok(false);
+    };
+    for entry in fs::read_dir("/proc")? {
+        let entry = entry?;
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        // A process may exit between the listing and the read: it is then not alive.
+        if let Ok(stat) = read_stat(pid) {
+            if stat.pgrp == pgid && stat.is_live() {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// Sends `signal` to every process of group `pgid`. A group with no processes left is not
+/// an error.
+pub(crate) fn signal_group(pgid: u32, signal: Signal) -> io::Result<()> {
+    // kill(-1) would signal every process the agent may signal: never build it.
+    let pid = i32::try_from(pgid).ok().filter(|&p| p > 1).and_then(Pid::from_raw);
+    let Some(pid) = pid else {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("refusing to signal process group {pgid}")));
+    };
+    match kill_process_group(pid, signal) {
+        Ok(()) | Err(rustix::io::Errno::SRCH) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Resolves once no process of group `pgid` is alive, looking every `poll`.
+pub(crate) async fn group_gone(pgid: u32, poll: Duration) -> io::Result<()> {
+    while group_alive(pgid)? {
+        Timer::after(poll).await;
+    }
+    Ok(())
+}
+
+/// Sends TERM to the group, waits up to `grace` for it to die, then sends KILL and waits
+/// until no member is alive. Returns `true` if KILL was needed.
+pub(crate) async fn terminate_group(pgid: u32, grace: Duration, poll: Duration) -> io::Result<bool> {
+    signal_group(pgid, Signal::TERM)?;
+    let ended = future::or(async { group_gone(pgid, poll).await.map(|()| true) }, async {
+        Timer::after(grace).await;
+        Ok(false)
+    })
+    .await?;
+    if ended {
+        return Ok(false);
+    }
+    signal_group(pgid, Signal::KILL)?;
+    group_gone(pgid, poll).await?;
+    Ok(true)
+}
+
+/// The handle of a process: `pid:<pid> start:<starttime>`. The start time tells the
+/// process apart from a later one that reuses its pid.
+pub(crate) fn executor_handle(pid: u32, starttime: u64) -> ExecutorHandle {
+    ExecutorHandle::parse(format!("pid:{pid} start:{starttime}")).expect("a short printable handle")
+}
+
+/// The pid and start time in a handle this module made.
+pub(crate) fn parse_handle(handle: &ExecutorHandle) -> Option<(u32, u64)> {
+    let (pid, start) = handle.as_str().strip_prefix("pid:")?.split_once(" start:")?;
+    Some((pid.parse().ok()?, start.parse().ok()?))
+}
+
+/// Whether the handle's process still runs: same pid, same start time, not a zombie. A
+/// restarted agent asks this of the handles in its journal.
+pub(crate) fn is_alive(handle: &ExecutorHandle) -> bool {
+    let Some((pid, start)) = parse_handle(handle) else {
+        return false;
+    };
+    read_stat(pid).is_ok_and(|stat| stat.starttime == start && stat.is_live())
+}
+
+/// Ends the process group of a job this agent no longer has as a child (it restarted):
+/// TERM, up to `grace`, then KILL, then waits until no member is alive.
+///
+/// The group is signalled only while the handle's own process is still there (running or a
+/// zombie); a job leads its group, so the group's id is that process's pid. Once it has
+/// gone and been reaped, the id may belong to someone else, so nothing is sent and
+/// `Ok(false)` is returned.
+pub(crate) async fn stop_orphan(handle: &ExecutorHandle, grace: Duration, poll: Duration) -> io::Result<bool> {
+    let (pid, start) = parse_handle(handle)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not an executor handle of this agent"))?;
+    match read_stat(pid) {
+        Ok(stat) if stat.starttime == start && stat.pgrp == pid as i32 => {}
+        Ok(_) => return Ok(false),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    }
+    terminate_group(pid, grace, poll).await?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_parsing_counts_fields_after_the_last_parenthesis() {
+        let line = "4242 (we (ird) na me) S 1 4240 4240 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 10000 200";
+        assert_eq!(parse_stat(line), Some(Stat { state: b'S', pgrp: 4240, starttime: 987_654 }));
+        assert_eq!(parse_stat("1 (x) Z 0 1 1 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 5 0 0").map(|s| s.is_live()), Some(false));
+        assert_eq!(parse_stat("no parenthesis"), None);
+        assert_eq!(parse_stat("1 (x) S 0 1"), None);
+    }
+
+    #[test]
+    fn this_process_reads_back_as_alive_with_its_own_group() {
+        let me = std::process::id();
+        let stat = read_stat(me).unwrap();
+        assert!(stat.is_live());
+        let handle = executor_handle(me, stat.starttime);
+        assert_eq!(parse_handle(&handle), Some((me, stat.starttime)));
+        assert!(is_alive(&handle));
+        assert!(!is_alive(&executor_handle(me, stat.starttime + 1)), "another start time is another process");
+        assert!(group_alive(stat.pgrp as u32).unwrap());
+    }
+
+    #[test]
+    fn handles_this_agent_did_not_make_are_not_alive() {
+        for text in ["pid:x start:1", "4242", "pid:1 start:", "pid:4194305 start:1"] {
+            assert!(!is_alive(&ExecutorHandle::parse(text).unwrap()), "{text}");
+        }
+    }
+
+    #[test]
+    fn signalling_group_zero_or_one_is_refused() {
+        for pgid in [0, 1, u32::MAX] {
+            assert_eq!(signal_group(pgid, Signal::TERM).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        }
+    }
+}
