@@ -3,9 +3,13 @@
 //! - [`model`]: the rows of the authority;
 //! - [`core`]: every protocol decision, as pure functions of rows, request and DB time;
 //! - [`store`]: the storage seam and its SQLite implementation;
-//! - [`blob`]: the artifact store seam and its local-files implementation.
+//! - [`blob`]: the artifact store seam and its local-files implementation;
+//! - [`pki`]: the worker CA, the server certificate and worker enrolment;
+//! - [`http`]: the worker ingress: TLS 1.3 mTLS, principal binding, framing, routes.
 
 pub mod blob;
 pub mod core;
+pub mod http;
 pub mod model;
+pub mod pki;
 pub mod store;

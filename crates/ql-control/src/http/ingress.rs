@@ -1,0 +1,434 @@
+//! One request, from its head to its answer.
+//!
+//! Everything that can refuse a request without its body runs before the body is first
+//! polled, in this order: authentication (the connection's principal), the route, the
+//! binding of the path's worker to the principal, the durable audit record, and the
+//! framing headers. hyper sends `100 Continue` only when the body is first polled, so an
+//! agent that sends `Expect: 100-continue` learns of every one of these refusals before it
+//! sends a single body byte. A refusal before the body ends the connection
+//! (`Connection: close`): the unread body must never be taken for the next request.
+//!
+//! The artifact route then reads the body only as far as the frame header — polling it
+//! there is what releases `100 Continue` — and asks the store to re-check the fence in
+//! its transaction ([`Command::AdmitArtifact`]). A fence refusal is answered without
+//! reading any content. Only an admitted upload streams its content, frame by frame,
+//! through the [`FrameDecoder`] into the artifact store; memory stays bounded by one
+//! frame, whatever the artifact's size.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CACHE_CONTROL, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::{Request, Response, StatusCode};
+use tokio::time::{sleep_until, timeout, Instant};
+use zeroize::Zeroizing;
+
+use ql_wire::ack::{Running, StartFailure};
+use ql_wire::artifact::ArtifactReply;
+use ql_wire::completion::Completion;
+use ql_wire::frame::{FrameDecoder, FrameError, Item};
+use ql_wire::ids::{ArtifactId, SessionId, WorkerId};
+use ql_wire::offer::{Claim, PollOffers};
+use ql_wire::route::{AttemptCommand, AttemptPath, Route, JSON_MEDIA_TYPE};
+use ql_wire::session::{Heartbeat, OpenSession};
+use ql_wire::{Body, ErrorBody, ErrorCode, Fence, Outcome};
+
+use super::{framing, IngressConfig, IngressStats};
+use crate::blob::{ArtifactKey, BlobStore, PutOutcome, Upload as _};
+use crate::core::{Command, Reply};
+use crate::model::AuditRecord;
+use crate::store::{Store, StoreError};
+
+/// What every connection of one server shares.
+pub(super) struct Shared<S, B> {
+    pub(super) store: S,
+    pub(super) blobs: B,
+    pub(super) cfg: IngressConfig,
+    pub(super) stats: Arc<IngressStats>,
+}
+
+/// The per-connection hyper service: the shared parts and the connection's principal,
+/// extracted once after the handshake (`None` when the certificate names no worker).
+pub(super) struct Service<S, B> {
+    pub(super) shared: Arc<Shared<S, B>>,
+    pub(super) principal: Option<WorkerId>,
+    /// Set when an answer left request bytes unread: the connection then ends with a
+    /// lingering close.
+    pub(super) unread: Arc<AtomicBool>,
+}
+
+type Answered = Pin<Box<dyn Future<Output = Result<Response<Full<Bytes>>, Infallible>> + Send>>;
+
+impl<S: Store, B: BlobStore> hyper::service::Service<Request<Incoming>> for Service<S, B> {
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    // Boxed so the future is `Unpin`, which `poll_without_shutdown` (used for the
+    // lingering close) requires.
+    type Future = Answered;
+
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
+        let shared = self.shared.clone();
+        let principal = self.principal.clone();
+        let unread = self.unread.clone();
+        Box::pin(async move {
+            shared.stats.requests.fetch_add(1, Ordering::Relaxed);
+            let answer = handle(&shared, principal, req).await;
+            if answer.close {
+                unread.store(true, Ordering::Relaxed);
+            }
+            Ok(answer.into_response())
+        })
+    }
+}
+
+/// A response about to be sent.
+struct Answer {
+    status: StatusCode,
+    body: Vec<u8>,
+    /// End the connection after this response (the request body was not read to its end).
+    close: bool,
+}
+
+impl Answer {
+    fn ok<T: Body>(status: StatusCode, body: &T) -> Self {
+        Self { status, body: ql_wire::encode(body), close: false }
+    }
+
+    fn refuse(code: ErrorCode) -> Self {
+        let status = StatusCode::from_u16(code.status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        Self { status, body: ql_wire::encode(&ErrorBody { error: code }), close: false }
+    }
+
+    /// A refusal whose request body was not read to its end.
+    fn refuse_and_close(code: ErrorCode) -> Self {
+        Self { close: true, ..Self::refuse(code) }
+    }
+
+    fn into_response(self) -> Response<Full<Bytes>> {
+        let length = self.body.len();
+        let mut response = Response::new(Full::new(Bytes::from(self.body)));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static(JSON_MEDIA_TYPE));
+        headers.insert(CONTENT_LENGTH, HeaderValue::from(length));
+        // Claims carry the execution spec (its environment may hold secrets).
+        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if self.close {
+            headers.insert(CONNECTION, HeaderValue::from_static("close"));
+        }
+        response
+    }
+}
+
+async fn handle<S: Store, B: BlobStore>(
+    shared: &Shared<S, B>,
+    principal: Option<WorkerId>,
+    req: Request<Incoming>,
+) -> Answer {
+    // A query string is never part of a route; `Route::parse` sees the path alone.
+    let route = match req.uri().query() {
+        Some(_) => None,
+        None => Route::parse(req.method().as_str(), req.uri().path()).ok(),
+    };
+    let name = route.as_ref().map_or("unknown", Route::name);
+    let Some(principal) = principal else {
+        audit_refusal(shared, None, name, ErrorCode::Unauthenticated).await;
+        return Answer::refuse_and_close(ErrorCode::Unauthenticated);
+    };
+    let Some(route) = route else {
+        audit_refusal(shared, Some(principal), name, ErrorCode::NotFound).await;
+        return Answer::refuse_and_close(ErrorCode::NotFound);
+    };
+    if *route.worker() != principal {
+        audit_refusal(shared, Some(principal), name, ErrorCode::PrincipalMismatch).await;
+        return Answer::refuse_and_close(ErrorCode::PrincipalMismatch);
+    }
+    // The admission must be on record before any body byte is read; without the record,
+    // no admission.
+    let record = AuditRecord { at: 0, principal: Some(principal), route: name.to_owned(), outcome: "admitted".into() };
+    if shared.store.audit(record).await.is_err() {
+        return Answer::refuse_and_close(ErrorCode::Unavailable);
+    }
+    let length = match framing::check(&route, req.headers()) {
+        Ok(length) => length,
+        Err(code) => return Answer::refuse_and_close(code),
+    };
+    let body = req.into_body();
+    match route {
+        Route::Artifact(path, artifact) => put_artifact(shared, path, artifact, length, body).await,
+        route => json_route(shared, route, length, body).await,
+    }
+}
+
+/// Records a refusal. A failed write does not change the answer: the request is refused
+/// either way and nothing was read or changed.
+async fn audit_refusal<S: Store, B>(shared: &Shared<S, B>, principal: Option<WorkerId>, route: &str, code: ErrorCode) {
+    let record = AuditRecord { at: 0, principal, route: route.to_owned(), outcome: code.as_str().to_owned() };
+    if shared.store.audit(record).await.is_err() {
+        shared.stats.audit_failures.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The next non-empty data frame, `None` at the end of the body. A stalled or broken body
+/// is `invalid_request`: it cannot be the exact body the headers declared.
+async fn next_data(body: &mut Incoming, idle: Duration) -> Result<Option<Bytes>, ErrorCode> {
+    loop {
+        match timeout(idle, body.frame()).await {
+            Err(_) | Ok(Some(Err(_))) => return Err(ErrorCode::InvalidRequest),
+            Ok(None) => return Ok(None),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    if !data.is_empty() {
+                        return Ok(Some(data));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reads exactly `length` bytes (already within the route's cap) into a buffer that is
+/// wiped on drop: JSON bodies carry lease and callback tokens.
+async fn read_exact(body: &mut Incoming, length: u64, idle: Duration) -> Result<Zeroizing<Vec<u8>>, ErrorCode> {
+    let length = usize::try_from(length).map_err(|_| ErrorCode::PayloadTooLarge)?;
+    let mut buf = Zeroizing::new(Vec::with_capacity(length));
+    while let Some(data) = next_data(body, idle).await? {
+        if buf.len() + data.len() > length {
+            return Err(ErrorCode::InvalidRequest);
+        }
+        buf.extend_from_slice(&data);
+    }
+    if buf.len() != length {
+        return Err(ErrorCode::InvalidRequest);
+    }
+    Ok(buf)
+}
+
+fn decode<T: Body>(bytes: &[u8]) -> Result<T, Answer> {
+    ql_wire::decode::<T>(bytes).map_err(|_| Answer::refuse(ErrorCode::InvalidRequest))
+}
+
+async fn json_route<S: Store, B: BlobStore>(
+    shared: &Shared<S, B>,
+    route: Route,
+    length: u64,
+    mut body: Incoming,
+) -> Answer {
+    let bytes = match read_exact(&mut body, length, shared.cfg.body_idle_timeout).await {
+        Ok(bytes) => bytes,
+        Err(code) => return Answer::refuse_and_close(code),
+    };
+    match json_command(shared, route, &bytes).await {
+        Ok(answer) | Err(answer) => answer,
+    }
+}
+
+async fn json_command<S: Store, B: BlobStore>(
+    shared: &Shared<S, B>,
+    route: Route,
+    bytes: &[u8],
+) -> Result<Answer, Answer> {
+    let command = match route {
+        Route::OpenSession(worker) => Command::OpenSession(worker, decode::<OpenSession>(bytes)?),
+        Route::Heartbeat(worker, session) => Command::Heartbeat(worker, session, decode::<Heartbeat>(bytes)?),
+        Route::PollOffers(worker, session) => {
+            return Ok(poll(shared, worker, session, decode::<PollOffers>(bytes)?).await);
+        }
+        Route::Claim(worker, session, offer) => Command::Claim(worker, session, offer, decode::<Claim>(bytes)?),
+        Route::Attempt(path, AttemptCommand::Starting) => Command::Starting(path, decode::<Fence>(bytes)?),
+        Route::Attempt(path, AttemptCommand::Running) => Command::Running(path, decode::<Running>(bytes)?),
+        Route::Attempt(path, AttemptCommand::StartFailure) => {
+            Command::StartFailure(path, decode::<StartFailure>(bytes)?)
+        }
+        Route::Attempt(path, AttemptCommand::RenewLease) => Command::Renew(path, decode::<Fence>(bytes)?),
+        Route::Attempt(path, AttemptCommand::Completion) => {
+            return Ok(complete(shared, path, decode::<Completion>(bytes)?).await);
+        }
+        // Dispatched before the body is read; never reaches here.
+        Route::Artifact(..) => return Err(Answer::refuse(ErrorCode::NotFound)),
+    };
+    Ok(answer(shared.store.execute(command).await))
+}
+
+/// The wire answer to a store outcome.
+fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> Answer {
+    let reply = match result {
+        Ok(Ok(reply)) => reply,
+        Ok(Err(code)) => return Answer::refuse(code),
+        Err(_) => return Answer::refuse(ErrorCode::Unavailable),
+    };
+    match reply {
+        Reply::SessionOpened(body) => Answer::ok(StatusCode::CREATED, &body),
+        Reply::Heartbeat(body) => Answer::ok(StatusCode::OK, &body),
+        Reply::Offers(body) => Answer::ok(StatusCode::OK, &body),
+        Reply::Claimed(body) => Answer::ok(StatusCode::OK, &*body),
+        Reply::Ack(body) => Answer::ok(StatusCode::OK, &body),
+        Reply::Renewed(body) => Answer::ok(StatusCode::OK, &body),
+        Reply::Completed(body) => Answer::ok(StatusCode::OK, &body),
+        // Operator and internal replies never answer a worker route; if one ever did, the
+        // authority misbehaved and the worker should try again later.
+        Reply::ArtifactAdmitted(_) | Reply::Submitted(_) | Reply::Cancelled(_) | Reply::Swept(_) => {
+            Answer::refuse(ErrorCode::Unavailable)
+        }
+    }
+}
+
+/// The offers long-poll: poll, and while nothing is offered and time remains, wait for
+/// the store's change counter (or the deadline) and poll again. The counter is marked
+/// seen before each poll, so a change committed between the poll and the wait still
+/// wakes it; there is no busy loop.
+async fn poll<S: Store, B: BlobStore>(
+    shared: &Shared<S, B>,
+    worker: WorkerId,
+    session: SessionId,
+    body: PollOffers,
+) -> Answer {
+    let wait = Duration::from_millis(body.wait_ms).min(shared.cfg.max_poll_wait);
+    let deadline = Instant::now() + wait;
+    let mut changes = shared.store.changes();
+    changes.borrow_and_update();
+    loop {
+        let result = shared.store.execute(Command::PollOffers(worker.clone(), session.clone(), body.clone())).await;
+        let nothing = matches!(&result, Ok(Ok(Reply::Offers(o))) if o.offers.is_empty());
+        if !nothing || Instant::now() >= deadline {
+            return answer(result);
+        }
+        tokio::select! {
+            changed = changes.changed() => {
+                // The store is gone: nothing will wake us, so wait out the deadline.
+                if changed.is_err() {
+                    sleep_until(deadline).await;
+                }
+            }
+            () = sleep_until(deadline) => {}
+        }
+    }
+}
+
+/// Completion: re-inspect the stored artifact (ADR-0117 §3) before the transaction, so
+/// the decision compares the receipt with what the store holds, not with what the worker
+/// says it holds.
+async fn complete<S: Store, B: BlobStore>(shared: &Shared<S, B>, path: AttemptPath, body: Completion) -> Answer {
+    let stored = match &body.artifact {
+        None => None,
+        Some(receipt) => {
+            // A run's project never changes, so reading it outside the transaction is safe;
+            // an unknown run is left for the transaction to refuse.
+            let project = match shared.store.run_detail(&path.run).await {
+                Ok(detail) => detail.map(|d| d.run.project),
+                Err(_) => return Answer::refuse(ErrorCode::Unavailable),
+            };
+            match project {
+                None => None,
+                Some(project) => {
+                    let key = ArtifactKey {
+                        project,
+                        run: path.run.clone(),
+                        attempt: path.attempt.clone(),
+                        artifact: receipt.artifact_id.clone(),
+                    };
+                    match shared.blobs.inspect(&key).await {
+                        Ok(stored) => stored,
+                        Err(_) => return Answer::refuse(ErrorCode::Unavailable),
+                    }
+                }
+            }
+        }
+    };
+    answer(shared.store.execute(Command::Complete(path, body, stored)).await)
+}
+
+/// The artifact upload of ADR-0117: header, fence, then content. See the module doc.
+async fn put_artifact<S: Store, B: BlobStore>(
+    shared: &Shared<S, B>,
+    path: AttemptPath,
+    artifact: ArtifactId,
+    length: u64,
+    mut body: Incoming,
+) -> Answer {
+    let idle = shared.cfg.body_idle_timeout;
+    let mut decoder = match FrameDecoder::new(length) {
+        Ok(decoder) => decoder,
+        Err(FrameError::TooLarge { .. }) => return Answer::refuse_and_close(ErrorCode::PayloadTooLarge),
+        Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
+    };
+
+    // 1. The frame header, and not a byte further than the frame that carries it. This
+    //    first poll of the body is what makes hyper send `100 Continue`.
+    let (header, mut pending) = loop {
+        let data = match next_data(&mut body, idle).await {
+            Ok(Some(data)) => data,
+            Ok(None) | Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
+        };
+        let mut input: &[u8] = &data;
+        // The decoder consumes the slice until it completes the header (or runs out);
+        // it never yields content before the header.
+        let header = match decoder.next(&mut input) {
+            Ok(Some(Item::Header(header))) => Some(header),
+            Ok(None) => None,
+            Ok(Some(Item::Content(_))) | Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
+        };
+        if let Some(header) = header {
+            let consumed = data.len() - input.len();
+            break (header, data.slice(consumed..));
+        }
+    };
+
+    // 2. The fence, re-checked under the store's transaction; the database is released
+    //    before any content moves.
+    let (content_length, truncated) = (header.content_length, header.truncated);
+    let admitted = shared.store.execute(Command::AdmitArtifact(path.clone(), artifact.clone(), header)).await;
+    let project = match admitted {
+        Ok(Ok(Reply::ArtifactAdmitted(project))) => project,
+        Ok(Ok(_)) | Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
+        Ok(Err(code)) => return Answer::refuse_and_close(code),
+    };
+    let key = ArtifactKey { project, run: path.run, attempt: path.attempt, artifact };
+    let mut upload = match shared.blobs.begin(&key, content_length, truncated).await {
+        Ok(upload) => upload,
+        Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
+    };
+
+    // 3. The content, frame by frame. Any failure drops `upload`, which discards it.
+    loop {
+        let mut input: &[u8] = &pending;
+        loop {
+            match decoder.next(&mut input) {
+                Ok(Some(Item::Content(content))) => {
+                    if upload.write(content).await.is_err() {
+                        return Answer::refuse_and_close(ErrorCode::Unavailable);
+                    }
+                }
+                Ok(None) => break,
+                Ok(Some(Item::Header(_))) | Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
+            }
+        }
+        pending = match next_data(&mut body, idle).await {
+            Ok(Some(data)) => data,
+            Ok(None) => break,
+            Err(code) => return Answer::refuse_and_close(code),
+        };
+    }
+    if decoder.finish().is_err() {
+        return Answer::refuse_and_close(ErrorCode::InvalidRequest);
+    }
+
+    // The body was read to its end, so the connection stays usable whatever the outcome.
+    match upload.finish().await {
+        Ok(PutOutcome::Stored(receipt)) => {
+            Answer::ok(StatusCode::OK, &ArtifactReply { result: Outcome::Stored, receipt })
+        }
+        Ok(PutOutcome::AlreadyStored(receipt)) => {
+            Answer::ok(StatusCode::OK, &ArtifactReply { result: Outcome::AlreadyStored, receipt })
+        }
+        Ok(PutOutcome::Conflict) => Answer::refuse(ErrorCode::ArtifactConflict),
+        Err(_) => Answer::refuse(ErrorCode::Unavailable),
+    }
+}
