@@ -1,11 +1,28 @@
 //! `ql-agent`: the QingLong Edge worker daemon.
 //!
-//! This first cut only reports its version and the protocol it speaks; the daemon itself
-//! (session, claims, execution, journal) lands with the agent work.
+//! - `ql-agent run`: the daemon ([`agent`]);
+//! - `ql-agent check`: validates the configuration and credentials against ql-control
+//!   ([`check`]);
+//! - `ql-agent version`.
+//!
+//! Module map: [`config`] (settings), [`log`] (stderr lines), [`core`] (the pure job state
+//! machine), [`agent`] (the one loop that performs it), [`client`] (the one mTLS
+//! connection), [`journal`] (durable facts), [`exec`] (process groups).
 
 use argh::FromArgs;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::rc::Rc;
 
-// The main loop that drives these lands separately; until then they are only tested.
+#[macro_use]
+mod log;
+mod agent;
+mod check;
+mod client;
+mod config;
+mod core;
+// The agent uses a subset of the journal's and the executor's API; the rest is exercised
+// by their own tests.
 #[allow(dead_code, unused_imports)]
 mod exec;
 #[allow(dead_code, unused_imports)]
@@ -21,7 +38,96 @@ struct Cli {
 #[derive(FromArgs)]
 #[argh(subcommand)]
 enum Command {
+    Run(Run),
+    Check(Check),
     Version(Version),
+}
+
+/// Declares a subcommand that takes the configuration flags.
+macro_rules! with_config_flags {
+    ($(#[$meta:meta])* struct $name:ident;) => {
+        #[derive(FromArgs)]
+        $(#[$meta])*
+        struct $name {
+            /// the config file (default: /etc/ql-agent/agent.conf, when it exists)
+            #[argh(option)]
+            config: Option<PathBuf>,
+            /// ql-control's base URL, https://host:port
+            #[argh(option)]
+            server: Option<String>,
+            /// this worker's id
+            #[argh(option)]
+            worker_id: Option<String>,
+            /// client certificate chain (PEM)
+            #[argh(option)]
+            cert: Option<String>,
+            /// client private key (PEM)
+            #[argh(option)]
+            key: Option<String>,
+            /// the CA that signed the server certificate (PEM)
+            #[argh(option)]
+            ca: Option<String>,
+            /// journal and run directories
+            #[argh(option)]
+            state_dir: Option<String>,
+            /// jobs run at once, 1..=64
+            #[argh(option)]
+            capacity: Option<String>,
+            /// error, warn, info or debug
+            #[argh(option)]
+            log_level: Option<String>,
+            /// any setting, as key=value (repeatable)
+            #[argh(option)]
+            set: Vec<String>,
+        }
+
+        impl $name {
+            fn load(&self) -> Result<config::Config, config::ConfigError> {
+                let mut sources = match &self.config {
+                    Some(path) => config::Sources::from_file(path)?,
+                    None => {
+                        let default = std::path::Path::new(config::DEFAULT_PATH);
+                        if default.exists() {
+                            config::Sources::from_file(default)?
+                        } else {
+                            config::Sources::default()
+                        }
+                    }
+                };
+                let flags = [
+                    ("--server", "server", &self.server),
+                    ("--worker-id", "worker_id", &self.worker_id),
+                    ("--cert", "cert", &self.cert),
+                    ("--key", "key", &self.key),
+                    ("--ca", "ca", &self.ca),
+                    ("--state-dir", "state_dir", &self.state_dir),
+                    ("--capacity", "capacity", &self.capacity),
+                    ("--log-level", "log_level", &self.log_level),
+                ];
+                for (flag, key, value) in flags {
+                    if let Some(value) = value {
+                        sources.set_flag(flag, key, value)?;
+                    }
+                }
+                for pair in &self.set {
+                    sources.set_pair(pair)?;
+                }
+                sources.finish()
+            }
+        }
+    };
+}
+
+with_config_flags! {
+    /// Run the agent daemon.
+    #[argh(subcommand, name = "run")]
+    struct Run;
+}
+
+with_config_flags! {
+    /// Check the configuration, the credentials and the connection to ql-control.
+    #[argh(subcommand, name = "check")]
+    struct Check;
 }
 
 /// Print the agent's version and the protocol it speaks.
@@ -29,11 +135,67 @@ enum Command {
 #[argh(subcommand, name = "version")]
 struct Version {}
 
-fn main() {
+fn main() -> ExitCode {
     let cli: Cli = argh::from_env();
     match cli.command {
         Command::Version(Version {}) => {
             println!("ql-agent {} (protocol {})", env!("CARGO_PKG_VERSION"), ql_wire::spec::SpecSchema::TEXT);
+            ExitCode::SUCCESS
+        }
+        Command::Check(args) => {
+            let cfg = match args.load() {
+                Ok(cfg) => cfg,
+                Err(e) => return fail("configuration", &e.to_string()),
+            };
+            match check::check(&cfg) {
+                Ok(lines) => {
+                    for line in lines {
+                        println!("{line}");
+                    }
+                    println!("ok");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail("check failed", &e.0),
+            }
+        }
+        Command::Run(args) => {
+            let cfg = match args.load() {
+                Ok(cfg) => cfg,
+                Err(e) => return fail("configuration", &e.to_string()),
+            };
+            log::set_level(cfg.log_level);
+            match run(cfg) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail("fatal", &e),
+            }
         }
     }
+}
+
+fn fail(what: &str, why: &str) -> ExitCode {
+    eprintln!("error: {what}: {why}");
+    ExitCode::FAILURE
+}
+
+fn run(cfg: config::Config) -> Result<(), String> {
+    let creds = client::Credentials::load(&cfg.cert, &cfg.key, &cfg.ca).map_err(|e| e.0)?;
+    if let [one] = creds.certificate_workers().as_slice() {
+        if one != cfg.worker_id.as_str() {
+            warn!("the certificate is for worker `{one}` but worker_id is `{}`; the server will refuse", cfg.worker_id);
+        }
+    }
+    let timeouts = client::Timeouts {
+        connect: cfg.connect_timeout,
+        call: cfg.call_timeout,
+        // call_timeout is the allowance on top of a long-poll's own wait.
+        poll_slack: std::time::Duration::ZERO,
+        upload: cfg.upload_timeout,
+    };
+    let client = client::Client::new(&cfg.server, &creds, timeouts).map_err(|e| e.0)?;
+    drop(creds);
+    let ex = Rc::new(smol::LocalExecutor::new());
+    // Reaping children on this executor keeps async-process from starting its own thread.
+    ex.spawn(smol::process::driver()).detach();
+    let agent = agent::Agent::new(cfg, client, ex.clone()).map_err(|e| e.0)?;
+    smol::block_on(ex.run(agent.run())).map_err(|e| e.0)
 }

@@ -41,6 +41,9 @@ pub(crate) enum Record {
         session_id: SessionId,
         /// Its generation.
         generation: Counter,
+        /// The server's heartbeat interval: a restarted agent resumes the session with a
+        /// heartbeat and then needs the interval, which only `open` reports.
+        heartbeat_ms: u64,
     },
     /// An offer and the lease token made for it, written before the claim is sent.
     Offered {
@@ -168,6 +171,8 @@ pub(crate) struct CurrentSession {
     pub(crate) session_id: SessionId,
     /// Its generation.
     pub(crate) generation: Counter,
+    /// The server's heartbeat interval.
+    pub(crate) heartbeat_ms: u64,
 }
 
 /// The lease a claim granted and what it runs.
@@ -375,8 +380,12 @@ impl JournalState {
     /// Applies one record, or refuses it and changes nothing.
     pub(crate) fn apply(&mut self, record: &Record) -> Result<(), Refused> {
         self.check(record)?;
-        if let Record::Session { session_id, generation } = record {
-            self.session = Some(CurrentSession { session_id: session_id.clone(), generation: *generation });
+        if let Record::Session { session_id, generation, heartbeat_ms } = record {
+            self.session = Some(CurrentSession {
+                session_id: session_id.clone(),
+                generation: *generation,
+                heartbeat_ms: *heartbeat_ms,
+            });
             return Ok(());
         }
         let key = record.job().expect("every record but Session names a job");
@@ -461,7 +470,11 @@ impl JournalState {
 
     /// The record of the current session, if there is one.
     pub(crate) fn session_record(&self) -> Option<Record> {
-        self.session.as_ref().map(|s| Record::Session { session_id: s.session_id.clone(), generation: s.generation })
+        self.session.as_ref().map(|s| Record::Session {
+            session_id: s.session_id.clone(),
+            generation: s.generation,
+            heartbeat_ms: s.heartbeat_ms,
+        })
     }
 }
 
@@ -547,7 +560,7 @@ pub(crate) mod fixtures {
     }
 
     pub(crate) fn session(id: &str, generation: u64) -> Record {
-        Record::Session { session_id: SessionId::parse(id).unwrap(), generation: c(generation) }
+        Record::Session { session_id: SessionId::parse(id).unwrap(), generation: c(generation), heartbeat_ms: 10_000 }
     }
 
     pub(crate) fn offered(k: &JobKey, seed: u8) -> Record {

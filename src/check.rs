@@ -1,0 +1,81 @@
+//! `ql-agent check`: proves the configuration, the credentials and the path to ql-control
+//! work, without disturbing a running agent.
+//!
+//! It opens no journal and no session (opening one would replace the running agent's). It
+//! sends one heartbeat for a session that cannot exist (`check`, generation 1). Getting
+//! `404 not_found` back proves the TLS 1.3 handshake against the configured CA, the client
+//! certificate, and the server's binding of the path's worker id to the certificate's
+//! principal; `403 principal_mismatch` means `worker_id` is not the certificate's. The
+//! server writes an audit record of the probe, nothing else.
+
+use ql_wire::ids::{Counter, SessionId};
+use ql_wire::route::Route;
+use ql_wire::session::{Heartbeat, HeartbeatReply};
+use ql_wire::ErrorCode;
+
+use crate::client::{CallError, Client, Credentials, Timeouts};
+use crate::config::Config;
+
+/// The session id of the probe.
+pub(crate) const PROBE_SESSION: &str = "check";
+
+/// Why the check failed, phrased for the operator.
+#[derive(Debug)]
+pub(crate) struct CheckFailed(pub(crate) String);
+
+/// Runs the check. On success, returns the lines to print.
+pub(crate) fn check(cfg: &Config) -> Result<Vec<String>, CheckFailed> {
+    let mut out = Vec::new();
+    let creds = Credentials::load(&cfg.cert, &cfg.key, &cfg.ca).map_err(|e| CheckFailed(e.0))?;
+    let named = creds.certificate_workers();
+    match named.as_slice() {
+        [one] if one == cfg.worker_id.as_str() => out.push(format!("certificate principal: urn:qinglong:worker:{one}")),
+        [one] => {
+            return Err(CheckFailed(format!(
+                "the certificate is for worker `{one}` but worker_id is `{}`",
+                cfg.worker_id
+            )))
+        }
+        [] => return Err(CheckFailed("the certificate names no urn:qinglong:worker:<id> URI".into())),
+        _ => {
+            return Err(CheckFailed(format!("the certificate names {} workers; the server refuses that", named.len())))
+        }
+    }
+    let timeouts = Timeouts {
+        connect: cfg.connect_timeout,
+        call: cfg.call_timeout,
+        poll_slack: std::time::Duration::ZERO,
+        upload: cfg.upload_timeout,
+    };
+    let client = Client::new(&cfg.server, &creds, timeouts).map_err(|e| CheckFailed(e.0))?;
+    let route = Route::Heartbeat(cfg.worker_id.clone(), SessionId::parse(PROBE_SESSION).expect("a valid id"));
+    let body = Heartbeat { generation: Counter::ONE, draining: false };
+    match client.call::<Heartbeat, HeartbeatReply>(&route, &body) {
+        Err(CallError::Refused { code: ErrorCode::NotFound, .. }) => {
+            out.push(format!("server {}: TLS 1.3 with the client certificate accepted", cfg.server));
+            out.push(format!(
+                "worker {}: principal bound (probe heartbeat of session `{PROBE_SESSION}` answered 404 not_found, as expected)",
+                cfg.worker_id
+            ));
+            Ok(out)
+        }
+        Err(CallError::Refused { code: ErrorCode::PrincipalMismatch, .. }) => Err(CheckFailed(format!(
+            "the server says worker_id `{}` is not this certificate's worker (403 principal_mismatch)",
+            cfg.worker_id
+        ))),
+        Err(CallError::Refused { code: ErrorCode::Unauthenticated, .. }) => {
+            Err(CheckFailed("the server refused the client certificate (401 unauthenticated)".into()))
+        }
+        Err(CallError::Refused { status, code, .. }) => {
+            Err(CheckFailed(format!("the server answered {status} {code} to the probe; expected 404 not_found")))
+        }
+        Err(CallError::Transport(e)) => Err(CheckFailed(format!("cannot reach {}: {e}", cfg.server))),
+        Err(CallError::Protocol(e)) => {
+            Err(CheckFailed(format!("{} does not speak the worker protocol: {e}", cfg.server)))
+        }
+        Ok(reply) => Err(CheckFailed(format!(
+            "the server accepted a heartbeat for the probe session `{PROBE_SESSION}` ({:?}); it should not exist",
+            reply.status
+        ))),
+    }
+}

@@ -1,0 +1,288 @@
+//! The agent's one connection to ql-control: ureq over rustls (ring), TLS 1.3 only, our
+//! CA only, our client certificate presented.
+//!
+//! Requests go one at a time over one keep-alive connection. Error statuses are read as
+//! the protocol's JSON error codes without dropping the connection
+//! (`http_status_as_error(false)`), and every response body is read to its end so the
+//! connection goes back to the pool. Uploads send `Expect: 100-continue` and an exact
+//! `Content-Length`, so a refusal arrives before the body is sent and is never lost to a
+//! broken pipe. ureq does not retry; the caller decides what to repeat.
+
+use std::io::Read;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ql_wire::artifact::ArtifactReply;
+use ql_wire::route::{Route, ARTIFACT_MEDIA_TYPE, JSON_MEDIA_TYPE};
+use ql_wire::{decode, encode, Body, ErrorBody, ErrorCode};
+use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig, TlsProvider};
+use zeroize::Zeroizing;
+
+/// How long each step of a call may take. Every one is configurable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Timeouts {
+    /// TCP connect and TLS handshake.
+    pub(crate) connect: Duration,
+    /// A whole ordinary call (sending, waiting, reading the answer).
+    pub(crate) call: Duration,
+    /// Extra allowance on top of a long-poll's own wait.
+    pub(crate) poll_slack: Duration,
+    /// A whole artifact upload.
+    pub(crate) upload: Duration,
+}
+
+/// The PEM material the agent authenticates with. The key is wiped when dropped.
+pub(crate) struct Credentials {
+    /// Client certificate chain.
+    pub(crate) cert_pem: Vec<u8>,
+    /// Client private key.
+    pub(crate) key_pem: Zeroizing<Vec<u8>>,
+    /// The worker CA that signed the server certificate.
+    pub(crate) ca_pem: Vec<u8>,
+}
+
+impl Credentials {
+    /// Reads the three PEM files. Errors name the file, never its content.
+    pub(crate) fn load(
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        ca: &std::path::Path,
+    ) -> Result<Self, SetupError> {
+        let read = |path: &std::path::Path, what: &str| {
+            std::fs::read(path).map_err(|e| SetupError(format!("cannot read the {what} {}: {e}", path.display())))
+        };
+        Ok(Self {
+            cert_pem: read(cert, "certificate file")?,
+            key_pem: Zeroizing::new(read(key, "key file")?),
+            ca_pem: read(ca, "CA file")?,
+        })
+    }
+
+    /// The worker ids named by `urn:qinglong:worker:<id>` URIs in the first certificate.
+    ///
+    /// The agent has no X.509 parser (it does not need one to connect), so this looks for
+    /// the URI's bytes in the DER: a SAN URI is stored as plain IA5 text. It is only used
+    /// to tell an operator early that `worker_id` and the certificate disagree; the server
+    /// decides.
+    pub(crate) fn certificate_workers(&self) -> Vec<String> {
+        const PREFIX: &[u8] = b"urn:qinglong:worker:";
+        let Some(Ok(ureq::tls::PemItem::Certificate(cert))) = ureq::tls::parse_pem(&self.cert_pem).next() else {
+            return Vec::new();
+        };
+        let der = cert.der();
+        let mut found = Vec::new();
+        let mut at = 0;
+        while let Some(pos) = der[at..].windows(PREFIX.len()).position(|w| w == PREFIX) {
+            let uri = at + pos;
+            at = uri + PREFIX.len();
+            // A GeneralName URI is `[6] IA5String`: tag 0x86, then a short length.
+            let (Some(&0x86), Some(&len)) = (uri.checked_sub(2).map(|i| &der[i]), uri.checked_sub(1).map(|i| &der[i]))
+            else {
+                continue;
+            };
+            let end = uri + usize::from(len);
+            if len < 0x80 && end <= der.len() && end >= at {
+                found.push(String::from_utf8_lossy(&der[at..end]).into_owned());
+            }
+        }
+        found
+    }
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Credentials { key: <redacted>, .. }")
+    }
+}
+
+/// Why a call did not produce the expected answer.
+#[derive(Debug)]
+pub(crate) enum CallError {
+    /// The server answered with a protocol error code.
+    Refused {
+        /// HTTP status.
+        status: u16,
+        /// The code.
+        code: ErrorCode,
+        /// `Retry-After`, when the server sent one.
+        retry_after: Option<Duration>,
+    },
+    /// The call did not complete: connection, TLS or timeout. Safe to repeat.
+    Transport(String),
+    /// The server answered something the protocol does not allow.
+    Protocol(String),
+}
+
+impl CallError {
+    /// The protocol code, when the server refused.
+    pub(crate) fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Self::Refused { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Refused { status, code, .. } => write!(f, "refused: {status} {code}"),
+            Self::Transport(e) => write!(f, "transport: {e}"),
+            Self::Protocol(e) => write!(f, "protocol: {e}"),
+        }
+    }
+}
+
+/// Could not build the client from the configured credentials.
+#[derive(Debug)]
+pub(crate) struct SetupError(pub(crate) String);
+
+impl std::fmt::Display for SetupError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The one HTTP client of the agent.
+pub(crate) struct Client {
+    agent: ureq::Agent,
+    base: String,
+    timeouts: Timeouts,
+}
+
+/// A ring provider restricted to TLS 1.3 suites: ureq has no protocol-version setting,
+/// and without TLS 1.2 suites no TLS 1.2 handshake can be agreed.
+fn tls13_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider.cipher_suites.retain(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
+    Arc::new(provider)
+}
+
+impl Client {
+    /// A client for `base` (`https://host:port`) presenting `creds`.
+    pub(crate) fn new(base: &str, creds: &Credentials, timeouts: Timeouts) -> Result<Self, SetupError> {
+        let ca = certificates(&creds.ca_pem, "CA file")?;
+        let chain = certificates(&creds.cert_pem, "certificate file")?;
+        let key = PrivateKey::from_pem(&creds.key_pem).map_err(|e| SetupError(format!("client key: {e}")))?;
+        let tls = TlsConfig::builder()
+            .provider(TlsProvider::Rustls)
+            .unversioned_rustls_crypto_provider(tls13_provider())
+            .root_certs(RootCerts::new_with_certs(&ca))
+            .client_cert(Some(ClientCert::new_with_certs(&chain, key)))
+            .build();
+        let agent = ureq::Agent::config_builder()
+            .tls_config(tls)
+            .https_only(true)
+            .http_status_as_error(false)
+            .max_redirects(0)
+            .max_idle_connections(1)
+            .max_idle_connections_per_host(1)
+            .timeout_connect(Some(timeouts.connect))
+            .user_agent(format!("ql-agent/{}", env!("CARGO_PKG_VERSION")))
+            .build()
+            .new_agent();
+        Ok(Self { agent, base: base.trim_end_matches('/').to_owned(), timeouts })
+    }
+
+    /// Sends a JSON body and decodes the JSON answer.
+    pub(crate) fn call<Req: Body, Resp: Body>(&self, route: &Route, body: &Req) -> Result<Resp, CallError> {
+        self.call_within(route, body, self.timeouts.call)
+    }
+
+    /// Like [`Client::call`] for a long-poll that may legitimately wait `wait`.
+    pub(crate) fn poll<Req: Body, Resp: Body>(
+        &self,
+        route: &Route,
+        body: &Req,
+        wait: Duration,
+    ) -> Result<Resp, CallError> {
+        self.call_within(route, body, self.timeouts.call + wait + self.timeouts.poll_slack)
+    }
+
+    fn call_within<Req: Body, Resp: Body>(
+        &self,
+        route: &Route,
+        body: &Req,
+        limit: Duration,
+    ) -> Result<Resp, CallError> {
+        // The body may hold a raw token: wipe the buffer once it is sent.
+        let json = Zeroizing::new(encode(body));
+        let response = self
+            .agent
+            .post(format!("{}{}", self.base, route.path()))
+            .config()
+            .timeout_global(Some(limit))
+            .build()
+            .header("Content-Type", JSON_MEDIA_TYPE)
+            .send(&json[..]);
+        answer(response, Resp::CAP)
+    }
+
+    /// Uploads an artifact: the frame prefix, then `content_len` bytes from `content`.
+    pub(crate) fn upload(
+        &self,
+        route: &Route,
+        prefix: &[u8],
+        content: &mut dyn Read,
+        content_len: u64,
+    ) -> Result<ArtifactReply, CallError> {
+        let total = prefix.len() as u64 + content_len;
+        let mut reader = std::io::Cursor::new(prefix).chain(content.take(content_len));
+        let response = self
+            .agent
+            .put(format!("{}{}", self.base, route.path()))
+            .config()
+            .timeout_global(Some(self.timeouts.upload))
+            .build()
+            .header("Content-Type", ARTIFACT_MEDIA_TYPE)
+            .header("Content-Length", total.to_string())
+            .header("Expect", "100-continue")
+            .send(ureq::SendBody::from_reader(&mut reader));
+        answer(response, ArtifactReply::CAP)
+    }
+}
+
+/// Every certificate in a PEM file; at least one.
+fn certificates(pem: &[u8], what: &str) -> Result<Vec<Certificate<'static>>, SetupError> {
+    let mut certs = Vec::new();
+    for item in ureq::tls::parse_pem(pem) {
+        match item {
+            Ok(ureq::tls::PemItem::Certificate(c)) => certs.push(c),
+            Ok(_) => {}
+            Err(e) => return Err(SetupError(format!("{what}: {e}"))),
+        }
+    }
+    if certs.is_empty() {
+        return Err(SetupError(format!("{what} holds no certificate")));
+    }
+    Ok(certs)
+}
+
+fn retry_after(resp: &ureq::http::Response<ureq::Body>) -> Option<Duration> {
+    let secs: u64 = resp.headers().get("retry-after")?.to_str().ok()?.trim().parse().ok()?;
+    Some(Duration::from_secs(secs.min(3600)))
+}
+
+fn answer<Resp: Body>(
+    response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    cap: usize,
+) -> Result<Resp, CallError> {
+    let mut resp = response.map_err(|e| CallError::Transport(e.to_string()))?;
+    let status = resp.status().as_u16();
+    let after = retry_after(&resp);
+    // Read to the end, bounded, so the connection stays reusable.
+    let bytes = resp
+        .body_mut()
+        .with_config()
+        .limit(cap as u64)
+        .read_to_vec()
+        .map_err(|e| CallError::Transport(format!("reading the answer: {e}")))?;
+    if (200..300).contains(&status) {
+        return decode::<Resp>(&bytes).map_err(|e| CallError::Protocol(format!("answer to a {status}: {e}")));
+    }
+    match decode::<ErrorBody>(&bytes) {
+        Ok(ErrorBody { error }) => Err(CallError::Refused { status, code: error, retry_after: after }),
+        Err(_) if status >= 500 => Err(CallError::Refused { status, code: ErrorCode::Unavailable, retry_after: after }),
+        Err(e) => Err(CallError::Protocol(format!("status {status} without an error code: {e}"))),
+    }
+}

@@ -1,0 +1,766 @@
+//! The core's transitions, one by one, then every path through a job's life walked by a
+//! small simulator that plays the server and the process.
+
+use super::*;
+use crate::journal::state::fixtures::{self, c, key, token};
+use crate::journal::{JournalState, Record};
+use ql_wire::artifact::Receipt;
+use ql_wire::capability::Digest;
+use ql_wire::text::ExecutorHandle;
+
+const TTL_MS: u64 = 30_000;
+
+fn replay(records: &[Record]) -> JournalState {
+    let mut state = JournalState::default();
+    for r in records {
+        state.apply(r).unwrap_or_else(|e| panic!("{r:?} refused: {e}"));
+    }
+    state
+}
+
+fn k() -> JobKey {
+    key("s1", "a1")
+}
+
+/// The journal after the first `n` records of a normal life (offer, claim, starting, spawn,
+/// mint, running).
+fn after(n: usize) -> (JournalState, Job) {
+    let key = k();
+    let all = [
+        fixtures::offered(&key, 3),
+        fixtures::claimed(&key),
+        Record::StartingAcked { job: key.clone() },
+        fixtures::spawned(&key),
+        fixtures::minted(&key, 9),
+        Record::RunningAcked { job: key.clone() },
+    ];
+    let state = replay(&all[..n]);
+    let job = state.jobs[&key].clone();
+    (state, job)
+}
+
+fn with(job: &Job, records: &[Record]) -> Job {
+    let mut state = JournalState::default();
+    let key = k();
+    for r in fixtures::lifecycle(&key).into_iter().take(1).chain(job_to_records(job)).chain(records.iter().cloned()) {
+        state.apply(&r).unwrap_or_else(|e| panic!("{r:?} refused: {e}"));
+    }
+    state.jobs[&key].clone()
+}
+
+fn job_to_records(job: &Job) -> Vec<Record> {
+    crate::journal::state::job_records(&k(), job).into_iter().skip(1).collect()
+}
+
+fn t0() -> Instant {
+    // Any instant works: only differences matter.
+    Instant::now()
+}
+
+fn at(base: Instant, ms: u64) -> Now {
+    Now { at: base + Duration::from_millis(ms), drain_by: None }
+}
+
+fn fresh(base: Instant) -> Runtime {
+    Runtime { lease_fresh_at: Some(base), ..Runtime::default() }
+}
+
+fn running(base: Instant) -> Runtime {
+    Runtime {
+        lease_fresh_at: Some(base),
+        timeout_at: Some(base + Duration::from_millis(60_000)),
+        process: Process::Running,
+        ..Runtime::default()
+    }
+}
+
+fn exited_record(code: Option<i32>, signal: Option<i32>) -> Record {
+    exited(
+        &k(),
+        Ending {
+            exit_code: code,
+            signal,
+            finished_at: Timestamp::parse("2026-11-30T08:00:00Z").unwrap(),
+            log_len: 12,
+            truncated: false,
+        },
+    )
+}
+
+fn kind(step: &Step) -> &'static str {
+    match step {
+        Step::Claim(_) => "claim",
+        Step::Renew(_) => "renew",
+        Step::Starting(_) => "starting",
+        Step::Spawn => "spawn",
+        Step::SkipSpawn(_) => "skip-spawn",
+        Step::MintCallback => "mint",
+        Step::Running(_) => "running",
+        Step::StartFailure(_) => "start-failure",
+        Step::Recover => "recover",
+        Step::Stop(_) => "stop",
+        Step::Wait(_) => "wait",
+        Step::Upload(_) => "upload",
+        Step::Complete(_) => "complete",
+        Step::Drop => "drop",
+    }
+}
+
+#[test]
+fn an_unclaimed_job_claims_with_the_token_and_generation_from_its_journal() {
+    let (_, job) = after(1);
+    let base = t0();
+    let Step::Claim(claim) = next(&k(), &job, &Runtime::default(), at(base, 0)) else { panic!() };
+    assert_eq!(claim.lease_token, token(3));
+    assert_eq!(claim.generation, c(1));
+    assert_eq!((claim.run_id.as_str(), claim.attempt_id.as_str()), ("run-a1", "a1"));
+}
+
+#[test]
+fn a_claimed_job_sends_starting_with_its_fence() {
+    let (_, job) = after(2);
+    let base = t0();
+    let Step::Starting(fence) = next(&k(), &job, &fresh(base), at(base, 0)) else { panic!() };
+    assert_eq!(fence.lease_token, token(3));
+    assert_eq!(fence.offer_id.as_str(), "offer-a1");
+    assert_eq!((fence.session_generation, fence.lease_generation, fence.expected_lease_version), (c(1), c(1), c(1)));
+}
+
+#[test]
+fn after_starting_the_process_is_spawned() {
+    let (_, job) = after(3);
+    let base = t0();
+    assert_eq!(next(&k(), &job, &fresh(base), at(base, 0)), Step::Spawn);
+}
+
+#[test]
+fn a_lease_of_unknown_age_is_renewed_before_anything_else() {
+    let base = t0();
+    for n in 2..=3 {
+        let (_, job) = after(n);
+        let step = next(&k(), &job, &Runtime::default(), at(base, 0));
+        assert!(matches!(step, Step::Renew(ref f) if f.expected_lease_version == c(1)), "{n}: {step:?}");
+    }
+}
+
+#[test]
+fn renewal_is_due_a_third_of_the_ttl_after_the_last_success() {
+    let (_, job) = after(6);
+    let base = t0();
+    let third = TTL_MS / 3;
+    assert_eq!(
+        next(&k(), &job, &running(base), at(base, third - 1)),
+        Step::Wait(Some(base + Duration::from_millis(third)))
+    );
+    assert!(matches!(next(&k(), &job, &running(base), at(base, third)), Step::Renew(_)));
+    // Before the spawn too.
+    let (_, job) = after(2);
+    assert!(matches!(next(&k(), &job, &fresh(base), at(base, third)), Step::Renew(_)));
+    assert!(matches!(next(&k(), &job, &fresh(base), at(base, third - 1)), Step::Starting(_)));
+}
+
+#[test]
+fn a_spawned_job_mints_its_callback_before_the_running_ack() {
+    let (_, job) = after(4);
+    let base = t0();
+    assert_eq!(next(&k(), &job, &running(base), at(base, 0)), Step::MintCallback);
+    let Record::CallbackMinted { callback_sequence, log_artifact_id, .. } = minted(&k(), token(5)) else { panic!() };
+    assert_eq!(callback_sequence, c(1));
+    assert_eq!(log_artifact_id.unwrap().as_str(), LOG_ARTIFACT_ID);
+}
+
+#[test]
+fn the_running_ack_registers_handle_log_sequence_and_digest() {
+    let (_, job) = after(5);
+    let base = t0();
+    let Step::Running(body) = next(&k(), &job, &running(base), at(base, 0)) else { panic!() };
+    assert_eq!(body.executor_handle, ExecutorHandle::parse("pid:4242 start:777").unwrap());
+    assert_eq!(body.log_artifact_id.unwrap().as_str(), "log-1");
+    assert_eq!(body.callback_sequence, c(1));
+    assert_eq!(body.callback_token_digest, token(9).digest());
+    assert_eq!(body.expected_lease_version, c(1));
+}
+
+#[test]
+fn a_running_job_waits_for_the_earliest_of_renewal_timeout_and_drain() {
+    let (_, job) = after(6);
+    let base = t0();
+    let mut rt = running(base);
+    rt.timeout_at = Some(base + Duration::from_millis(4_000));
+    assert_eq!(next(&k(), &job, &rt, at(base, 0)), Step::Wait(Some(base + Duration::from_millis(4_000))));
+    let now = Now { at: base, drain_by: Some(base + Duration::from_millis(2_000)) };
+    assert_eq!(next(&k(), &job, &rt, now), Step::Wait(Some(base + Duration::from_millis(2_000))));
+    rt.timeout_at = None;
+    assert_eq!(next(&k(), &job, &rt, at(base, 0)), Step::Wait(Some(base + Duration::from_millis(TTL_MS / 3))));
+}
+
+#[test]
+fn stop_causes_rank_intent_then_timeout_then_drain() {
+    let (_, job) = after(6);
+    let base = t0();
+    let mut rt = running(base);
+    rt.timeout_at = Some(base);
+    let drained = Now { at: base, drain_by: Some(base) };
+    assert_eq!(next(&k(), &job, &rt, drained), Step::Stop(StopCause::Timeout));
+    rt.timeout_at = None;
+    assert_eq!(next(&k(), &job, &rt, drained), Step::Stop(StopCause::Drain));
+    for intent in [StopIntent::Cancel, StopIntent::Timeout] {
+        let stopped = with(&job, &[Record::StopSeen { job: k(), intent }]);
+        assert_eq!(next(&k(), &stopped, &rt, drained), Step::Stop(StopCause::Intent(intent)));
+    }
+}
+
+#[test]
+fn a_stop_outranks_a_due_renewal_and_the_running_ack() {
+    let (_, job) = after(5);
+    let stopped = with(&job, &[Record::StopSeen { job: k(), intent: StopIntent::Cancel }]);
+    let base = t0();
+    let rt = Runtime { process: Process::Running, ..Runtime::default() };
+    assert_eq!(next(&k(), &stopped, &rt, at(base, 0)), Step::Stop(StopCause::Intent(StopIntent::Cancel)));
+}
+
+#[test]
+fn a_stopping_job_keeps_its_lease_alive_and_otherwise_waits() {
+    let (_, job) = after(6);
+    let base = t0();
+    let rt = Runtime { process: Process::Stopping, ..running(base) };
+    assert_eq!(next(&k(), &job, &rt, at(base, 1)), Step::Wait(Some(base + Duration::from_millis(TTL_MS / 3))));
+    assert!(matches!(next(&k(), &job, &rt, at(base, TTL_MS / 3)), Step::Renew(_)));
+}
+
+#[test]
+fn a_stop_seen_before_the_spawn_reports_a_start_failure() {
+    let (_, job) = after(3);
+    let stopped = with(&job, &[Record::StopSeen { job: k(), intent: StopIntent::Cancel }]);
+    let base = t0();
+    assert_eq!(
+        next(&k(), &stopped, &fresh(base), at(base, 0)),
+        Step::SkipSpawn(Reason::summarise(STOPPED_BEFORE_START))
+    );
+    // Before `starting`, `starting` comes first: start-failure needs it.
+    let (_, claimed) = after(2);
+    let stopped = with(&claimed, &[Record::StopSeen { job: k(), intent: StopIntent::Timeout }]);
+    assert!(matches!(next(&k(), &stopped, &fresh(base), at(base, 0)), Step::Starting(_)));
+}
+
+#[test]
+fn a_drain_that_ran_out_before_the_spawn_reports_a_start_failure() {
+    let (_, job) = after(3);
+    let base = t0();
+    let now = Now { at: base, drain_by: Some(base) };
+    assert_eq!(next(&k(), &job, &fresh(base), now), Step::SkipSpawn(Reason::summarise(SHUT_DOWN_BEFORE_START)));
+    let later = Now { at: base, drain_by: Some(base + Duration::from_millis(1)) };
+    assert_eq!(next(&k(), &job, &fresh(base), later), Step::Spawn, "a drain with time left still starts claimed jobs");
+}
+
+#[test]
+fn a_spawn_failure_is_reported_with_its_reason() {
+    let (_, job) = after(3);
+    let reason = Reason::summarise("cannot start `nope`: No such file or directory");
+    let failed = with(&job, &[Record::SpawnFailed { job: k(), reason: reason.clone() }]);
+    let base = t0();
+    let Step::StartFailure(body) = next(&k(), &failed, &fresh(base), at(base, 0)) else { panic!() };
+    assert_eq!(body.reason, reason);
+    assert_eq!(body.lease_token, token(3));
+    // A failure journaled before `starting` (not this agent's order) sends `starting` first.
+    let (_, claimed) = after(2);
+    let early = with(&claimed, &[Record::SpawnFailed { job: k(), reason }]);
+    assert!(matches!(next(&k(), &early, &fresh(base), at(base, 0)), Step::Starting(_)));
+}
+
+#[test]
+fn an_exit_before_the_running_ack_skips_it_and_uploads_then_completes() {
+    let (_, job) = after(5);
+    let ended = with(&job, &[exited_record(Some(0), None)]);
+    let base = t0();
+    let Step::Upload(header) = next(&k(), &ended, &fresh(base), at(base, 0)) else { panic!() };
+    assert_eq!((header.content_length, header.truncated), (12, false));
+    let stored = with(&ended, &[fixtures::stored(&k())]);
+    let Step::Complete(body) = next(&k(), &stored, &fresh(base), at(base, 0)) else { panic!() };
+    assert_eq!(body.artifact.unwrap().length, 12);
+    assert_eq!(body.callback_token, token(9));
+    assert_eq!((body.exit_code, body.signal), (Some(0), None));
+}
+
+#[test]
+fn an_exited_job_needs_no_renewal_even_when_one_would_be_due() {
+    let (_, job) = after(6);
+    let ended = with(&job, &[exited_record(Some(3), None)]);
+    let base = t0();
+    assert!(matches!(next(&k(), &ended, &Runtime::default(), at(base, 0)), Step::Upload(_)));
+}
+
+#[test]
+fn a_lost_log_completes_without_an_artifact() {
+    let (_, job) = after(6);
+    let ended = with(&job, &[exited_record(None, Some(9))]);
+    let base = t0();
+    let rt = Runtime { log_lost: true, ..fresh(base) };
+    let Step::Complete(body) = next(&k(), &ended, &rt, at(base, 0)) else { panic!() };
+    assert_eq!((body.artifact, body.exit_code, body.signal), (None, None, Some(9)));
+}
+
+#[test]
+fn a_crash_between_spawn_and_mint_still_mints_before_completing() {
+    let (_, job) = after(4);
+    let ended = with(&job, &[exited_record(None, Some(9))]);
+    let base = t0();
+    assert_eq!(next(&k(), &ended, &Runtime::default(), at(base, 0)), Step::MintCallback);
+}
+
+#[test]
+fn a_spawned_process_this_agent_does_not_hold_is_recovered() {
+    for n in [5, 6] {
+        let (_, job) = after(n);
+        let base = t0();
+        assert_eq!(next(&k(), &job, &fresh(base), at(base, 0)), Step::Recover, "after {n} records");
+    }
+}
+
+#[test]
+fn a_finished_job_stops_what_runs_and_is_dropped() {
+    let base = t0();
+    let (_, job) = after(6);
+    let rt = |process| Runtime { finished: true, process, ..fresh(base) };
+    assert_eq!(next(&k(), &job, &rt(Process::Running), at(base, 0)), Step::Stop(StopCause::Ended));
+    assert_eq!(next(&k(), &job, &rt(Process::Stopping), at(base, 0)), Step::Wait(None));
+    assert_eq!(next(&k(), &job, &rt(Process::Absent), at(base, 0)), Step::Recover);
+    let ended = with(&job, &[exited_record(Some(0), None)]);
+    assert_eq!(next(&k(), &ended, &rt(Process::Absent), at(base, 0)), Step::Drop);
+    for n in 1..=3 {
+        let (_, early) = after(n);
+        assert_eq!(next(&k(), &early, &rt(Process::Absent), at(base, 0)), Step::Drop, "after {n} records");
+    }
+}
+
+#[test]
+fn a_renewal_in_doubt_is_settled_before_any_other_fenced_command() {
+    let base = t0();
+    let (_, job) = after(6);
+    let ended = with(&job, &[exited_record(Some(0), None)]);
+    let failed = with(&after(3).1, &[Record::SpawnFailed { job: k(), reason: Reason::summarise("x") }]);
+    for j in [&after(2).1, &after(3).1, &after(5).1, &job, &ended, &failed] {
+        let lost = Runtime { renew_doubt: RenewDoubt::AnswerLost, ..running(base) };
+        let step = next(&k(), j, &lost, at(base, 0));
+        assert!(matches!(step, Step::Renew(ref f) if f.expected_lease_version == c(1)), "{step:?}");
+        let next_one = Runtime { renew_doubt: RenewDoubt::TryNext, ..running(base) };
+        let step = next(&k(), j, &next_one, at(base, 0));
+        assert!(matches!(step, Step::Renew(ref f) if f.expected_lease_version == c(2)), "{step:?}");
+    }
+}
+
+#[test]
+fn renewal_doubt_follows_lost_answers_and_conflicts() {
+    use RenewDoubt::*;
+    assert_eq!(renew_failed(Sure, None), Some(AnswerLost));
+    assert_eq!(renew_failed(Sure, Some(ErrorCode::Unavailable)), Some(AnswerLost));
+    assert_eq!(renew_failed(AnswerLost, None), Some(AnswerLost));
+    assert_eq!(renew_failed(TryNext, None), Some(TryNext));
+    assert_eq!(renew_failed(AnswerLost, Some(ErrorCode::LeaseConflict)), Some(TryNext));
+    assert_eq!(renew_failed(TryNext, Some(ErrorCode::LeaseConflict)), None);
+    assert_eq!(renew_failed(Sure, Some(ErrorCode::LeaseConflict)), None);
+    assert_eq!(renew_failed(AnswerLost, Some(ErrorCode::SessionConflict)), None);
+    assert_eq!(renew_failed(Sure, Some(ErrorCode::PrincipalMismatch)), Some(Sure));
+}
+
+#[test]
+fn every_error_code_has_a_disposition() {
+    use Disposition::*;
+    let table = [
+        (ErrorCode::InvalidRequest, EndJob),
+        (ErrorCode::Unauthenticated, Misconfigured),
+        (ErrorCode::PrincipalMismatch, Misconfigured),
+        (ErrorCode::NotFound, EndJob),
+        (ErrorCode::SessionConflict, EndJob),
+        (ErrorCode::OfferConflict, EndJob),
+        (ErrorCode::LeaseConflict, EndJob),
+        (ErrorCode::StateConflict, EndJob),
+        (ErrorCode::ReplayMismatch, EndJob),
+        (ErrorCode::AlreadyTerminal, EndJob),
+        (ErrorCode::ArtifactConflict, EndJob),
+        (ErrorCode::LengthRequired, EndJob),
+        (ErrorCode::PayloadTooLarge, EndJob),
+        (ErrorCode::UnsupportedMediaType, EndJob),
+        (ErrorCode::Unavailable, Retry),
+    ];
+    for (code, want) in table {
+        assert_eq!(disposition(code), want, "{code}");
+    }
+}
+
+#[test]
+fn renewal_records_advance_the_version_and_keep_only_news_of_a_stop() {
+    let (_, job) = after(6);
+    let answer = |v: u64, stop| Renewed {
+        lease_version: c(v),
+        lease_expires_at: Timestamp::parse("2026-11-30T08:00:30Z").unwrap(),
+        stop,
+    };
+    assert_eq!(renewed(&k(), &job, &answer(2, None)), vec![Record::Renewed { job: k(), lease_version: c(2) }]);
+    let cancel = Record::StopSeen { job: k(), intent: StopIntent::Cancel };
+    assert_eq!(renewed(&k(), &job, &answer(2, Some(StopIntent::Cancel)))[1], cancel);
+    let cancelled = with(&job, &[cancel]);
+    assert_eq!(renewed(&k(), &cancelled, &answer(2, Some(StopIntent::Cancel))).len(), 1, "the same intent is no news");
+    assert_eq!(renewed(&k(), &cancelled, &answer(2, Some(StopIntent::Timeout))).len(), 2, "a stronger one is");
+    assert!(renewed(&k(), &job, &answer(1, None)).is_empty(), "a version that does not advance is not recorded");
+}
+
+#[test]
+fn exit_records_drop_signals_the_protocol_cannot_carry() {
+    let e = |signal| Ending {
+        exit_code: None,
+        signal,
+        finished_at: Timestamp::parse("2026-11-30T08:00:00Z").unwrap(),
+        log_len: 0,
+        truncated: false,
+    };
+    let Record::Exited { signal, .. } = exited(&k(), e(Some(9))) else { panic!() };
+    assert_eq!(signal, Some(9));
+    let Record::Exited { signal, .. } = exited(&k(), e(Some(0))) else { panic!() };
+    assert_eq!(signal, None);
+}
+
+#[test]
+fn backoff_doubles_to_its_cap_with_half_jitter_and_honours_retry_after() {
+    let ms = Duration::from_millis;
+    let (initial, max) = (ms(100), ms(1_000));
+    assert_eq!(backoff(initial, max, 1, 0, None), ms(50));
+    assert_eq!(backoff(initial, max, 1, 50, None), ms(100));
+    assert_eq!(backoff(initial, max, 1, 51, None), ms(50), "jitter wraps within half the wait");
+    assert_eq!(backoff(initial, max, 2, 0, None), ms(100));
+    assert_eq!(backoff(initial, max, 4, 0, None), ms(400));
+    assert_eq!(backoff(initial, max, 5, 0, None), ms(500), "capped at max");
+    assert_eq!(backoff(initial, max, u32::MAX, u64::MAX, None).max(ms(500)), backoff(initial, max, 99, u64::MAX, None));
+    for random in 0..2_000 {
+        let w = backoff(initial, max, 9, random, None);
+        assert!(w >= ms(500) && w <= max, "{w:?}");
+    }
+    assert_eq!(backoff(initial, max, 1, 0, Some(ms(7_000))), ms(7_000));
+    assert_eq!(backoff(initial, max, 5, 0, Some(ms(10))), ms(500));
+}
+
+#[test]
+fn remote_steps_are_exactly_the_commands() {
+    let (_, job) = after(6);
+    let base = t0();
+    assert!(next(&k(), &job, &running(base), at(base, TTL_MS)).is_remote());
+    assert!(!Step::Spawn.is_remote() && !Step::Drop.is_remote() && !Step::Wait(None).is_remote());
+}
+
+// ---- every path, simulated ----
+
+/// What the simulated world does.
+#[derive(Debug, Clone, Copy)]
+struct Scenario {
+    /// The spawn fails.
+    spawn_fails: bool,
+    /// The first renewal after this many ms of the process running delivers this intent.
+    stop: Option<StopIntent>,
+    /// The process exits on its own after this long.
+    run_ms: u64,
+    /// The agent restarts after this many steps.
+    restart_after: Option<usize>,
+    /// SIGTERM arrives this many ms after the start; the drain lasts 5 s.
+    drain_at: Option<u64>,
+    /// Every remote command's first answer is lost.
+    lose_answers: bool,
+}
+
+struct Sim {
+    state: JournalState,
+    rt: Runtime,
+    base: Instant,
+    now: Instant,
+    drain_by: Option<Instant>,
+    exit_at: Option<(Instant, Option<i32>, Option<i32>)>,
+    spawned_at: Option<Instant>,
+    server_version: u64,
+    trace: Vec<&'static str>,
+    sent_last: Option<Step>,
+}
+
+impl Sim {
+    fn new() -> Self {
+        let base = t0();
+        Sim {
+            state: replay(&[fixtures::session("s1", 1), fixtures::offered(&k(), 3)]),
+            rt: Runtime::default(),
+            base,
+            now: base,
+            drain_by: None,
+            exit_at: None,
+            spawned_at: None,
+            server_version: 1,
+            trace: Vec::new(),
+            sent_last: None,
+        }
+    }
+
+    fn commit(&mut self, r: Record) {
+        self.state.apply(&r).unwrap_or_else(|e| panic!("the journal refused {r:?}: {e}\ntrace {:?}", self.trace));
+    }
+
+    fn ms(&self, n: u64) -> Instant {
+        self.base + Duration::from_millis(n)
+    }
+
+    fn run(mut self, s: Scenario) -> Vec<&'static str> {
+        for i in 0..400 {
+            if s.restart_after == Some(i) {
+                // The agent dies: memory is lost; a running process becomes an orphan.
+                self.rt = Runtime::default();
+                self.trace.push("RESTART");
+            }
+            if let Some(d) = s.drain_at {
+                if self.drain_by.is_none() && self.now >= self.ms(d) {
+                    self.drain_by = Some(self.ms(d + 5_000));
+                }
+            }
+            let Some(job) = self.state.jobs.get(&k()).cloned() else { return self.trace };
+            let now = Now { at: self.now, drain_by: self.drain_by };
+            let step = next(&k(), &job, &self.rt, now);
+            self.trace.push(kind(&step));
+            if step.is_remote() {
+                // The body depends on the journal alone: a compacted journal gives the same.
+                let rebuilt = replay(&self.state.to_records());
+                assert_eq!(next(&k(), &rebuilt.jobs[&k()], &self.rt, now), step, "compaction changed the body");
+                if s.lose_answers && self.sent_last.as_ref() != Some(&step) && !matches!(step, Step::Renew(_)) {
+                    // The answer is lost; the same request must come again.
+                    self.sent_last = Some(step.clone());
+                    continue;
+                }
+                self.sent_last = None;
+            }
+            self.apply(step, &job, &s);
+        }
+        panic!("no end after 400 steps: {:?}", self.trace);
+    }
+
+    fn apply(&mut self, step: Step, job: &Job, s: &Scenario) {
+        let key = k();
+        match step {
+            Step::Claim(_) => {
+                let answer = Claimed {
+                    lease_generation: c(1),
+                    lease_version: c(1),
+                    lease_expires_at: Timestamp::parse("2026-11-30T08:00:30Z").unwrap(),
+                    lease_ttl_ms: TTL_MS,
+                    spec: fixtures::spec(),
+                };
+                self.commit(claimed(&key, &answer));
+                self.rt.lease_fresh_at = Some(self.now);
+            }
+            Step::Renew(f) => {
+                assert_eq!(f.expected_lease_version.get(), self.server_version, "renewal with a stale version");
+                self.server_version += 1;
+                let ran = self.spawned_at.map(|t| self.now - t);
+                let stop = match (s.stop, ran) {
+                    (Some(i), Some(_)) => Some(i),
+                    (Some(i), None) if s.restart_after.is_some() => Some(i),
+                    _ => None,
+                };
+                let answer = Renewed {
+                    lease_version: c(self.server_version),
+                    lease_expires_at: Timestamp::parse("2026-11-30T08:00:30Z").unwrap(),
+                    stop,
+                };
+                for r in renewed(&key, job, &answer) {
+                    self.commit(r);
+                }
+                self.rt.lease_fresh_at = Some(self.now);
+                self.rt.renew_doubt = RenewDoubt::Sure;
+            }
+            Step::Starting(f) => {
+                assert_eq!(f.expected_lease_version.get(), self.server_version);
+                self.commit(Record::StartingAcked { job: key });
+            }
+            Step::Spawn => {
+                if s.spawn_fails {
+                    self.commit(Record::SpawnFailed { job: key, reason: Reason::summarise("no such program") });
+                } else {
+                    self.commit(fixtures::spawned(&key));
+                    self.rt.process = Process::Running;
+                    self.rt.timeout_at = Some(self.now + Duration::from_millis(fixtures::spec().timeout_ms));
+                    self.spawned_at = Some(self.now);
+                    self.exit_at = Some((self.now + Duration::from_millis(s.run_ms), Some(0), None));
+                }
+            }
+            Step::SkipSpawn(reason) => self.commit(Record::SpawnFailed { job: key, reason }),
+            Step::MintCallback => self.commit(minted(&key, token(9))),
+            Step::Running(b) => {
+                assert_eq!(b.expected_lease_version.get(), self.server_version);
+                assert!(job.exit.is_none(), "running after the exit");
+                self.commit(Record::RunningAcked { job: key });
+            }
+            Step::StartFailure(b) => {
+                assert!(job.starting_acked && job.spawn.is_none());
+                assert_eq!(b.expected_lease_version.get(), self.server_version);
+                self.rt.finished = true;
+            }
+            Step::Recover => {
+                // The orphan is found alive (if it has not exited yet) and killed.
+                let signal = self.exit_at.take().map(|_| 9);
+                self.commit(self.ending(None, signal));
+            }
+            Step::Stop(_) => {
+                assert_eq!(self.rt.process, Process::Running);
+                self.rt.process = Process::Stopping;
+                self.exit_at = Some((self.now + Duration::from_millis(10), None, Some(15)));
+            }
+            Step::Wait(until) => {
+                let exit = self.exit_at.filter(|_| self.rt.process != Process::Absent);
+                // A signal interrupts a wait, as it does in the shell.
+                let signal = s.drain_at.map(|d| self.ms(d)).filter(|_| self.drain_by.is_none());
+                let wake = [until, exit.map(|e| e.0), signal].into_iter().flatten().min();
+                let Some(wake) = wake else { panic!("waiting for nothing: {:?}", self.trace) };
+                self.now = self.now.max(wake);
+                if let Some((_, code, signal)) = exit.filter(|e| e.0 <= wake) {
+                    self.exit_at = None;
+                    self.rt.process = Process::Absent;
+                    self.commit(self.ending(code, signal));
+                }
+            }
+            Step::Upload(h) => {
+                let exit = job.exit.as_ref().unwrap();
+                assert_eq!((h.content_length, h.truncated), (exit.log_len, exit.truncated));
+                assert_eq!(h.expected_lease_version.get(), self.server_version);
+                let receipt = Receipt {
+                    artifact_id: ArtifactId::parse(LOG_ARTIFACT_ID).unwrap(),
+                    length: exit.log_len,
+                    sha256: Digest::of(b""),
+                    truncated: exit.truncated,
+                };
+                self.commit(Record::ArtifactStored { job: key, receipt });
+            }
+            Step::Complete(b) => {
+                assert!(job.exit.is_some() && b.artifact.is_some(), "completion without the log");
+                assert_eq!(b.expected_lease_version.get(), self.server_version);
+                self.rt.finished = true;
+            }
+            Step::Drop => self.commit(Record::Dropped { job: key }),
+        }
+        // Time passes a little with every step.
+        self.now += Duration::from_millis(1);
+    }
+
+    fn ending(&self, code: Option<i32>, signal: Option<i32>) -> Record {
+        exited(
+            &k(),
+            Ending {
+                exit_code: code,
+                signal,
+                finished_at: Timestamp::parse("2026-11-30T08:00:00Z").unwrap(),
+                log_len: 5,
+                truncated: false,
+            },
+        )
+    }
+}
+
+fn walk(s: Scenario) -> Vec<&'static str> {
+    Sim::new().run(s)
+}
+
+fn plain() -> Scenario {
+    Scenario { spawn_fails: false, stop: None, run_ms: 1_000, restart_after: None, drain_at: None, lose_answers: false }
+}
+
+/// The trace without waits, restarts and repeats, for readable expectations.
+fn squeeze(trace: &[&'static str]) -> Vec<&'static str> {
+    let mut out: Vec<&'static str> = Vec::new();
+    for t in trace {
+        if *t != "wait" && *t != "RESTART" && out.last() != Some(t) {
+            out.push(t);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_normal_life() {
+    assert_eq!(
+        squeeze(&walk(plain())),
+        ["claim", "starting", "spawn", "mint", "running", "upload", "complete", "drop"]
+    );
+}
+
+#[test]
+fn a_long_job_renews_every_third_of_the_ttl() {
+    let trace = walk(Scenario { run_ms: 45_000, ..plain() });
+    assert_eq!(trace.iter().filter(|t| **t == "renew").count(), 4, "{trace:?}");
+}
+
+#[test]
+fn a_failed_spawn_life() {
+    assert_eq!(
+        squeeze(&walk(Scenario { spawn_fails: true, ..plain() })),
+        ["claim", "starting", "spawn", "start-failure", "drop"]
+    );
+}
+
+#[test]
+fn a_cancelled_life_stops_then_completes() {
+    let trace = squeeze(&walk(Scenario { stop: Some(StopIntent::Cancel), run_ms: 100_000, ..plain() }));
+    assert_eq!(trace, ["claim", "starting", "spawn", "mint", "running", "renew", "stop", "upload", "complete", "drop"]);
+}
+
+#[test]
+fn a_local_timeout_stops_then_completes() {
+    let trace = squeeze(&walk(Scenario { run_ms: 100_000, ..plain() }));
+    // Renewals go on while the group stops: the lease must outlive the stop.
+    let tail: Vec<_> = trace.iter().skip_while(|t| **t != "stop").filter(|t| **t != "renew").collect();
+    assert_eq!(tail, [&"stop", &"upload", &"complete", &"drop"], "{trace:?}");
+}
+
+#[test]
+fn a_drain_stops_a_long_job_and_still_completes_it() {
+    let trace = squeeze(&walk(Scenario { run_ms: 100_000, drain_at: Some(1_000), ..plain() }));
+    assert_eq!(trace, ["claim", "starting", "spawn", "mint", "running", "stop", "upload", "complete", "drop"]);
+}
+
+#[test]
+fn a_stop_after_a_restart_before_the_spawn_is_a_start_failure() {
+    let trace = squeeze(&walk(Scenario { stop: Some(StopIntent::Cancel), restart_after: Some(1), ..plain() }));
+    assert_eq!(trace, ["claim", "renew", "starting", "skip-spawn", "start-failure", "drop"]);
+}
+
+#[test]
+fn lost_answers_repeat_the_same_request() {
+    let trace = walk(Scenario { lose_answers: true, ..plain() });
+    for cmd in ["claim", "starting", "running", "upload", "complete"] {
+        assert_eq!(trace.iter().filter(|t| **t == cmd).count(), 2, "{cmd}: {trace:?}");
+    }
+}
+
+#[test]
+fn every_path_ends_in_one_terminal_command_and_a_drop() {
+    let mut walks = 0;
+    for spawn_fails in [false, true] {
+        for stop in [None, Some(StopIntent::Cancel), Some(StopIntent::Timeout)] {
+            for run_ms in [5, 1_000, 45_000, 100_000] {
+                for restart_after in [None].into_iter().chain((0..16).map(Some)) {
+                    for drain_at in [None, Some(0), Some(2_000)] {
+                        for lose_answers in [false, true] {
+                            let s = Scenario { spawn_fails, stop, run_ms, restart_after, drain_at, lose_answers };
+                            let trace = walk(s);
+                            walks += 1;
+                            let t = squeeze(&trace);
+                            assert_eq!(t.last(), Some(&"drop"), "{s:?}: {trace:?}");
+                            let terminal: Vec<_> =
+                                t.iter().filter(|x| matches!(**x, "complete" | "start-failure")).collect();
+                            assert_eq!(terminal.len(), 1, "{s:?}: {trace:?}");
+                            let spawned = t.contains(&"mint");
+                            assert_eq!(spawned, t.contains(&"complete"), "{s:?}: {trace:?}");
+                            if spawned {
+                                let up = t.iter().position(|x| *x == "upload").unwrap();
+                                let done = t.iter().position(|x| *x == "complete").unwrap();
+                                assert!(up < done, "{s:?}: {trace:?}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(walks, 2 * 3 * 4 * 17 * 3 * 2);
+}
