@@ -1,1 +1,548 @@
-//! placeholder
+//! The local-files artifact store: the single-node default (replicas share a bucket).
+//!
+//! # Layout
+//!
+//! ```text
+//! <root>/<project>/<run>/<attempt>/
+//!     <artifact>.<sha256>             the content, named by its digest
+//!     <artifact>.receipt.json         {artifactId, length, sha256, truncated}: the commit
+//!     .<artifact>.<random>.tmp        an upload in progress (or a receipt being written)
+//! ```
+//!
+//! Every path part is a validated id (`[A-Za-z0-9_-]{1,64}`), so none can be empty, `.`,
+//! `..` or contain a separator, and no id contains a `.`: content, receipt and temporary
+//! names of different artifacts never collide.
+//!
+//! # Put-if-absent, immutable, crash-safe
+//!
+//! An upload streams into a temporary file in the final directory while hashing and
+//! counting, so memory stays bounded whatever the size. [`Upload::finish`] then:
+//!
+//! 1. refuses a byte count other than the declared length (the temporary file goes);
+//! 2. fsyncs the content;
+//! 3. if a receipt exists, answers from it: same length, digest and truncation is
+//!    `AlreadyStored` with the stored receipt, anything else is `Conflict`;
+//! 4. publishes the content as `<artifact>.<sha256>` with `hard_link`, which never
+//!    overwrites (an existing file of that name already holds these very bytes), and
+//!    fsyncs the directory;
+//! 5. writes the receipt to a temporary file, fsyncs it, and publishes it with
+//!    `hard_link` — the commit point — then fsyncs the directory and its ancestors.
+//!    Losing that race to a concurrent upload is answered like step 3.
+//!
+//! Content is durable before any receipt names it, so a crash at any point leaves either
+//! no receipt (the key is still free; a leftover content file is harmless and is reused
+//! by an identical retry) or a receipt whose content exists. [`BlobStore::inspect`]
+//! reads only the receipt and checks that the content exists with the receipt's length;
+//! it does not re-hash 64 MiB. A receipt without matching content is reported as an
+//! error, never as absent, so corruption fails closed.
+
+use std::fs::File;
+use std::io::Write as _;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sha2::{Digest as _, Sha256};
+use tokio::io::AsyncWriteExt;
+
+use ql_wire::artifact::Receipt;
+use ql_wire::capability::Digest;
+use ql_wire::ids::ArtifactId;
+use ql_wire::limits::ARTIFACT_CONTENT_MAX;
+
+use super::{ArtifactKey, BlobError, BlobStore, PutOutcome, Upload};
+
+/// Artifacts as files under one root directory.
+#[derive(Debug, Clone)]
+pub struct FsBlobStore {
+    root: Arc<PathBuf>,
+}
+
+fn err(what: impl std::fmt::Display) -> BlobError {
+    BlobError(what.to_string())
+}
+
+/// A directory only the owner may enter: logs can hold whatever a job printed.
+fn make_dirs(path: &Path) -> std::io::Result<()> {
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(path)
+}
+
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    File::open(path)?.sync_all()
+}
+
+fn random_suffix() -> Result<String, BlobError> {
+    let mut bytes = [0u8; 8];
+    getrandom::getrandom(&mut bytes).map_err(|e| err(format!("no randomness for a temporary name: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn remove_quietly(path: &Path) {
+    // Best effort: a leftover temporary file is garbage, not a fact anyone reads.
+    let _ = std::fs::remove_file(path);
+}
+
+impl FsBlobStore {
+    /// Opens the store at `root`, creating it (mode 0700) if needed.
+    pub fn open(root: impl AsRef<Path>) -> Result<Self, BlobError> {
+        let root = root.as_ref().to_path_buf();
+        make_dirs(&root)?;
+        Ok(Self { root: Arc::new(root) })
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn dir(&self, key: &ArtifactKey) -> PathBuf {
+        self.root.join(key.project.as_str()).join(key.run.as_str()).join(key.attempt.as_str())
+    }
+
+    /// Syncs the attempt directory and every ancestor up to the root, so directories
+    /// created for this upload survive power loss along with the entries in them.
+    fn sync_chain(&self, dir: &Path) -> std::io::Result<()> {
+        let mut at = Some(dir);
+        while let Some(d) = at {
+            sync_dir(d)?;
+            if d == self.root.as_path() {
+                break;
+            }
+            at = d.parent();
+        }
+        Ok(())
+    }
+}
+
+fn receipt_path(dir: &Path, artifact: &ArtifactId) -> PathBuf {
+    dir.join(format!("{artifact}.receipt.json"))
+}
+
+fn content_path(dir: &Path, artifact: &ArtifactId, sha256: &Digest) -> PathBuf {
+    dir.join(format!("{artifact}.{}", sha256.as_str()))
+}
+
+/// The committed receipt for `artifact` in `dir`, checked against its content.
+fn read_receipt(dir: &Path, artifact: &ArtifactId) -> Result<Option<Receipt>, BlobError> {
+    let bytes = match std::fs::read(receipt_path(dir, artifact)) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let receipt: Receipt = serde_json::from_slice(&bytes).map_err(|e| err(format!("unreadable receipt: {e}")))?;
+    if &receipt.artifact_id != artifact {
+        return Err(err("receipt names another artifact"));
+    }
+    let content = content_path(dir, artifact, &receipt.sha256);
+    match std::fs::metadata(&content) {
+        Ok(m) if m.is_file() && m.len() == receipt.length => Ok(Some(receipt)),
+        Ok(_) => Err(err("stored content does not match its receipt")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(err("receipt without content")),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn compare(stored: Receipt, offered: &Receipt) -> PutOutcome {
+    if &stored == offered {
+        PutOutcome::AlreadyStored(stored)
+    } else {
+        PutOutcome::Conflict
+    }
+}
+
+/// Steps 3 to 5 of the module doc, on a blocking thread. `tmp` holds exactly the
+/// receipt's bytes, already fsynced.
+fn publish(store: &FsBlobStore, dir: &Path, tmp: &Path, receipt: &Receipt) -> Result<PutOutcome, BlobError> {
+    let artifact = &receipt.artifact_id;
+    if let Some(stored) = read_receipt(dir, artifact)? {
+        remove_quietly(tmp);
+        return Ok(compare(stored, receipt));
+    }
+    let content = content_path(dir, artifact, &receipt.sha256);
+    match std::fs::hard_link(tmp, &content) {
+        Ok(()) => {}
+        // Named by its digest: an existing file holds these bytes (left by a crashed or
+        // concurrent identical put). Its length is the cheap sanity check.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            if std::fs::metadata(&content)?.len() != receipt.length {
+                remove_quietly(tmp);
+                return Err(err("content file of this digest has another length"));
+            }
+        }
+        Err(e) => {
+            remove_quietly(tmp);
+            return Err(e.into());
+        }
+    }
+    remove_quietly(tmp);
+    sync_dir(dir)?;
+
+    let receipt_tmp = dir.join(format!(".{artifact}.{}.receipt.tmp", random_suffix()?));
+    let written = (|| -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&receipt_tmp)?;
+        f.write_all(&serde_json::to_vec(receipt).map_err(std::io::Error::other)?)?;
+        f.sync_all()
+    })();
+    if let Err(e) = written {
+        remove_quietly(&receipt_tmp);
+        return Err(e.into());
+    }
+    let linked = std::fs::hard_link(&receipt_tmp, receipt_path(dir, artifact));
+    remove_quietly(&receipt_tmp);
+    match linked {
+        Ok(()) => {
+            store.sync_chain(dir)?;
+            Ok(PutOutcome::Stored(receipt.clone()))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let stored = read_receipt(dir, artifact)?.ok_or_else(|| err("receipt vanished"))?;
+            if stored.sha256 != receipt.sha256 {
+                // No receipt can ever name our content now: it is garbage.
+                remove_quietly(&content);
+            }
+            Ok(compare(stored, receipt))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// An upload in progress: a temporary file, a running hash and a byte count.
+#[derive(Debug)]
+pub struct FsUpload {
+    store: FsBlobStore,
+    dir: PathBuf,
+    artifact: ArtifactId,
+    declared: u64,
+    truncated: bool,
+    file: Option<tokio::fs::File>,
+    tmp: Option<PathBuf>,
+    hasher: Sha256,
+    written: u64,
+    failed: bool,
+}
+
+impl Drop for FsUpload {
+    fn drop(&mut self) {
+        // Unfinished, refused or already published (then the link is gone): either way
+        // the temporary name must not stay behind.
+        if let Some(tmp) = self.tmp.take() {
+            remove_quietly(&tmp);
+        }
+    }
+}
+
+impl Upload for FsUpload {
+    async fn write(&mut self, bytes: &[u8]) -> Result<(), BlobError> {
+        if self.failed {
+            return Err(err("upload already failed"));
+        }
+        if self.written.saturating_add(bytes.len() as u64) > self.declared {
+            self.failed = true;
+            return Err(err(format!("more than the declared {} bytes", self.declared)));
+        }
+        let Some(file) = self.file.as_mut() else {
+            return Err(err("upload already finished"));
+        };
+        if let Err(e) = file.write_all(bytes).await {
+            self.failed = true;
+            return Err(e.into());
+        }
+        self.hasher.update(bytes);
+        self.written += bytes.len() as u64;
+        Ok(())
+    }
+
+    async fn finish(mut self) -> Result<PutOutcome, BlobError> {
+        if self.failed {
+            return Err(err("upload failed"));
+        }
+        if self.written != self.declared {
+            return Err(err(format!("{} bytes received, {} declared", self.written, self.declared)));
+        }
+        let (Some(mut file), Some(tmp)) = (self.file.take(), self.tmp.clone()) else {
+            return Err(err("upload already finished"));
+        };
+        file.flush().await?;
+        file.sync_all().await?;
+        drop(file);
+        let sha256 = Digest::from_raw(&std::mem::take(&mut self.hasher).finalize().into());
+        let receipt =
+            Receipt { artifact_id: self.artifact.clone(), length: self.written, sha256, truncated: self.truncated };
+        let (store, dir) = (self.store.clone(), self.dir.clone());
+        tokio::task::spawn_blocking(move || publish(&store, &dir, &tmp, &receipt))
+            .await
+            .map_err(|e| err(format!("publishing task: {e}")))?
+    }
+}
+
+impl BlobStore for FsBlobStore {
+    type Upload = FsUpload;
+
+    async fn begin(&self, key: &ArtifactKey, length: u64, truncated: bool) -> Result<FsUpload, BlobError> {
+        if length > ARTIFACT_CONTENT_MAX {
+            return Err(err(format!("{length} bytes exceeds the artifact limit")));
+        }
+        let dir = self.dir(key);
+        let tmp = dir.join(format!(".{}.{}.tmp", key.artifact, random_suffix()?));
+        let file = {
+            let (dir, tmp) = (dir.clone(), tmp.clone());
+            tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
+                make_dirs(&dir)?;
+                std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)
+            })
+            .await
+            .map_err(|e| err(format!("creating the upload: {e}")))??
+        };
+        Ok(FsUpload {
+            store: self.clone(),
+            dir,
+            artifact: key.artifact.clone(),
+            declared: length,
+            truncated,
+            file: Some(tokio::fs::File::from_std(file)),
+            tmp: Some(tmp),
+            hasher: Sha256::new(),
+            written: 0,
+            failed: false,
+        })
+    }
+
+    async fn inspect(&self, key: &ArtifactKey) -> Result<Option<Receipt>, BlobError> {
+        let (dir, artifact) = (self.dir(key), key.artifact.clone());
+        tokio::task::spawn_blocking(move || read_receipt(&dir, &artifact))
+            .await
+            .map_err(|e| err(format!("inspecting: {e}")))?
+    }
+
+    async fn read(&self, key: &ArtifactKey) -> Result<Option<Vec<u8>>, BlobError> {
+        let Some(receipt) = self.inspect(key).await? else {
+            return Ok(None);
+        };
+        let bytes = tokio::fs::read(content_path(&self.dir(key), &key.artifact, &receipt.sha256)).await?;
+        Ok(Some(bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ql_wire::ids::{AttemptId, ProjectId, RunId};
+
+    /// A directory under the system temp dir, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(tag: &str) -> Self {
+            static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+            let dir = std::env::temp_dir().join(format!("ql-blob-{tag}-{}-{n}-{nanos}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Self(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn key(artifact: &str) -> ArtifactKey {
+        ArtifactKey {
+            project: ProjectId::parse("proj").unwrap(),
+            run: RunId::parse("run_1").unwrap(),
+            attempt: AttemptId::parse("att_1").unwrap(),
+            artifact: ArtifactId::parse(artifact).unwrap(),
+        }
+    }
+
+    fn receipt_of(artifact: &str, content: &[u8], truncated: bool) -> Receipt {
+        Receipt {
+            artifact_id: ArtifactId::parse(artifact).unwrap(),
+            length: content.len() as u64,
+            sha256: Digest::of(content),
+            truncated,
+        }
+    }
+
+    async fn put(store: &FsBlobStore, k: &ArtifactKey, content: &[u8], truncated: bool) -> PutOutcome {
+        let mut up = store.begin(k, content.len() as u64, truncated).await.unwrap();
+        for chunk in content.chunks(7) {
+            up.write(chunk).await.unwrap();
+        }
+        up.finish().await.unwrap()
+    }
+
+    /// Every file (not directory) under `root`, relative names.
+    fn files(root: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut stack = vec![root.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for entry in std::fs::read_dir(&d).unwrap() {
+                let p = entry.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else {
+                    out.push(p.strip_prefix(root).unwrap().display().to_string());
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    #[tokio::test]
+    async fn store_then_replay_then_conflict() {
+        let dir = TempDir::new("replay");
+        let store = FsBlobStore::open(&dir.0).unwrap();
+        let k = key("log");
+        let stored = receipt_of("log", b"hello, world\n", false);
+        assert_eq!(put(&store, &k, b"hello, world\n", false).await, PutOutcome::Stored(stored.clone()));
+        assert_eq!(put(&store, &k, b"hello, world\n", false).await, PutOutcome::AlreadyStored(stored.clone()));
+        assert_eq!(put(&store, &k, b"other bytes", false).await, PutOutcome::Conflict);
+        assert_eq!(put(&store, &k, b"hello, world\n", true).await, PutOutcome::Conflict, "truncation is identity");
+        assert_eq!(store.inspect(&k).await.unwrap(), Some(stored));
+        assert_eq!(store.read(&k).await.unwrap().as_deref(), Some(&b"hello, world\n"[..]));
+        assert_eq!(
+            files(&dir.0),
+            vec![
+                format!("proj/run_1/att_1/log.{}", Digest::of(b"hello, world\n").as_str()),
+                "proj/run_1/att_1/log.receipt.json".to_owned()
+            ],
+            "no temporary or conflicting content is left behind"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_empty_artifact_is_an_artifact() {
+        let dir = TempDir::new("empty");
+        let store = FsBlobStore::open(&dir.0).unwrap();
+        let up = store.begin(&key("log"), 0, false).await.unwrap();
+        assert_eq!(up.finish().await.unwrap(), PutOutcome::Stored(receipt_of("log", b"", false)));
+        assert_eq!(store.read(&key("log")).await.unwrap(), Some(Vec::new()));
+    }
+
+    #[tokio::test]
+    async fn a_short_upload_is_refused_and_leaves_nothing() {
+        let dir = TempDir::new("short");
+        let store = FsBlobStore::open(&dir.0).unwrap();
+        let mut up = store.begin(&key("log"), 10, false).await.unwrap();
+        up.write(b"12345").await.unwrap();
+        assert!(up.finish().await.is_err());
+        assert_eq!(store.inspect(&key("log")).await.unwrap(), None);
+        assert_eq!(store.read(&key("log")).await.unwrap(), None);
+        assert!(files(&dir.0).is_empty(), "{:?}", files(&dir.0));
+    }
+
+    #[tokio::test]
+    async fn a_long_upload_is_refused_at_the_first_extra_byte() {
+        let dir = TempDir::new("long");
+        let store = FsBlobStore::open(&dir.0).unwrap();
+        let mut up = store.begin(&key("log"), 4, false).await.unwrap();
+        up.write(b"1234").await.unwrap();
+        assert!(up.write(b"5").await.is_err());
+        assert!(up.finish().await.is_err());
+        assert_eq!(store.inspect(&key("log")).await.unwrap(), None);
+        assert!(files(&dir.0).is_empty(), "{:?}", files(&dir.0));
+    }
+
+    #[tokio::test]
+    async fn a_dropped_upload_leaves_nothing() {
+        let dir = TempDir::new("dropped");
+        let store = FsBlobStore::open(&dir.0).unwrap();
+        let mut up = store.begin(&key("log"), 8, false).await.unwrap();
+        up.write(b"1234").await.unwrap();
+        assert_eq!(files(&dir.0).len(), 1, "the upload streams into a temporary file");
+        drop(up);
+        assert!(files(&dir.0).is_empty(), "{:?}", files(&dir.0));
+        assert_eq!(store.inspect(&key("log")).await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn sixty_four_mib_in_sixty_four_kib_chunks() {
+        let dir = TempDir::new("big");
+        let store = FsBlobStore::open(&dir.0).unwrap();
+        let total = ARTIFACT_CONTENT_MAX;
+        let mut chunk = vec![0u8; 64 * 1024];
+        let mut expected = Sha256::new();
+        let mut up = store.begin(&key("log"), total, true).await.unwrap();
+        for i in 0..total / chunk.len() as u64 {
+            chunk.iter_mut().enumerate().for_each(|(j, b)| *b = (i as u8).wrapping_mul(31) ^ (j as u8));
+            expected.update(&chunk);
+            up.write(&chunk).await.unwrap();
+        }
+        let receipt = Receipt {
+            artifact_id: ArtifactId::parse("log").unwrap(),
+            length: total,
+            sha256: Digest::from_raw(&expected.finalize().into()),
+            truncated: true,
+        };
+        assert_eq!(up.finish().await.unwrap(), PutOutcome::Stored(receipt.clone()));
+        assert_eq!(store.inspect(&key("log")).await.unwrap(), Some(receipt));
+        // One byte over the limit is refused before anything is written.
+        assert!(store.begin(&key("big"), total + 1, false).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn receipts_survive_reopening_the_store() {
+        let dir = TempDir::new("reopen");
+        let first = FsBlobStore::open(&dir.0).unwrap();
+        let stored = receipt_of("log", b"durable", false);
+        assert_eq!(put(&first, &key("log"), b"durable", false).await, PutOutcome::Stored(stored.clone()));
+        drop(first);
+        let again = FsBlobStore::open(&dir.0).unwrap();
+        assert_eq!(again.inspect(&key("log")).await.unwrap(), Some(stored.clone()));
+        assert_eq!(put(&again, &key("log"), b"durable", false).await, PutOutcome::AlreadyStored(stored));
+        assert_eq!(put(&again, &key("log"), b"changed", false).await, PutOutcome::Conflict);
+    }
+
+    #[tokio::test]
+    async fn content_without_a_receipt_is_not_stored_and_does_not_block_the_key() {
+        // What a crash between publishing the content and the receipt leaves behind.
+        let dir = TempDir::new("crash");
+        let store = FsBlobStore::open(&dir.0).unwrap();
+        let k = key("log");
+        let attempt_dir = store.dir(&k);
+        make_dirs(&attempt_dir).unwrap();
+        std::fs::write(content_path(&attempt_dir, &k.artifact, &Digest::of(b"first")), b"first").unwrap();
+        assert_eq!(store.inspect(&k).await.unwrap(), None);
+        // Another content may still take the key; the same content reuses the file.
+        assert_eq!(put(&store, &k, b"second", false).await, PutOutcome::Stored(receipt_of("log", b"second", false)));
+        let k2 = key("log2");
+        std::fs::write(content_path(&attempt_dir, &k2.artifact, &Digest::of(b"same")), b"same").unwrap();
+        assert_eq!(put(&store, &k2, b"same", false).await, PutOutcome::Stored(receipt_of("log2", b"same", false)));
+    }
+
+    #[tokio::test]
+    async fn a_receipt_without_its_content_fails_closed() {
+        let dir = TempDir::new("corrupt");
+        let store = FsBlobStore::open(&dir.0).unwrap();
+        let k = key("log");
+        put(&store, &k, b"content", false).await;
+        std::fs::remove_file(content_path(&store.dir(&k), &k.artifact, &Digest::of(b"content"))).unwrap();
+        assert!(store.inspect(&k).await.is_err());
+        assert!(store.read(&k).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn concurrent_puts_of_one_key_commit_exactly_one_content() {
+        let dir = TempDir::new("race");
+        let store = FsBlobStore::open(&dir.0).unwrap();
+        let k = key("log");
+        let (a, b) = tokio::join!(put(&store, &k, b"aaaa", false), put(&store, &k, b"bbbb", false));
+        let outcomes = [a, b];
+        assert_eq!(outcomes.iter().filter(|o| matches!(o, PutOutcome::Stored(_))).count(), 1, "{outcomes:?}");
+        assert_eq!(outcomes.iter().filter(|o| matches!(o, PutOutcome::Conflict)).count(), 1, "{outcomes:?}");
+        assert_eq!(files(&dir.0).len(), 2, "one content and its receipt: {:?}", files(&dir.0));
+        let same = key("same");
+        let (a, b) = tokio::join!(put(&store, &same, b"cc", false), put(&store, &same, b"cc", false));
+        let mut kinds = [a, b].map(|o| match o {
+            PutOutcome::Stored(_) => "stored",
+            PutOutcome::AlreadyStored(_) => "already",
+            PutOutcome::Conflict => "conflict",
+        });
+        kinds.sort();
+        assert_eq!(kinds, ["already", "stored"]);
+    }
+}

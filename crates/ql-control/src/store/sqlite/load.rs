@@ -1,0 +1,207 @@
+//! Loading a command's [`Keys`] into [`Rows`], inside the command's transaction.
+//!
+//! SQLite has one write lock for the whole file and `BEGIN IMMEDIATE` takes it up front,
+//! so the protocol's lock order holds trivially; loads still follow it (attempt, session,
+//! run, lease) so the shape matches the PostgreSQL store. Every multi-row load is
+//! bounded: the sweeper and placement take batches, and the next call takes the rest.
+
+use rusqlite::{Connection, OptionalExtension, Row};
+
+use ql_wire::ids::{AttemptId, OfferId, RunId, SessionId, WorkerId};
+
+use super::rows::{self, ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+use crate::core::{Keys, Lapsed, Rows, COMPLETION_EVENT};
+use crate::model::{Attempt, Event, Lease, Millis, Offer, Run, Session};
+
+/// Most queued runs placement looks at per poll.
+pub(super) const PLACEMENT_BATCH: usize = 256;
+/// Most lapsed rows of each kind one sweep handles.
+pub(super) const SWEEP_BATCH: usize = 256;
+
+fn one<T>(
+    conn: &Connection,
+    sql: &str,
+    key: &str,
+    map: fn(&Row<'_>) -> rusqlite::Result<T>,
+) -> rusqlite::Result<Option<T>> {
+    conn.prepare_cached(sql)?.query_row([key], map).optional()
+}
+
+pub(super) fn session(conn: &Connection, id: &SessionId) -> rusqlite::Result<Option<Session>> {
+    one(conn, &format!("SELECT {SESSION_COLS} FROM sessions WHERE id = ?1"), id.as_str(), rows::session)
+}
+
+pub(super) fn run(conn: &Connection, id: &RunId) -> rusqlite::Result<Option<Run>> {
+    one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), id.as_str(), rows::run)
+}
+
+pub(super) fn attempt(conn: &Connection, id: &AttemptId) -> rusqlite::Result<Option<Attempt>> {
+    one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), id.as_str(), rows::attempt)
+}
+
+pub(super) fn lease(conn: &Connection, attempt: &AttemptId) -> rusqlite::Result<Option<Lease>> {
+    one(conn, &format!("SELECT {LEASE_COLS} FROM leases WHERE attempt_id = ?1"), attempt.as_str(), rows::lease)
+}
+
+pub(super) fn offer(conn: &Connection, id: &OfferId) -> rusqlite::Result<Option<Offer>> {
+    one(conn, &format!("SELECT {OFFER_COLS} FROM offers WHERE id = ?1"), id.as_str(), rows::offer)
+}
+
+fn completion_event(conn: &Connection, attempt: &AttemptId) -> rusqlite::Result<Option<Event>> {
+    conn.prepare_cached(&format!("SELECT {EVENT_COLS} FROM events WHERE attempt_id = ?1 AND kind = ?2"))?
+        .query_row([attempt.as_str(), COMPLETION_EVENT], rows::event)
+        .optional()
+}
+
+/// The worker's live sessions (to replace) and its highest generation (to succeed). Older
+/// ended sessions cannot change the decision, so they are not loaded.
+fn worker_sessions(conn: &Connection, worker: &WorkerId) -> rusqlite::Result<Vec<Session>> {
+    let sql = format!(
+        "SELECT {SESSION_COLS} FROM sessions WHERE worker = ?1 AND (state IN ('online', 'draining') \
+         OR generation = (SELECT MAX(generation) FROM sessions WHERE worker = ?1)) ORDER BY generation"
+    );
+    conn.prepare_cached(&sql)?.query_map([worker.as_str()], rows::session)?.collect()
+}
+
+/// Queued runs the session's labels satisfy, oldest first. Filtering by labels here
+/// keeps runs no session can take from starving younger ones beyond the batch.
+fn queued_for(conn: &Connection, session: &Session) -> rusqlite::Result<Vec<Run>> {
+    let labels =
+        serde_json::to_string(&session.labels).map_err(|e| rusqlite::Error::ToSqlConversionFailure(e.into()))?;
+    let sql = format!(
+        "SELECT {RUN_COLS} FROM runs r WHERE r.status = 'queued' AND NOT EXISTS ( \
+             SELECT 1 FROM json_each(r.labels) want WHERE NOT EXISTS ( \
+                 SELECT 1 FROM json_each(?1) have WHERE have.key = want.key AND have.value = want.value)) \
+         ORDER BY r.created_at, r.id LIMIT ?2"
+    );
+    conn.prepare_cached(&sql)?.query_map((labels, PLACEMENT_BATCH as i64), rows::run)?.collect()
+}
+
+fn open_offers(conn: &Connection, session: &SessionId) -> rusqlite::Result<Vec<Offer>> {
+    let sql =
+        format!("SELECT {OFFER_COLS} FROM offers WHERE session_id = ?1 AND state = 'open' ORDER BY expires_at, id");
+    conn.prepare_cached(&sql)?.query_map([session.as_str()], rows::offer)?.collect()
+}
+
+fn active_attempts(conn: &Connection, session: &SessionId) -> rusqlite::Result<u32> {
+    let n: i64 = conn
+        .prepare_cached(
+            "SELECT COUNT(*) FROM attempts WHERE session_id = ?1 \
+             AND status IN ('offered', 'claimed', 'starting', 'running')",
+        )?
+        .query_row([session.as_str()], |r| r.get(0))?;
+    Ok(u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+fn lapsed(conn: &Connection, now: Millis) -> rusqlite::Result<Lapsed> {
+    let limit = SWEEP_BATCH as i64;
+    let sessions = conn
+        .prepare_cached(&format!(
+            "SELECT {SESSION_COLS} FROM sessions WHERE state IN ('online', 'draining') AND expires_at <= ?1 \
+             ORDER BY expires_at, id LIMIT ?2"
+        ))?
+        .query_map((now, limit), rows::session)?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    // Each lapsed offer or lease is read with its run and attempt by key (at most one
+    // batch of point lookups), so every table keeps its one row-mapping function.
+    let offer_ids: Vec<(String, String, String)> = conn
+        .prepare_cached(
+            "SELECT id, run_id, attempt_id FROM offers WHERE state = 'open' AND expires_at <= ?1 \
+             ORDER BY expires_at, id LIMIT ?2",
+        )?
+        .query_map((now, limit), |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    let mut offers = Vec::with_capacity(offer_ids.len());
+    for (o, r, a) in offer_ids {
+        let (Some(offer), Some(run), Some(attempt)) = (
+            one(conn, &format!("SELECT {OFFER_COLS} FROM offers WHERE id = ?1"), &o, rows::offer)?,
+            one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), &r, rows::run)?,
+            one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), &a, rows::attempt)?,
+        ) else {
+            continue;
+        };
+        offers.push((offer, run, attempt));
+    }
+    let lease_ids: Vec<(String, String)> = conn
+        .prepare_cached(
+            "SELECT attempt_id, run_id FROM leases WHERE state = 'leased' AND expires_at <= ?1 \
+             ORDER BY expires_at, attempt_id LIMIT ?2",
+        )?
+        .query_map((now, limit), |r| Ok((r.get(0)?, r.get(1)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    let mut leases = Vec::with_capacity(lease_ids.len());
+    for (a, r) in lease_ids {
+        let (Some(lease), Some(run), Some(attempt)) = (
+            one(conn, &format!("SELECT {LEASE_COLS} FROM leases WHERE attempt_id = ?1"), &a, rows::lease)?,
+            one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), &r, rows::run)?,
+            one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), &a, rows::attempt)?,
+        ) else {
+            continue;
+        };
+        leases.push((lease, run, attempt));
+    }
+    let overdue = conn
+        .prepare_cached(&format!(
+            "SELECT {RUN_COLS} FROM runs WHERE deadline_at IS NOT NULL AND deadline_at <= ?1 \
+             AND status NOT IN ('succeeded', 'failed', 'cancelled', 'timed_out') \
+             AND (stop IS NULL OR stop <> 'timeout') ORDER BY deadline_at, id LIMIT ?2"
+        ))?
+        .query_map((now, limit), rows::run)?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(Lapsed { sessions, offers, leases, overdue })
+}
+
+/// Loads what `keys` names. `sweep_now` is DB time for the lapse queries; the decision
+/// reads DB time again after loading and re-checks every lapse against it.
+pub(super) fn load(
+    conn: &Connection,
+    keys: &Keys,
+    sweep_now: impl FnOnce() -> rusqlite::Result<Millis>,
+) -> rusqlite::Result<Rows> {
+    let mut rows = Rows::default();
+    if let Some(id) = &keys.attempt {
+        rows.attempt = attempt(conn, id)?;
+        if rows.attempt.is_some() {
+            rows.lease = lease(conn, id)?;
+        }
+    }
+    if let Some(id) = &keys.session {
+        rows.session = session(conn, id)?;
+    }
+    // The run named by the keys, else the attempt's own run.
+    let run_id = keys.run.clone().or_else(|| rows.attempt.as_ref().map(|a| a.run.clone()));
+    if let Some(id) = &run_id {
+        rows.run = run(conn, id)?;
+    }
+    if let Some(id) = &keys.offer {
+        rows.offer = offer(conn, id)?;
+    }
+    if let Some(w) = &keys.worker_sessions {
+        rows.worker_sessions = worker_sessions(conn, w)?;
+    }
+    if keys.placement {
+        if let Some(s) = rows.session.clone() {
+            rows.queued = queued_for(conn, &s)?;
+            rows.open_offers = open_offers(conn, &s.id)?;
+            rows.active_attempts = active_attempts(conn, &s.id)?;
+        }
+    }
+    if keys.current_attempt {
+        if let Some(current) = rows.run.as_ref().and_then(|r| r.current_attempt.clone()) {
+            rows.attempt = attempt(conn, &current)?;
+            rows.lease = lease(conn, &current)?;
+            if let Some(o) = rows.attempt.as_ref().map(|a| a.offer.clone()) {
+                rows.offer = offer(conn, &o)?;
+            }
+        }
+    }
+    if keys.completion_event {
+        if let Some(id) = &keys.attempt {
+            rows.completion_event = completion_event(conn, id)?;
+        }
+    }
+    if keys.sweep {
+        rows.lapsed = lapsed(conn, sweep_now()?)?;
+    }
+    Ok(rows)
+}

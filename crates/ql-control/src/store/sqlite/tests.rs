@@ -1,0 +1,394 @@
+//! SQLite-specific checks: every model field round-trips through its row, the schema's
+//! constraints hold, and the file is private. The protocol itself is proven by the
+//! backend-independent contract suite in `tests/store_contract.rs`.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+
+use rusqlite::Connection;
+
+use ql_wire::artifact::Receipt;
+use ql_wire::capability::Digest;
+use ql_wire::ids::{ArtifactId, AttemptId, Counter, EventId, OfferId, ProjectId, RunId, SessionId, WorkerId};
+use ql_wire::lease::StopIntent;
+use ql_wire::spec::{EnvName, ExecutionSpec, Interpreter, Script, SpecSchema};
+
+use super::*;
+use crate::model::*;
+
+/// A directory under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let dir = std::env::temp_dir().join(format!("ql-sqlite-{tag}-{}-{n}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn db(&self) -> PathBuf {
+        self.0.join("authority.db")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn conn(dir: &TempDir) -> Connection {
+    let mut c = schema::connect(&dir.db(), Duration::from_secs(5)).unwrap();
+    schema::migrate(&mut c).unwrap();
+    c
+}
+
+fn digest(seed: u8) -> Digest {
+    Digest::of(&[seed; 8])
+}
+
+fn labels() -> BTreeMap<String, String> {
+    BTreeMap::from([("arch".to_owned(), "mipsel".to_owned()), ("site/zone".to_owned(), "b-2".to_owned())])
+}
+
+fn full_session() -> Session {
+    Session {
+        id: SessionId::parse("ses_1").unwrap(),
+        worker: WorkerId::parse("router-1").unwrap(),
+        generation: Counter::new(7).unwrap(),
+        state: SessionState::Draining,
+        capacity: 3,
+        labels: labels(),
+        agent_version: "0.1.0 (abc)".into(),
+        arch: "mipsel".into(),
+        created_at: 1_000,
+        seen_at: 2_000,
+        expires_at: 3_000,
+    }
+}
+
+fn full_run() -> Run {
+    let mut env = BTreeMap::new();
+    env.insert(EnvName::parse("GREETING").unwrap(), "héllo \"world\"".to_owned());
+    Run {
+        id: RunId::parse("run_1").unwrap(),
+        project: ProjectId::parse("proj").unwrap(),
+        spec: ExecutionSpec {
+            schema: SpecSchema,
+            project_id: ProjectId::parse("proj").unwrap(),
+            argv: None,
+            script: Some(Script { interpreter: Interpreter::Python3, source: "print('hi')\n".into() }),
+            env,
+            timeout_ms: 90_000,
+            log_limit_bytes: 4096,
+        },
+        labels: labels(),
+        status: RunStatus::Running,
+        stop: Some(StopIntent::Cancel),
+        retry_budget: 4,
+        retries_used: 2,
+        attempts: 3,
+        lease_generations: 9,
+        current_attempt: Some(AttemptId::parse("att_1").unwrap()),
+        deadline_at: Some(99_000),
+        created_at: 1_000,
+        started_at: Some(1_500),
+        finished_at: Some(9_000),
+        error_code: Some("EXECUTION_CANCELLED".into()),
+        summary: Some("stopped by operator".into()),
+    }
+}
+
+fn facts() -> LeaseFacts {
+    LeaseFacts {
+        worker: WorkerId::parse("router-1").unwrap(),
+        session: SessionId::parse("ses_1").unwrap(),
+        session_generation: Counter::new(7).unwrap(),
+        offer: OfferId::parse("off_1").unwrap(),
+        lease_generation: Counter::new(9).unwrap(),
+        token_digest: digest(1),
+        version: Counter::new(5).unwrap(),
+        expires_at: 8_000,
+    }
+}
+
+fn full_attempt() -> Attempt {
+    Attempt {
+        id: AttemptId::parse("att_1").unwrap(),
+        run: RunId::parse("run_1").unwrap(),
+        number: 3,
+        executor_type: REMOTE_WORKER.into(),
+        status: AttemptStatus::Cancelled,
+        offer: OfferId::parse("off_1").unwrap(),
+        session: SessionId::parse("ses_1").unwrap(),
+        worker: WorkerId::parse("router-1").unwrap(),
+        lease: Some(facts()),
+        executor_handle: Some("pid:42 start:7".parse().unwrap()),
+        log_artifact: Some(ArtifactId::parse("log").unwrap()),
+        callback_sequence: Some(Counter::new(2).unwrap()),
+        callback_digest: Some(digest(2)),
+        exit_code: Some(-3),
+        signal: Some(15),
+        worker_finished_at: Some(8_500),
+        artifact: Some(Receipt {
+            artifact_id: ArtifactId::parse("log").unwrap(),
+            length: 12,
+            sha256: digest(3),
+            truncated: true,
+        }),
+        end: Some(EndKind::Completion),
+        created_at: 1_100,
+        started_at: Some(1_500),
+        ended_at: Some(9_000),
+        error_code: Some("EXECUTION_CANCELLED".into()),
+        summary: Some("a summary".into()),
+    }
+}
+
+fn full_offer() -> Offer {
+    Offer {
+        id: OfferId::parse("off_1").unwrap(),
+        run: RunId::parse("run_1").unwrap(),
+        attempt: AttemptId::parse("att_1").unwrap(),
+        worker: WorkerId::parse("router-1").unwrap(),
+        session: SessionId::parse("ses_1").unwrap(),
+        session_generation: Counter::new(7).unwrap(),
+        state: OfferState::Claimed,
+        expires_at: 4_000,
+        claim: Some(ClaimFacts {
+            token_digest: digest(1),
+            lease_generation: Counter::new(9).unwrap(),
+            lease_expires_at: 5_000,
+            lease_ttl_ms: 30_000,
+        }),
+    }
+}
+
+fn full_lease() -> Lease {
+    Lease {
+        attempt: AttemptId::parse("att_1").unwrap(),
+        run: RunId::parse("run_1").unwrap(),
+        state: LeaseState::Completed,
+        facts: facts(),
+        ttl_ms: 30_000,
+    }
+}
+
+fn full_event() -> Event {
+    Event {
+        id: EventId::parse("evt_1").unwrap(),
+        run: RunId::parse("run_1").unwrap(),
+        attempt: Some(AttemptId::parse("att_1").unwrap()),
+        kind: "attempt.completed".into(),
+        from_status: Some("running".into()),
+        to_status: Some("cancelled".into()),
+        payload: serde_json::json!({ "exitCode": -3, "nested": { "a": [1, "two", null, true] }, "big": 9_007_199_254_740_991u64 }),
+        at: 9_000,
+    }
+}
+
+fn write_all(c: &mut Connection, writes: &[Write]) -> rusqlite::Result<()> {
+    let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    for w in writes {
+        apply(&tx, w)?;
+    }
+    tx.commit()
+}
+
+fn world() -> Vec<Write> {
+    vec![
+        Write::Session(full_session()),
+        Write::Run(full_run()),
+        Write::Attempt(full_attempt()),
+        Write::Offer(full_offer()),
+        Write::Lease(full_lease()),
+        Write::Event(full_event()),
+    ]
+}
+
+#[test]
+fn every_field_round_trips_through_its_row() {
+    let dir = TempDir::new("roundtrip");
+    let mut c = conn(&dir);
+    write_all(&mut c, &world()).unwrap();
+    let snap = snapshot(&mut c).unwrap();
+    assert_eq!(snap.sessions, vec![full_session()]);
+    assert_eq!(snap.runs, vec![full_run()]);
+    assert_eq!(snap.attempts, vec![full_attempt()]);
+    assert_eq!(snap.offers, vec![full_offer()]);
+    assert_eq!(snap.leases, vec![full_lease()]);
+    assert_eq!(snap.events, vec![full_event()]);
+}
+
+#[test]
+fn empty_optional_fields_round_trip_as_null() {
+    let dir = TempDir::new("nulls");
+    let mut c = conn(&dir);
+    let session = Session { labels: BTreeMap::new(), ..full_session() };
+    let run = Run {
+        spec: ExecutionSpec { argv: Some(vec!["true".into()]), script: None, env: BTreeMap::new(), ..full_run().spec },
+        labels: BTreeMap::new(),
+        stop: None,
+        current_attempt: None,
+        deadline_at: None,
+        started_at: None,
+        finished_at: None,
+        error_code: None,
+        summary: None,
+        ..full_run()
+    };
+    let attempt = Attempt {
+        lease: None,
+        executor_handle: None,
+        log_artifact: None,
+        callback_sequence: None,
+        callback_digest: None,
+        exit_code: None,
+        signal: None,
+        worker_finished_at: None,
+        artifact: None,
+        end: None,
+        started_at: None,
+        ended_at: None,
+        error_code: None,
+        summary: None,
+        ..full_attempt()
+    };
+    let offer = Offer { claim: None, ..full_offer() };
+    let event =
+        Event { attempt: None, from_status: None, to_status: None, payload: serde_json::json!({}), ..full_event() };
+    let writes = vec![
+        Write::Session(session.clone()),
+        Write::Run(run.clone()),
+        Write::Attempt(attempt.clone()),
+        Write::Offer(offer.clone()),
+        Write::Event(event.clone()),
+    ];
+    write_all(&mut c, &writes).unwrap();
+    let snap = snapshot(&mut c).unwrap();
+    assert_eq!((snap.sessions, snap.runs, snap.attempts), (vec![session], vec![run], vec![attempt]));
+    assert_eq!((snap.offers, snap.events), (vec![offer], vec![event]));
+}
+
+#[test]
+fn upsert_updates_in_place_without_breaking_references() {
+    let dir = TempDir::new("upsert");
+    let mut c = conn(&dir);
+    write_all(&mut c, &world()).unwrap();
+    // REPLACE would delete the run under its attempts, lease and events; an upsert must not.
+    let run = Run { status: RunStatus::Cancelled, ..full_run() };
+    let attempt = Attempt { status: AttemptStatus::Lost, lease: None, ..full_attempt() };
+    write_all(&mut c, &[Write::Run(run.clone()), Write::Attempt(attempt.clone())]).unwrap();
+    let snap = snapshot(&mut c).unwrap();
+    assert_eq!((snap.runs, snap.attempts), (vec![run], vec![attempt]));
+    assert_eq!(snap.events.len(), 1);
+}
+
+#[test]
+fn an_event_type_is_never_appended_twice_for_an_attempt() {
+    let dir = TempDir::new("events");
+    let mut c = conn(&dir);
+    write_all(&mut c, &world()).unwrap();
+    let again = Event { id: EventId::parse("evt_2").unwrap(), ..full_event() };
+    assert!(write_all(&mut c, &[Write::Event(again)]).is_err());
+    // Run-level events (no attempt) are unique per run, too.
+    let run_level =
+        Event { id: EventId::parse("evt_3").unwrap(), attempt: None, kind: "run.queued".into(), ..full_event() };
+    write_all(&mut c, &[Write::Event(run_level.clone())]).unwrap();
+    let twice = Event { id: EventId::parse("evt_4").unwrap(), ..run_level };
+    assert!(write_all(&mut c, &[Write::Event(twice)]).is_err());
+    assert!(c.execute("UPDATE events SET kind = 'x'", []).is_err(), "events are append-only");
+    assert_eq!(snapshot(&mut c).unwrap().events.len(), 2);
+}
+
+#[test]
+fn foreign_keys_and_status_checks_hold_at_commit() {
+    let dir = TempDir::new("constraints");
+    let mut c = conn(&dir);
+    // An attempt of a run that does not exist.
+    let orphan = vec![Write::Session(full_session()), Write::Attempt(full_attempt()), Write::Offer(full_offer())];
+    assert!(write_all(&mut c, &orphan).is_err());
+    write_all(&mut c, &world()).unwrap();
+    for (table, column) in [
+        ("sessions", "state"),
+        ("runs", "status"),
+        ("runs", "stop"),
+        ("attempts", "status"),
+        ("attempts", "end_kind"),
+        ("offers", "state"),
+        ("leases", "state"),
+    ] {
+        let refused = c.execute(&format!("UPDATE {table} SET {column} = 'bogus'"), []);
+        assert!(refused.is_err(), "{table}.{column} accepted an unknown value");
+    }
+    assert!(c.execute("UPDATE leases SET token_digest = 'not-a-digest'", []).is_err());
+    assert!(c.execute("UPDATE attempts SET lease_version = NULL", []).is_err(), "lease projection is all or nothing");
+}
+
+#[test]
+fn the_database_file_is_private_and_in_wal_mode() {
+    let dir = TempDir::new("mode");
+    let c = conn(&dir);
+    let mode = std::fs::metadata(dir.db()).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let journal: String = c.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
+    assert_eq!(journal, "wal");
+    let sync: i64 = c.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
+    assert_eq!(sync, 2, "synchronous=FULL");
+    let fk: i64 = c.query_row("PRAGMA foreign_keys", [], |r| r.get(0)).unwrap();
+    assert_eq!(fk, 1);
+    let wal = dir.0.join("authority.db-wal");
+    if wal.exists() {
+        assert_eq!(std::fs::metadata(wal).unwrap().permissions().mode() & 0o777, 0o600);
+    }
+}
+
+#[test]
+fn a_newer_schema_is_refused_and_migration_is_idempotent() {
+    let dir = TempDir::new("schema");
+    drop(conn(&dir));
+    let mut c = conn(&dir);
+    let v: i64 = c.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+    assert_eq!(v, SCHEMA_VERSION);
+    c.pragma_update(None, "user_version", SCHEMA_VERSION + 1).unwrap();
+    assert!(schema::migrate(&mut c).is_err());
+    drop(c);
+    assert!(SqliteStore::open(dir.db(), Timings::default()).is_err());
+}
+
+#[test]
+fn db_time_is_sql_time_plus_the_offset() {
+    let dir = TempDir::new("clock");
+    let c = conn(&dir);
+    let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let now = schema::db_now(&c, 0).unwrap();
+    assert!((now - wall).abs() < 5_000, "db time {now} vs wall {wall}");
+    let later = schema::db_now(&c, 60_000).unwrap();
+    assert!(later - now >= 60_000 && later - now < 65_000);
+}
+
+#[tokio::test]
+async fn audit_records_get_db_time_and_keep_their_order() {
+    let dir = TempDir::new("audit");
+    let offset = Arc::new(AtomicI64::new(0));
+    let store = SqliteStore::open_with(dir.db(), Timings::default(), offset.clone()).unwrap();
+    let rec = |route: &str| AuditRecord {
+        at: 0,
+        principal: Some(WorkerId::parse("router-1").unwrap()),
+        route: route.into(),
+        outcome: "admitted".into(),
+    };
+    store.audit(rec("session.open")).await.unwrap();
+    offset.store(3_600_000, Ordering::SeqCst);
+    store.audit(AuditRecord { principal: None, outcome: "principal_mismatch".into(), ..rec("unknown") }).await.unwrap();
+    let audits = store.audits().await.unwrap();
+    assert_eq!(audits.len(), 2);
+    assert_eq!(audits[0].route, "session.open");
+    assert_eq!(audits[1].principal, None);
+    assert!(audits[1].at - audits[0].at >= 3_600_000);
+    assert!(audits[0].at > 1_600_000_000_000);
+}

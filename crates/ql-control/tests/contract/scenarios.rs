@@ -1,0 +1,808 @@
+//! The scenarios of the store contract, each an `async fn` over any [`Backend`].
+//!
+//! Every scenario ends by checking the invariants on the final state, and every refusal
+//! is checked against a snapshot taken before it: a refused command changes no row and
+//! appends no event.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use ql_control::core::{
+    CancelOutcome, Command, Reply, EXECUTION_CANCELLED, EXECUTION_FAILED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED,
+    LEASE_LOST, OFFER_EXPIRED,
+};
+use ql_control::model::{
+    AttemptStatus, AuditRecord, EndKind, LeaseState, OfferState, RunStatus, SessionState, REMOTE_WORKER,
+};
+use ql_control::store::Store;
+use ql_wire::ack::Running;
+use ql_wire::artifact::{ArtifactHeader, ArtifactSchema, Receipt};
+use ql_wire::capability::{Digest, Token};
+use ql_wire::completion::TerminalStatus;
+use ql_wire::ids::{ArtifactId, AttemptId, Counter, OfferId, RunId, SessionId};
+use ql_wire::lease::StopIntent;
+use ql_wire::route::AttemptPath;
+use ql_wire::session::SessionStatus;
+use ql_wire::time::Timestamp;
+use ql_wire::{ErrorCode, Outcome};
+
+use super::*;
+
+// ------------------------------------------------------------------------ happy path
+
+/// submit -> open -> poll -> claim -> starting -> running -> renew -> completion, with
+/// every replay the protocol defines along the way.
+pub async fn the_whole_protocol_with_replays<B: Backend>(b: B) {
+    let store = b.store();
+    let timings = b.timings();
+    let run = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    let agent = open(&store, "router-1").await;
+    assert_eq!(agent.generation, Counter::ONE);
+
+    // Placement turns the queued run into an attempt and an offer; the run dispatches.
+    let offers = poll(&store, &agent).await;
+    assert_eq!(offers.len(), 1);
+    let offer = offers[0].clone();
+    assert_eq!(offer.run_id, run);
+    let d = detail(&store, &run).await;
+    assert_eq!(d.run.status, RunStatus::Dispatching);
+    assert_eq!(d.run.current_attempt.as_ref(), Some(&offer.attempt_id));
+    assert_eq!(d.attempts.len(), 1);
+    assert_eq!((d.attempts[0].status, d.attempts[0].number), (AttemptStatus::Offered, 1));
+    assert_eq!(d.attempts[0].executor_type, REMOTE_WORKER);
+    // Polling again lists the same open offer and places nothing new.
+    assert_eq!(poll(&store, &agent).await, vec![offer.clone()]);
+
+    // Claim, its exact replay, and anyone else's claim.
+    let mut h = claim(&store, &agent, &offer).await;
+    assert_eq!(h.claimed.lease_generation, Counter::ONE);
+    assert_eq!(h.claimed.lease_version, Counter::ONE);
+    assert_eq!(h.claimed.lease_ttl_ms, timings.lease_ttl_ms);
+    assert_eq!(h.claimed.spec, spec(LONG_TIMEOUT_MS));
+    let same = Reply::Claimed(Box::new(h.claimed.clone()));
+    replayed(&store, claim_cmd(&agent, &offer, &h.lease_token), same, "exact claim replay").await;
+    let stranger = Token::generate().unwrap();
+    refused(&store, claim_cmd(&agent, &offer, &stranger), ErrorCode::OfferConflict, "claim with another token").await;
+
+    // starting, and its replay.
+    to_starting(&store, &h).await;
+    replayed(&store, h.starting(), ack(Outcome::AlreadyStarting), "starting replay").await;
+
+    // running, its replay, a late starting, and a running that differs.
+    assert_eq!(exec(&store, h.running()).await, Ok(ack(Outcome::Running)));
+    replayed(&store, h.running(), ack(Outcome::AlreadyRunning), "running replay").await;
+    replayed(&store, h.starting(), ack(Outcome::AlreadyRunning), "late starting").await;
+    let other_handle =
+        Running::new(h.fence(), "pid:1 start:1".parse().unwrap(), None, Counter::ONE, h.callback_token.digest());
+    refused(
+        &store,
+        Command::Running(h.path.clone(), other_handle),
+        ErrorCode::ReplayMismatch,
+        "running with another handle",
+    )
+    .await;
+    let d = detail(&store, &run).await;
+    assert_eq!(d.run.status, RunStatus::Running);
+    assert_eq!(d.attempts[0].status, AttemptStatus::Running);
+    assert_eq!(d.run.started_at, d.attempts[0].started_at);
+    assert_eq!(d.leases[0].facts.version, Counter::ONE, "running does not advance the lease");
+
+    // Renewal is the only step that advances a live lease.
+    let before = detail(&store, &run).await.leases[0].clone();
+    let renewed = renew(&store, &mut h).await;
+    assert_eq!((renewed.lease_version.get(), renewed.stop), (2, None));
+    let after = detail(&store, &run).await.leases[0].clone();
+    assert_eq!(after.facts.version.get(), 2);
+    assert!(after.facts.expires_at >= before.facts.expires_at);
+    assert_eq!(renewed.lease_expires_at.millis(), after.facts.expires_at);
+    assert_eq!(renew(&store, &mut h).await.lease_version.get(), 3);
+
+    // Completion, its exact replay, and a replay that changed its story.
+    let done = completed(Outcome::Completed, TerminalStatus::Succeeded);
+    assert_eq!(exec(&store, h.complete(Some(0))).await, Ok(done));
+    let again = completed(Outcome::AlreadyCompleted, TerminalStatus::Succeeded);
+    replayed(&store, h.complete(Some(0)), again, "exact completion replay").await;
+    refused(&store, h.complete(Some(1)), ErrorCode::ReplayMismatch, "completion replay with another exit code").await;
+    refused(&store, h.renew(), ErrorCode::LeaseConflict, "renewal after completion").await;
+
+    let d = detail(&store, &run).await;
+    assert_eq!(d.run.status, RunStatus::Succeeded);
+    assert_eq!(d.run.error_code, None);
+    assert!(d.run.finished_at >= d.run.started_at);
+    let a = &d.attempts[0];
+    assert_eq!(
+        (a.status, a.end, a.exit_code, a.signal),
+        (AttemptStatus::Succeeded, Some(EndKind::Completion), Some(0), None)
+    );
+    assert_eq!(a.callback_sequence, Some(Counter::ONE));
+    assert_eq!(a.callback_digest.as_ref(), Some(&h.callback_token.digest()));
+    assert_eq!(a.worker_finished_at, Some(h.finished_at.millis()));
+    assert_eq!(a.executor_handle, Some(Held::handle()));
+    let l = &d.leases[0];
+    assert_eq!((l.state, l.facts.version.get()), (LeaseState::Completed, 4));
+    assert_eq!(l.facts.token_digest, h.lease_token.digest());
+    assert_eq!(
+        kinds(&d),
+        [
+            "run.queued",
+            "attempt.offered",
+            "run.dispatching",
+            "attempt.claimed",
+            "attempt.starting",
+            "attempt.running",
+            "run.running",
+            "attempt.completed",
+            "run.succeeded",
+        ]
+    );
+    let offer_row = store.snapshot().await.unwrap().offers.into_iter().find(|o| o.id == offer.offer_id).unwrap();
+    assert_eq!(offer_row.state, OfferState::Claimed);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// A worker that crashed before its `running` ACK completes from `starting`, and the
+/// callback digest is registered by the completion itself.
+pub async fn completion_from_starting_registers_the_callback<B: Backend>(b: B) {
+    let store = b.store();
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    to_starting(&store, &h).await;
+    assert_eq!(exec(&store, h.complete(Some(2))).await, Ok(completed(Outcome::Completed, TerminalStatus::Failed)));
+    let d = detail(&store, h.run()).await;
+    assert_eq!((d.run.status, d.run.error_code.as_deref()), (RunStatus::Failed, Some(EXECUTION_FAILED)));
+    assert_eq!(d.attempts[0].callback_digest.as_ref(), Some(&h.callback_token.digest()));
+    assert_eq!(d.run.started_at, None, "it never reported running");
+    let again = completed(Outcome::AlreadyCompleted, TerminalStatus::Failed);
+    replayed(&store, h.complete(Some(2)), again, "replay of a completion from starting").await;
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// An artifact is admitted only under a live fence, and a completion must present
+/// exactly the receipt the artifact store holds.
+pub async fn artifacts_are_admitted_and_completions_match_their_receipt<B: Backend>(b: B) {
+    let store = b.store();
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    let log = ArtifactId::parse("log").unwrap();
+    let header = |h: &Held| ArtifactHeader::new(h.fence(), ArtifactSchema, 5, false);
+    let admit = |h: &Held| Command::AdmitArtifact(h.path.clone(), log.clone(), header(h));
+    refused(&store, admit(&h), ErrorCode::StateConflict, "artifact before starting").await;
+    to_starting(&store, &h).await;
+    assert_eq!(exec(&store, admit(&h)).await, Ok(Reply::ArtifactAdmitted(project())));
+
+    let receipt = Receipt { artifact_id: log.clone(), length: 5, sha256: Digest::of(b"hello"), truncated: false };
+    let body = h.completion_body(h.fence(), Some(0), Some(receipt.clone()));
+    let other = Receipt { sha256: Digest::of(b"other"), ..receipt.clone() };
+    let mismatched = Command::Complete(h.path.clone(), body.clone(), Some(other));
+    refused(&store, mismatched, ErrorCode::ArtifactConflict, "store holds other content").await;
+    let missing = Command::Complete(h.path.clone(), body.clone(), None);
+    refused(&store, missing, ErrorCode::ArtifactConflict, "store holds nothing").await;
+    let ok = Command::Complete(h.path.clone(), body.clone(), Some(receipt.clone()));
+    assert_eq!(exec(&store, ok.clone()).await, Ok(completed(Outcome::Completed, TerminalStatus::Succeeded)));
+    assert_eq!(detail(&store, h.run()).await.attempts[0].artifact, Some(receipt));
+    replayed(&store, ok, completed(Outcome::AlreadyCompleted, TerminalStatus::Succeeded), "replay with receipt").await;
+    refused(&store, admit(&h), ErrorCode::AlreadyTerminal, "artifact after completion").await;
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+// --------------------------------------------------------------------- start failure
+
+/// start-failure ends attempt and run, and its replay at the original expected version
+/// (the lease now at expected + 1) answers the same without a second event.
+pub async fn start_failure_and_its_replay<B: Backend>(b: B) {
+    let store = b.store();
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    refused(&store, h.start_failure(), ErrorCode::StateConflict, "start-failure before starting").await;
+    to_starting(&store, &h).await;
+    assert_eq!(exec(&store, h.start_failure()).await, Ok(ack(Outcome::Failed)));
+
+    let d = detail(&store, h.run()).await;
+    assert_eq!(d.run.status, RunStatus::Failed);
+    assert_eq!(d.run.error_code.as_deref(), Some(EXECUTOR_START_FAILED));
+    assert_eq!(d.run.summary.as_deref(), Some("spawn failed: no such file or directory"));
+    let a = &d.attempts[0];
+    assert_eq!((a.status, a.end), (AttemptStatus::Failed, Some(EndKind::StartFailure)));
+    assert_eq!(a.callback_sequence, Some(Counter::ONE), "the callback sequence advanced past any receipt");
+    assert_eq!((d.leases[0].state, d.leases[0].facts.version.get()), (LeaseState::Completed, 2));
+    assert_eq!(kinds(&d).iter().filter(|k| **k == "attempt.failed" || **k == "run.failed").count(), 2);
+
+    replayed(&store, h.start_failure(), ack(Outcome::Failed), "start-failure replay at expected + 1").await;
+    let mut stranger = h.clone();
+    stranger.lease_token = Token::generate().unwrap();
+    refused(&store, stranger.start_failure(), ErrorCode::LeaseConflict, "start-failure replay, other token").await;
+    let mut later = h.clone();
+    later.version = Counter::new(2).unwrap();
+    refused(&store, later.start_failure(), ErrorCode::AlreadyTerminal, "start-failure replay at the new version").await;
+    // A late completion after a start failure is refused at either version.
+    refused(&store, h.complete(Some(0)), ErrorCode::AlreadyTerminal, "late completion").await;
+    refused(&store, later.complete(Some(0)), ErrorCode::AlreadyTerminal, "late completion, new version").await;
+    refused(&store, h.starting(), ErrorCode::AlreadyTerminal, "late starting").await;
+    refused(&store, h.renew(), ErrorCode::LeaseConflict, "renewal after start-failure").await;
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+// ---------------------------------------------------------------------- stop intents
+
+/// Timeout over cancel over the exit code, for completions and start failures alike.
+pub async fn stop_intents_decide_the_terminal_status<B: Backend>(b: B) {
+    let store = b.store();
+
+    // Cancel while running: delivered on renewal, and the exit code no longer decides.
+    let mut h = claimed_run(&store, "router-a", LONG_TIMEOUT_MS, 0).await;
+    to_running(&store, &h).await;
+    assert_eq!(cancel(&store, h.run()).await, CancelOutcome::StopRequested);
+    assert_eq!(renew(&store, &mut h).await.stop, Some(StopIntent::Cancel));
+    assert_eq!(exec(&store, h.complete(Some(0))).await, Ok(completed(Outcome::Completed, TerminalStatus::Cancelled)));
+    let d = detail(&store, h.run()).await;
+    assert_eq!((d.run.status, d.run.error_code.as_deref()), (RunStatus::Cancelled, Some(EXECUTION_CANCELLED)));
+    assert!(kinds(&d).contains(&"run.cancel_requested"));
+    assert_eq!(cancel(&store, h.run()).await, CancelOutcome::AlreadyEnded(RunStatus::Cancelled));
+
+    // Timeout outranks cancel: the deadline passes after the cancel.
+    let mut h = claimed_run(&store, "router-b", SHORT_TIMEOUT_MS, 0).await;
+    to_running(&store, &h).await;
+    assert_eq!(renew(&store, &mut h).await.stop, None);
+    assert_eq!(cancel(&store, h.run()).await, CancelOutcome::StopRequested);
+    b.advance(SHORT_TIMEOUT_MS as i64 + 1_000);
+    assert_eq!(renew(&store, &mut h).await.stop, Some(StopIntent::Timeout), "the deadline passed: timeout wins");
+    assert_eq!(exec(&store, h.complete(Some(0))).await, Ok(completed(Outcome::Completed, TerminalStatus::TimedOut)));
+    let d = detail(&store, h.run()).await;
+    assert_eq!((d.run.status, d.run.error_code.as_deref()), (RunStatus::TimedOut, Some(EXECUTION_TIMED_OUT)));
+
+    // No stop intent: the exit code decides.
+    let h = claimed_run(&store, "router-c", LONG_TIMEOUT_MS, 0).await;
+    to_running(&store, &h).await;
+    assert_eq!(exec(&store, h.complete(Some(3))).await, Ok(completed(Outcome::Completed, TerminalStatus::Failed)));
+    let d = detail(&store, h.run()).await;
+    assert_eq!((d.run.error_code.as_deref(), d.attempts[0].exit_code), (Some(EXECUTION_FAILED), Some(3)));
+
+    // A start failure under a cancel is a cancellation.
+    let h = claimed_run(&store, "router-d", LONG_TIMEOUT_MS, 0).await;
+    to_starting(&store, &h).await;
+    assert_eq!(cancel(&store, h.run()).await, CancelOutcome::StopRequested);
+    assert_eq!(exec(&store, h.start_failure()).await, Ok(ack(Outcome::Cancelled)));
+    let d = detail(&store, h.run()).await;
+    assert_eq!((d.run.status, d.run.error_code.as_deref()), (RunStatus::Cancelled, Some(EXECUTION_CANCELLED)));
+    replayed(&store, h.start_failure(), ack(Outcome::Cancelled), "cancelled start-failure replay").await;
+
+    // A start failure past the deadline is a timeout, even under a cancel.
+    let h = claimed_run(&store, "router-e", SHORT_TIMEOUT_MS, 0).await;
+    to_starting(&store, &h).await;
+    assert_eq!(cancel(&store, h.run()).await, CancelOutcome::StopRequested);
+    b.advance(SHORT_TIMEOUT_MS as i64 + 1_000);
+    assert_eq!(exec(&store, h.start_failure()).await, Ok(ack(Outcome::TimedOut)));
+    let d = detail(&store, h.run()).await;
+    assert_eq!((d.run.status, d.run.error_code.as_deref()), (RunStatus::TimedOut, Some(EXECUTION_TIMED_OUT)));
+
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// Cancelling before a claim ends the run at once; a withdrawn offer cannot be claimed.
+pub async fn cancel_before_a_claim_ends_the_run<B: Backend>(b: B) {
+    let store = b.store();
+    let queued = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    assert_eq!(cancel(&store, &queued).await, CancelOutcome::Cancelled);
+    let d = detail(&store, &queued).await;
+    assert_eq!((d.run.status, d.attempts.len()), (RunStatus::Cancelled, 0));
+    assert_eq!(kinds(&d), ["run.queued", "run.cancelled"]);
+
+    let offered = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    let agent = open(&store, "router-1").await;
+    let offers = poll(&store, &agent).await;
+    assert_eq!(offers.len(), 1);
+    assert_eq!(cancel(&store, &offered).await, CancelOutcome::Cancelled);
+    let d = detail(&store, &offered).await;
+    assert_eq!(d.run.status, RunStatus::Cancelled);
+    assert_eq!((d.attempts[0].status, d.attempts[0].end), (AttemptStatus::Cancelled, Some(EndKind::Withdrawn)));
+    let offer = store.snapshot().await.unwrap().offers.into_iter().find(|o| o.id == offers[0].offer_id).unwrap();
+    assert_eq!(offer.state, OfferState::Withdrawn);
+    let token = Token::generate().unwrap();
+    refused(&store, claim_cmd(&agent, &offers[0], &token), ErrorCode::OfferConflict, "claim of a withdrawn offer")
+        .await;
+    assert!(poll(&store, &agent).await.is_empty(), "a withdrawn offer is not listed");
+    replayed(
+        &store,
+        Command::Cancel(offered.clone()),
+        Reply::Cancelled(CancelOutcome::AlreadyEnded(RunStatus::Cancelled)),
+        "cancel twice",
+    )
+    .await;
+    refused(&store, Command::Cancel(RunId::parse("run_missing").unwrap()), ErrorCode::NotFound, "cancel unknown").await;
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+// --------------------------------------------------------------------------- drift
+
+fn with_path(h: &Held, f: impl FnOnce(&mut AttemptPath)) -> Held {
+    let mut h = h.clone();
+    f(&mut h.path);
+    h
+}
+
+fn with_fence(h: &Held, f: impl FnOnce(&mut Held)) -> Held {
+    let mut h = h.clone();
+    f(&mut h);
+    h
+}
+
+/// Every way a fenced request can speak for the wrong lease is refused with its exact
+/// code, and nothing changes.
+pub async fn every_drift_is_refused_and_changes_nothing<B: Backend>(b: B) {
+    let store = b.store();
+    let timings = b.timings();
+    let mut h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    to_running(&store, &h).await;
+    renew(&store, &mut h).await;
+    assert_eq!(h.version.get(), 2);
+
+    // A second attempt, left claimed, for the wrong-state cases and a foreign run id.
+    let c = claimed_run(&store, "router-2", LONG_TIMEOUT_MS, 0).await;
+
+    let two = Counter::new(2).unwrap();
+    let cases: Vec<(&str, Command, ErrorCode)> = vec![
+        (
+            "unknown session",
+            with_path(&h, |p| p.session = SessionId::parse("ses_nope").unwrap()).renew(),
+            ErrorCode::NotFound,
+        ),
+        ("other worker", with_path(&h, |p| p.worker = worker("router-2")).renew(), ErrorCode::NotFound),
+        (
+            "unknown attempt",
+            with_path(&h, |p| p.attempt = AttemptId::parse("att_nope").unwrap()).renew(),
+            ErrorCode::NotFound,
+        ),
+        ("other run", with_path(&h, |p| p.run = c.path.run.clone()).renew(), ErrorCode::NotFound),
+        (
+            "other session of the worker",
+            with_path(&h, |p| p.session = c.path.session.clone()).renew(),
+            ErrorCode::NotFound,
+        ),
+        ("other session generation", with_fence(&h, |h| h.agent.generation = two).renew(), ErrorCode::SessionConflict),
+        (
+            "other offer",
+            with_fence(&h, |h| h.offer = OfferId::parse("off_nope").unwrap()).renew(),
+            ErrorCode::LeaseConflict,
+        ),
+        ("other offer, real", with_fence(&h, |h| h.offer = c.offer.clone()).renew(), ErrorCode::LeaseConflict),
+        (
+            "other lease generation",
+            with_fence(&h, |h| h.claimed.lease_generation = two).renew(),
+            ErrorCode::LeaseConflict,
+        ),
+        (
+            "other token",
+            with_fence(&h, |h| h.lease_token = Token::generate().unwrap()).renew(),
+            ErrorCode::LeaseConflict,
+        ),
+        (
+            "other attempt's token",
+            with_fence(&h, |h| h.lease_token = c.lease_token.clone()).renew(),
+            ErrorCode::LeaseConflict,
+        ),
+        ("stale version, renew", with_fence(&h, |h| h.version = Counter::ONE).renew(), ErrorCode::LeaseConflict),
+        ("stale version, running", with_fence(&h, |h| h.version = Counter::ONE).running(), ErrorCode::LeaseConflict),
+        (
+            "future version, renew",
+            with_fence(&h, |h| h.version = Counter::new(3).unwrap()).renew(),
+            ErrorCode::LeaseConflict,
+        ),
+        ("start-failure while running", h.start_failure(), ErrorCode::StateConflict),
+        (
+            "completion, other callback token",
+            with_fence(&h, |h| h.callback_token = Token::generate().unwrap()).complete(Some(0)),
+            ErrorCode::LeaseConflict,
+        ),
+        (
+            "completion, other callback sequence",
+            Command::Complete(
+                h.path.clone(),
+                {
+                    let mut body = h.completion_body(h.fence(), Some(0), None);
+                    body.callback_sequence = two;
+                    body
+                },
+                None,
+            ),
+            ErrorCode::LeaseConflict,
+        ),
+        (
+            "completion, finished an hour in the future",
+            with_fence(&h, |h| h.finished_at = h.finished_at.plus_millis(3_600_000)).complete(Some(0)),
+            ErrorCode::InvalidRequest,
+        ),
+        ("running before starting", c.running(), ErrorCode::StateConflict),
+        ("start-failure before starting", c.start_failure(), ErrorCode::StateConflict),
+        ("completion before starting", c.complete(Some(0)), ErrorCode::StateConflict),
+        (
+            "artifact before starting",
+            Command::AdmitArtifact(
+                c.path.clone(),
+                ArtifactId::parse("log").unwrap(),
+                ArtifactHeader::new(c.fence(), ArtifactSchema, 1, false),
+            ),
+            ErrorCode::StateConflict,
+        ),
+        (
+            "heartbeat, other generation",
+            Command::Heartbeat(
+                h.agent.worker.clone(),
+                h.agent.session.clone(),
+                ql_wire::session::Heartbeat { generation: two, draining: false },
+            ),
+            ErrorCode::SessionConflict,
+        ),
+        (
+            "claim of a claimed offer by its own session with another token",
+            claim_cmd(
+                &c.agent,
+                &ql_wire::offer::Offer {
+                    offer_id: c.offer.clone(),
+                    run_id: c.path.run.clone(),
+                    attempt_id: c.path.attempt.clone(),
+                    expires_at: Timestamp::from_millis(0).unwrap(),
+                },
+                &Token::generate().unwrap(),
+            ),
+            ErrorCode::OfferConflict,
+        ),
+    ];
+    for (what, cmd, code) in cases {
+        refused(&store, cmd, code, what).await;
+    }
+
+    // An executor type this protocol does not serve, set behind the store's back.
+    b.set_executor_type(h.attempt(), "local_process").await;
+    refused(&store, h.renew(), ErrorCode::StateConflict, "executor type local_process, renew").await;
+    refused(&store, h.complete(Some(0)), ErrorCode::StateConflict, "executor type local_process, completion").await;
+    b.set_executor_type(h.attempt(), REMOTE_WORKER).await;
+
+    // A lease lapsed by DB time (not yet swept) refuses the live commands...
+    b.advance(timings.lease_ttl_ms as i64 + 1_000);
+    refused(&store, h.renew(), ErrorCode::LeaseConflict, "renew on a lapsed lease").await;
+    refused(&store, h.starting(), ErrorCode::LeaseConflict, "starting on a lapsed lease").await;
+    refused(&store, h.running(), ErrorCode::LeaseConflict, "running replay on a lapsed lease").await;
+    let admit = Command::AdmitArtifact(
+        h.path.clone(),
+        ArtifactId::parse("log").unwrap(),
+        ArtifactHeader::new(h.fence(), ArtifactSchema, 1, false),
+    );
+    refused(&store, admit, ErrorCode::LeaseConflict, "artifact on a lapsed lease").await;
+    // ...but a completion from durable evidence still lands until a sweep expires it.
+    assert_eq!(exec(&store, h.complete(Some(0))).await, Ok(completed(Outcome::Completed, TerminalStatus::Succeeded)));
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+// -------------------------------------------------------------------------- sessions
+
+/// A new session replaces the old: the old one's heartbeat and live commands conflict,
+/// while its attempts may still complete under their leases. Draining takes no new work.
+pub async fn a_new_session_replaces_the_old_one<B: Backend>(b: B) {
+    let store = b.store();
+    let timings = b.timings();
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    to_running(&store, &h).await;
+    assert_eq!(
+        heartbeat(&store, &h.agent, false).await,
+        Ok(ql_wire::session::HeartbeatReply { status: SessionStatus::Online })
+    );
+
+    let newer = open(&store, "router-1").await;
+    assert_eq!(newer.generation.get(), 2);
+    let hb = |a: &Agent| {
+        Command::Heartbeat(
+            a.worker.clone(),
+            a.session.clone(),
+            ql_wire::session::Heartbeat { generation: a.generation, draining: false },
+        )
+    };
+    refused(&store, hb(&h.agent), ErrorCode::SessionConflict, "heartbeat of the replaced session").await;
+    assert_eq!(session_row(&store, &h.agent.session).await.state, SessionState::Replaced);
+    refused(&store, h.renew(), ErrorCode::SessionConflict, "renew from the replaced session").await;
+    let poll_old = Command::PollOffers(
+        h.agent.worker.clone(),
+        h.agent.session.clone(),
+        ql_wire::offer::PollOffers { generation: h.agent.generation, wait_ms: 0, max: 1 },
+    );
+    refused(&store, poll_old, ErrorCode::SessionConflict, "poll from the replaced session").await;
+    // The lease was not swept: the restarted agent completes from its journal.
+    assert_eq!(exec(&store, h.complete(Some(0))).await, Ok(completed(Outcome::Completed, TerminalStatus::Succeeded)));
+
+    // Draining is one-way and takes no new work.
+    let status = |s| Ok(ql_wire::session::HeartbeatReply { status: s });
+    assert_eq!(heartbeat(&store, &newer, true).await, status(SessionStatus::Draining));
+    submit(&store, LONG_TIMEOUT_MS, 0).await;
+    assert!(poll(&store, &newer).await.is_empty(), "a draining session is offered nothing");
+    assert_eq!(heartbeat(&store, &newer, false).await, status(SessionStatus::Draining));
+
+    // A session that is not seen within its TTL expires on the next sweep.
+    b.advance(timings.session_ttl_ms as i64 + 1_000);
+    refused(&store, hb(&newer), ErrorCode::SessionConflict, "heartbeat of a lapsed session").await;
+    assert!(sweep(&store).await >= 1);
+    assert_eq!(session_row(&store, &newer.session).await.state, SessionState::Expired);
+    let third = open(&store, "router-1").await;
+    assert_eq!(third.generation.get(), 3);
+    let unknown = Agent { session: SessionId::parse("ses_nope").unwrap(), ..third.clone() };
+    refused(&store, hb(&unknown), ErrorCode::NotFound, "heartbeat of an unknown session").await;
+    let foreign = Agent { worker: worker("router-9"), ..third.clone() };
+    refused(&store, hb(&foreign), ErrorCode::NotFound, "heartbeat of another worker's session").await;
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// Placement honours labels and capacity, oldest run first.
+pub async fn placement_honours_labels_and_capacity<B: Backend>(b: B) {
+    let store = b.store();
+    let mips = BTreeMap::from([("arch".to_owned(), "mips".to_owned())]);
+    let picky = submit_with(&store, LONG_TIMEOUT_MS, 0, mips).await;
+    let plain = open_with(&store, "router-1", 2, &[]).await;
+    assert!(poll(&store, &plain).await.is_empty(), "a run needing arch=mips is not offered to a session without it");
+    let router = open_with(&store, "router-2", 2, &[("arch", "mips"), ("site", "north")]).await;
+    let offers = poll(&store, &router).await;
+    assert_eq!(offers.iter().map(|o| &o.run_id).collect::<Vec<_>>(), vec![&picky]);
+
+    b.advance(1);
+    let first = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    b.advance(1);
+    let second = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    b.advance(1);
+    let third = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    let offers = poll(&store, &plain).await;
+    let mut offered: Vec<_> = offers.iter().map(|o| o.run_id.clone()).collect();
+    offered.sort();
+    let mut oldest = vec![first, second];
+    oldest.sort();
+    assert_eq!(offered, oldest, "capacity 2 takes the two oldest");
+    assert_eq!(poll(&store, &plain).await.len(), 2, "a full session is offered nothing more");
+    assert_eq!(detail(&store, &third).await.run.status, RunStatus::Queued);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+// --------------------------------------------------------------------------- sweeper
+
+/// An offer nobody claimed lapses: the run is queued again without spending a retry,
+/// and the next poll makes a fresh attempt.
+pub async fn an_expired_offer_requeues_without_spending_retries<B: Backend>(b: B) {
+    let store = b.store();
+    let timings = b.timings();
+    let run = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    let agent = open(&store, "router-1").await;
+    let first = poll(&store, &agent).await.remove(0);
+    assert_eq!(sweep(&store).await, 0, "nothing has lapsed yet");
+
+    b.advance(timings.offer_ttl_ms as i64 + 1_000);
+    let token = Token::generate().unwrap();
+    refused(&store, claim_cmd(&agent, &first, &token), ErrorCode::OfferConflict, "claim of a lapsed offer").await;
+    assert_eq!(sweep(&store).await, 1);
+    let d = detail(&store, &run).await;
+    assert_eq!((d.run.status, d.run.retries_used, d.run.current_attempt.clone()), (RunStatus::Queued, 0, None));
+    let a = &d.attempts[0];
+    assert_eq!(
+        (a.status, a.end, a.error_code.as_deref()),
+        (AttemptStatus::Lost, Some(EndKind::OfferExpired), Some(OFFER_EXPIRED))
+    );
+    let offer = store.snapshot().await.unwrap().offers.into_iter().find(|o| o.id == first.offer_id).unwrap();
+    assert_eq!(offer.state, OfferState::Expired);
+
+    // Sweeping again changes nothing.
+    let before = store.snapshot().await.unwrap();
+    assert_eq!(sweep(&store).await, 0);
+    assert_unchanged(&before, &store.snapshot().await.unwrap(), "second sweep");
+
+    // The next poll makes attempt 2, which runs to success: the budget was not spent.
+    let second = poll(&store, &agent).await.remove(0);
+    assert_ne!(second.attempt_id, first.attempt_id);
+    let h = claim(&store, &agent, &second).await;
+    to_running(&store, &h).await;
+    assert_eq!(exec(&store, h.complete(Some(0))).await, Ok(completed(Outcome::Completed, TerminalStatus::Succeeded)));
+    let d = detail(&store, &run).await;
+    assert_eq!(d.attempts.iter().map(|a| a.number).collect::<Vec<_>>(), [1, 2]);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// An expired lease loses its attempt; the run is re-queued within its retry budget and
+/// fails with LEASE_LOST beyond it. Requests on the swept lease are refused.
+pub async fn expired_leases_are_lost_then_the_run_fails<B: Backend>(b: B) {
+    let store = b.store();
+    let timings = b.timings();
+    let lapse = timings.lease_ttl_ms as i64 + 1_000;
+    let run = submit(&store, LONG_TIMEOUT_MS, 1).await;
+    let agent = open(&store, "router-1").await;
+    let offer = poll(&store, &agent).await.remove(0);
+    let h1 = claim(&store, &agent, &offer).await;
+    to_starting(&store, &h1).await;
+
+    b.advance(lapse);
+    assert_eq!(sweep(&store).await, 1);
+    let d = detail(&store, &run).await;
+    assert_eq!((d.run.status, d.run.retries_used, d.run.current_attempt.clone()), (RunStatus::Queued, 1, None));
+    assert_eq!(d.run.deadline_at, None, "a re-queued run gets a fresh deadline at its next claim");
+    let a = &d.attempts[0];
+    assert_eq!(
+        (a.status, a.end, a.error_code.as_deref()),
+        (AttemptStatus::Lost, Some(EndKind::LeaseLost), Some(LEASE_LOST))
+    );
+    assert_eq!(d.leases[0].state, LeaseState::Expired);
+    assert!(kinds(&d).ends_with(&["attempt.lost", "run.queued"]));
+
+    // A swept lease is gone for good (§11): every request on it is a lease conflict.
+    refused(&store, h1.renew(), ErrorCode::LeaseConflict, "renew on a swept lease").await;
+    refused(&store, h1.complete(Some(0)), ErrorCode::LeaseConflict, "completion on a swept lease").await;
+    refused(&store, h1.start_failure(), ErrorCode::LeaseConflict, "start-failure on a swept lease").await;
+    refused(&store, h1.starting(), ErrorCode::LeaseConflict, "starting on a swept lease").await;
+    let before = store.snapshot().await.unwrap();
+    assert_eq!(sweep(&store).await, 0);
+    assert_unchanged(&before, &store.snapshot().await.unwrap(), "second sweep");
+
+    // Attempt 2 under lease generation 2, lost too: the budget is spent, the run fails.
+    let offer = poll(&store, &agent).await.remove(0);
+    let h2 = claim(&store, &agent, &offer).await;
+    assert_eq!(h2.claimed.lease_generation.get(), 2);
+    refused(
+        &store,
+        with_fence(&h2, |h| h.claimed.lease_generation = Counter::ONE).renew(),
+        ErrorCode::LeaseConflict,
+        "old lease generation",
+    )
+    .await;
+    to_running(&store, &h2).await;
+    b.advance(lapse);
+    assert_eq!(sweep(&store).await, 1);
+    let d = detail(&store, &run).await;
+    assert_eq!((d.run.status, d.run.error_code.as_deref()), (RunStatus::Failed, Some(LEASE_LOST)));
+    assert!(d.run.finished_at.is_some());
+    assert_eq!(d.leases.iter().map(|l| l.state).collect::<Vec<_>>(), [LeaseState::Expired, LeaseState::Expired]);
+    let before = store.snapshot().await.unwrap();
+    assert_eq!(sweep(&store).await, 0);
+    assert_unchanged(&before, &store.snapshot().await.unwrap(), "sweep after failure");
+    refused(&store, h2.complete(Some(0)), ErrorCode::LeaseConflict, "completion after the run failed").await;
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// A run past its deadline gets a timeout stop intent, delivered on renewal, once.
+pub async fn an_overdue_run_gets_a_timeout_stop<B: Backend>(b: B) {
+    let store = b.store();
+    let mut h = claimed_run(&store, "router-1", SHORT_TIMEOUT_MS, 0).await;
+    to_running(&store, &h).await;
+    assert_eq!(sweep(&store).await, 0);
+    b.advance(SHORT_TIMEOUT_MS as i64 + 1_000);
+    assert_eq!(sweep(&store).await, 1);
+    let d = detail(&store, h.run()).await;
+    assert_eq!((d.run.status, d.run.stop), (RunStatus::Running, Some(StopIntent::Timeout)));
+    assert!(kinds(&d).contains(&"run.timeout_requested"));
+    let before = store.snapshot().await.unwrap();
+    assert_eq!(sweep(&store).await, 0);
+    assert_unchanged(&before, &store.snapshot().await.unwrap(), "second sweep");
+    // A cancel cannot lower a timeout, and changes nothing.
+    replayed(
+        &store,
+        Command::Cancel(h.run().clone()),
+        Reply::Cancelled(CancelOutcome::StopRequested),
+        "cancel after timeout",
+    )
+    .await;
+    assert_eq!(renew(&store, &mut h).await.stop, Some(StopIntent::Timeout));
+    assert_eq!(exec(&store, h.complete(Some(0))).await, Ok(completed(Outcome::Completed, TerminalStatus::TimedOut)));
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+// ------------------------------------------------------------------- secrets, reads
+
+/// No raw lease or callback token is stored anywhere, and no event payload carries a
+/// token digest.
+pub async fn no_raw_token_reaches_the_database<B: Backend>(b: B) {
+    let store = b.store();
+    let mut h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    to_running(&store, &h).await;
+    renew(&store, &mut h).await;
+    assert_eq!(exec(&store, h.complete(Some(0))).await, Ok(completed(Outcome::Completed, TerminalStatus::Succeeded)));
+    let f = claimed_run(&store, "router-2", LONG_TIMEOUT_MS, 0).await;
+    to_starting(&store, &f).await;
+    assert_eq!(exec(&store, f.start_failure()).await, Ok(ack(Outcome::Failed)));
+
+    let texts = b.all_text().await;
+    let digest = h.lease_token.digest();
+    assert!(texts.iter().any(|t| t == digest.as_str()), "the scan sees the digest columns");
+    for token in [&h.lease_token, &h.callback_token, &f.lease_token, &f.callback_token] {
+        let raw = token.expose();
+        assert!(!texts.iter().any(|t| t.contains(raw)), "a raw token is stored");
+    }
+    let digests = [h.lease_token.digest(), h.callback_token.digest(), f.lease_token.digest()];
+    for e in store.snapshot().await.unwrap().events {
+        let payload = e.payload.to_string();
+        assert!(!digests.iter().any(|d| payload.contains(d.as_str())), "event {} carries a token digest", e.kind);
+    }
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// Work submitted here or by another process wakes long-polls.
+pub async fn changes_wake_on_new_work_here_and_elsewhere<B: Backend>(b: B) {
+    let store = b.store();
+    let mut rx = store.changes();
+    submit(&store, LONG_TIMEOUT_MS, 0).await;
+    assert!(rx.has_changed().unwrap(), "a submit wakes this process's long-polls");
+    rx.borrow_and_update();
+
+    let other = b.other_process();
+    submit(&other, LONG_TIMEOUT_MS, 0).await;
+    tokio::time::timeout(Duration::from_secs(10), rx.changed())
+        .await
+        .expect("a submit by another process wakes this one")
+        .unwrap();
+    assert_eq!(store.runs(10).await.unwrap().len(), 2);
+}
+
+/// The operator reads: newest first, bounded, and absent runs are `None`.
+pub async fn operator_reads_are_ordered_and_bounded<B: Backend>(b: B) {
+    let store = b.store();
+    let mut runs = Vec::new();
+    for _ in 0..3 {
+        runs.push(submit(&store, LONG_TIMEOUT_MS, 0).await);
+        b.advance(10);
+    }
+    let listed: Vec<RunId> = store.runs(2).await.unwrap().into_iter().map(|r| r.id).collect();
+    assert_eq!(listed, vec![runs[2].clone(), runs[1].clone()]);
+    open(&store, "router-1").await;
+    b.advance(10);
+    let newest = open(&store, "router-2").await;
+    let sessions = store.sessions(1).await.unwrap();
+    assert_eq!(sessions.iter().map(|s| &s.id).collect::<Vec<_>>(), vec![&newest.session]);
+    assert_eq!(store.run_detail(&RunId::parse("run_missing").unwrap()).await.unwrap(), None);
+
+    let rec = AuditRecord {
+        at: 0,
+        principal: Some(worker("router-1")),
+        route: "session.open".into(),
+        outcome: "admitted".into(),
+    };
+    store.audit(rec.clone()).await.unwrap();
+    store.audit(AuditRecord { principal: None, outcome: "unauthenticated".into(), ..rec }).await.unwrap();
+    let audits = store.audits().await.unwrap();
+    assert_eq!(audits.iter().map(|a| a.outcome.as_str()).collect::<Vec<_>>(), ["admitted", "unauthenticated"]);
+    assert!(audits.iter().all(|a| a.at > 0), "the store fills DB time");
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+// ------------------------------------------------------------ atomicity, concurrency
+
+/// A write that fails inside the transaction (here: an event type the attempt already
+/// has) rolls back every row the command had written before it, and the store serves on.
+pub async fn a_failed_write_rolls_back_the_whole_command<B: Backend>(b: B) {
+    let store = b.store();
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    b.plant_event(h.run(), h.attempt(), "attempt.starting").await;
+    let before = store.snapshot().await.unwrap();
+    // `starting` writes the attempt first, then appends its event, which now collides.
+    assert!(store.execute(h.starting()).await.is_err(), "the colliding event fails the command");
+    assert_unchanged(&before, &store.snapshot().await.unwrap(), "failed starting");
+    assert_eq!(detail(&store, h.run()).await.attempts[0].status, AttemptStatus::Claimed);
+    let mut h = h;
+    assert_eq!(renew(&store, &mut h).await.lease_version.get(), 2, "the store serves on");
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// Claims racing for one offer, from this process and another, admit exactly one; polls
+/// racing for one queued run place it exactly once.
+pub async fn racing_claims_and_polls_admit_exactly_one<B: Backend>(b: B) {
+    let store = b.store();
+    let other = b.other_process();
+    submit(&store, LONG_TIMEOUT_MS, 0).await;
+    let agent = open(&store, "router-1").await;
+    let offer = poll(&store, &agent).await.remove(0);
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let s = if i % 2 == 0 { store.clone() } else { other.clone() };
+        let cmd = claim_cmd(&agent, &offer, &Token::generate().unwrap());
+        tasks.push(tokio::spawn(async move { s.execute(cmd).await.unwrap() }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.unwrap());
+    }
+    assert_eq!(results.iter().filter(|r| matches!(r, Ok(Reply::Claimed(_)))).count(), 1, "{results:?}");
+    assert!(results.iter().all(|r| matches!(r, Ok(Reply::Claimed(_)) | Err(ErrorCode::OfferConflict))), "{results:?}");
+
+    let run = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    let x = open(&store, "router-2").await;
+    let y = open(&other, "router-3").await;
+    let (px, py) = tokio::join!(poll(&store, &x), poll(&other, &y));
+    assert_eq!(px.iter().chain(&py).filter(|o| o.run_id == run).count(), 1, "{px:?} {py:?}");
+    assert_eq!(detail(&store, &run).await.attempts.len(), 1);
+    check_invariants(&store.snapshot().await.unwrap());
+}
