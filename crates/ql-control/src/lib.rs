@@ -5,11 +5,15 @@
 //! - [`store`]: the storage seam and its SQLite implementation;
 //! - [`blob`]: the artifact store seam and its local-files implementation;
 //! - [`pki`]: the worker CA, the server certificate and worker enrolment;
-//! - [`http`]: the worker ingress: TLS 1.3 mTLS, principal binding, framing, routes.
+//! - [`http`]: the worker ingress: TLS 1.3 mTLS, principal binding, framing, routes;
+//! - [`config`], [`admin`], [`serve`]: the state directory, operator commands and the server.
 
+pub mod admin;
 pub mod blob;
+pub mod config;
 pub mod core;
 pub mod http;
 pub mod model;
 pub mod pki;
+pub mod serve;
 pub mod store;

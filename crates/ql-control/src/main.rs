@@ -1,20 +1,178 @@
-//! `ql-control`: the QingLong Edge control plane, the one authority the agents talk to.
-//!
-//! This first cut only reports its version; the authority lands with the control-plane work.
+//! `ql-control`: the QingLong Edge control plane — the one authority the agents talk to,
+//! and the operator's tool to enrol workers, submit and cancel runs, and read results.
 
 use argh::FromArgs;
+use std::path::PathBuf;
+use std::process::ExitCode;
 
-/// QingLong Edge control plane.
+use ql_control::admin::{self, SubmitArgs};
+use ql_control::config::{Config, Layout};
+use ql_wire::ids::{RunId, WorkerId};
+
+/// QingLong Edge control plane. Every command works on one state directory: --dir, or
+/// $QL_CONTROL_DIR, or /var/lib/ql-control.
 #[derive(FromArgs)]
 struct Cli {
     #[argh(subcommand)]
-    command: Command,
+    command: Cmd,
 }
 
 #[derive(FromArgs)]
 #[argh(subcommand)]
-enum Command {
+enum Cmd {
+    Init(Init),
+    Enroll(Enroll),
+    Serve(Serve),
+    Submit(SubmitCmd),
+    Cancel(Cancel),
+    Runs(Runs),
+    Show(Show),
+    Logs(Logs),
+    Workers(Workers),
     Version(Version),
+}
+
+/// Create a state directory: worker CA, server certificate, database, artifact
+/// directory and control.json with every default written out.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "init")]
+struct Init {
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// a DNS name or IP address agents use to reach this server (repeatable;
+    /// default: localhost and 127.0.0.1)
+    #[argh(option)]
+    host: Vec<String>,
+    /// address to listen on (default 0.0.0.0:8443), stored in control.json
+    #[argh(option)]
+    listen: Option<String>,
+}
+
+/// Issue a worker's client certificate and key (with the CA certificate) for its agent.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "enroll")]
+struct Enroll {
+    /// the worker's name: [a-z0-9][a-z0-9._-]{0,62}
+    #[argh(positional)]
+    worker: String,
+    /// directory to write <worker>.crt, <worker>.key and ca.crt into
+    #[argh(option)]
+    out: PathBuf,
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+}
+
+/// Serve the worker protocol over HTTPS with mutual TLS, and sweep lapsed leases.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "serve")]
+struct Serve {
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// address to listen on (overrides control.json); port 0 picks a free port
+    #[argh(option)]
+    listen: Option<String>,
+}
+
+/// Queue a run: a program and its arguments after `--`, or --script FILE.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "submit")]
+struct SubmitCmd {
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// project (default "default")
+    #[argh(option, default = "String::from(\"default\")")]
+    project: String,
+    /// a script file to run with --interpreter
+    #[argh(option)]
+    script: Option<PathBuf>,
+    /// sh (default), python3 or node
+    #[argh(option)]
+    interpreter: Option<String>,
+    /// NAME=value added to the job's environment (repeatable)
+    #[argh(option)]
+    env: Vec<String>,
+    /// time limit in milliseconds (default one hour)
+    #[argh(option, default = "3_600_000")]
+    timeout_ms: u64,
+    /// bytes of log kept (default 1 MiB, at most 64 MiB)
+    #[argh(option, default = "1_048_576")]
+    log_limit: u64,
+    /// key=value a worker must carry to be offered the run (repeatable)
+    #[argh(option)]
+    label: Vec<String>,
+    /// times a run whose worker vanished is queued again (default 0)
+    #[argh(option, default = "0")]
+    retries: u32,
+    /// the program and its arguments
+    #[argh(positional, greedy)]
+    argv: Vec<String>,
+}
+
+/// Cancel a run: at once if no worker holds it, else at the worker's next renewal.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "cancel")]
+struct Cancel {
+    /// the run
+    #[argh(positional)]
+    run: String,
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+}
+
+/// List runs, newest first.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "runs")]
+struct Runs {
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// how many (default 50)
+    #[argh(option, default = "50")]
+    limit: usize,
+}
+
+/// Show a run with its attempts and events.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "show")]
+struct Show {
+    /// the run
+    #[argh(positional)]
+    run: String,
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// print JSON instead of text
+    #[argh(switch)]
+    json: bool,
+}
+
+/// Print a run's stored log, after checking its SHA-256 against the receipt.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "logs")]
+struct Logs {
+    /// the run
+    #[argh(positional)]
+    run: String,
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+}
+
+/// List worker sessions: generation, status, capacity, last heartbeat.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "workers")]
+struct Workers {
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// how many (default 50)
+    #[argh(option, default = "50")]
+    limit: usize,
 }
 
 /// Print the version.
@@ -22,9 +180,112 @@ enum Command {
 #[argh(subcommand, name = "version")]
 struct Version {}
 
-fn main() {
+fn state_dir(dir: Option<PathBuf>) -> PathBuf {
+    dir.or_else(|| std::env::var_os("QL_CONTROL_DIR").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("/var/lib/ql-control"))
+}
+
+fn run_id(text: &str) -> Result<RunId, String> {
+    RunId::parse(text).map_err(|e| format!("{text:?} is not a run id: {e}"))
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a tokio runtime starts")
+}
+
+fn init(cmd: Init) -> Result<(), String> {
+    let dir = state_dir(cmd.dir);
+    let layout = Layout::new(&dir);
+    if layout.config().exists() {
+        return Err(format!("{} is already initialised (found {})", dir.display(), layout.config().display()));
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let hosts = if cmd.host.is_empty() { vec!["localhost".into(), "127.0.0.1".into()] } else { cmd.host };
+    ql_control::pki::init_pki(&dir, &hosts).map_err(|e| e.to_string())?;
+    let config = Config { listen: cmd.listen.unwrap_or_else(|| Config::default().listen), ..Config::default() };
+    config.save(&layout)?;
+    std::fs::create_dir_all(layout.artifacts()).map_err(|e| format!("{}: {e}", layout.artifacts().display()))?;
+    // Creating the store applies the schema now, so a broken disk shows up at init.
+    let (_store, _) = admin::open_store(&dir)?;
+    println!("initialised {} for {}", dir.display(), hosts.join(", "));
+    println!(
+        "next: ql-control enroll WORKER --dir {} --out DIR, then ql-control serve --dir {}",
+        dir.display(),
+        dir.display()
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
     let cli: Cli = argh::from_env();
-    match cli.command {
-        Command::Version(Version {}) => println!("ql-control {}", env!("CARGO_PKG_VERSION")),
+    let result = match cli.command {
+        Cmd::Version(Version {}) => {
+            println!("ql-control {} (protocol qinglong/worker v1)", env!("CARGO_PKG_VERSION"));
+            Ok(())
+        }
+        Cmd::Init(cmd) => init(cmd),
+        Cmd::Enroll(cmd) => WorkerId::parse(cmd.worker.as_str())
+            .map_err(|e| format!("{:?} is not a worker name ([a-z0-9][a-z0-9._-]{{0,62}}): {e}", cmd.worker))
+            .and_then(|worker| {
+                let dir = state_dir(cmd.dir);
+                let done = ql_control::pki::enroll(&dir, &worker, &cmd.out).map_err(|e| e.to_string())?;
+                println!("enrolled {worker}: {} {} {}", done.cert.display(), done.key.display(), done.ca.display());
+                Ok(())
+            }),
+        Cmd::Serve(cmd) => ql_control::serve::run(&state_dir(cmd.dir), cmd.listen),
+        Cmd::Submit(cmd) => {
+            let args = SubmitArgs {
+                project: cmd.project,
+                argv: cmd.argv,
+                script: cmd.script,
+                interpreter: cmd.interpreter,
+                env: cmd.env,
+                timeout_ms: cmd.timeout_ms,
+                log_limit: cmd.log_limit,
+                labels: cmd.label,
+                retries: cmd.retries,
+            };
+            admin::open_store(&state_dir(cmd.dir)).and_then(|(store, _)| {
+                let id = runtime().block_on(admin::submit(&store, &args))?;
+                println!("{id}");
+                Ok(())
+            })
+        }
+        Cmd::Cancel(cmd) => run_id(&cmd.run).and_then(|run| {
+            let (store, _) = admin::open_store(&state_dir(cmd.dir))?;
+            println!("{}", runtime().block_on(admin::cancel(&store, &run))?);
+            Ok(())
+        }),
+        Cmd::Runs(cmd) => admin::open_store(&state_dir(cmd.dir)).and_then(|(store, _)| {
+            print!("{}", runtime().block_on(admin::runs(&store, cmd.limit))?);
+            Ok(())
+        }),
+        Cmd::Show(cmd) => run_id(&cmd.run).and_then(|run| {
+            let (store, _) = admin::open_store(&state_dir(cmd.dir))?;
+            let d = runtime().block_on(admin::detail(&store, &run))?;
+            if cmd.json {
+                println!("{}", serde_json::to_string_pretty(&admin::detail_json(&d)).expect("JSON"));
+            } else {
+                print!("{}", admin::detail_text(&d));
+            }
+            Ok(())
+        }),
+        Cmd::Logs(cmd) => run_id(&cmd.run).and_then(|run| {
+            let dir = state_dir(cmd.dir);
+            let (store, _) = admin::open_store(&dir)?;
+            let blobs = admin::open_blobs(&dir)?;
+            runtime().block_on(admin::logs(&store, &blobs, &run, &mut std::io::stdout().lock()))
+        }),
+        Cmd::Workers(cmd) => admin::open_store(&state_dir(cmd.dir)).and_then(|(store, _)| {
+            print!("{}", runtime().block_on(admin::workers(&store, cmd.limit))?);
+            Ok(())
+        }),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ql-control: {e}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -1,0 +1,281 @@
+//! ACK throughput of a running `ql-control serve`, over real mTLS on one keep-alive
+//! connection per client (the agent's shape).
+//!
+//! Each client is its own enrolled worker. It loops: poll, claim, then the fenced
+//! commands that ADR-0109 and ADR-0117 make one short transaction each — `starting`,
+//! `running`, `--renewals` lease renewals and the completion — and times every one of
+//! those. It prints ACK transactions per second and p50/p99 latency. Run by
+//! `bench/control.sh`, which starts the server and reports its memory too.
+//!
+//! Usage: `ack_bench --dir STATE --url https://127.0.0.1:PORT --clients N --cycles K`
+//! `[--renewals R] [--upload-mib M --uploads U]`
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ql_control::admin::{self, SubmitArgs};
+use ql_wire::ack::{AckReply, Running};
+use ql_wire::artifact::{ArtifactHeader, ArtifactReply, ArtifactSchema};
+use ql_wire::capability::Token;
+use ql_wire::completion::{Completion, CompletionReply, CompletionSchema};
+use ql_wire::ids::{ArtifactId, Counter, WorkerId};
+use ql_wire::lease::Renewed;
+use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
+use ql_wire::route::{AttemptCommand, AttemptPath, Route};
+use ql_wire::session::{OpenSession, SessionOpened};
+use ql_wire::time::Timestamp;
+use ql_wire::{decode, encode, Body, Fence};
+use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig, TlsProvider};
+
+struct Args {
+    dir: std::path::PathBuf,
+    url: String,
+    clients: usize,
+    cycles: usize,
+    renewals: usize,
+    upload_mib: u64,
+    uploads: usize,
+}
+
+fn args() -> Args {
+    let mut a =
+        Args { dir: "".into(), url: String::new(), clients: 1, cycles: 20, renewals: 5, upload_mib: 0, uploads: 0 };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--dir" => a.dir = value.into(),
+            "--url" => a.url = value,
+            "--clients" => a.clients = value.parse().expect("--clients"),
+            "--cycles" => a.cycles = value.parse().expect("--cycles"),
+            "--renewals" => a.renewals = value.parse().expect("--renewals"),
+            "--upload-mib" => a.upload_mib = value.parse().expect("--upload-mib"),
+            "--uploads" => a.uploads = value.parse().expect("--uploads"),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+fn agent(dir: &std::path::Path, worker: &WorkerId) -> ureq::Agent {
+    let out = dir.join("bench-workers");
+    let enrolled = ql_control::pki::enroll(dir, worker, &out).expect("enroll");
+    let read = |p: &std::path::Path| std::fs::read(p).expect("read pem");
+    let ca = Certificate::from_pem(&read(&enrolled.ca)).expect("ca");
+    let cert = Certificate::from_pem(&read(&enrolled.cert)).expect("cert");
+    let key = PrivateKey::from_pem(&read(&enrolled.key)).expect("key");
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider.cipher_suites.retain(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
+    let tls = TlsConfig::builder()
+        .provider(TlsProvider::Rustls)
+        .unversioned_rustls_crypto_provider(Arc::new(provider))
+        .root_certs(RootCerts::new_with_certs(&[ca]))
+        .client_cert(Some(ClientCert::new_with_certs(&[cert], key)))
+        .build();
+    ureq::Agent::config_builder()
+        .tls_config(tls)
+        .http_status_as_error(false)
+        .max_idle_connections_per_host(1)
+        .timeout_global(Some(Duration::from_secs(60)))
+        .build()
+        .new_agent()
+}
+
+fn post<Req: Body, Resp: Body>(agent: &ureq::Agent, url: &str, route: &Route, body: &Req) -> Resp {
+    let mut resp = agent
+        .post(format!("{url}{}", route.path()))
+        .header("Content-Type", "application/json")
+        .send(&encode(body)[..])
+        .expect("request");
+    let bytes = resp.body_mut().read_to_vec().expect("body");
+    assert!(resp.status().is_success(), "{} {}: {}", route.name(), resp.status(), String::from_utf8_lossy(&bytes));
+    decode(&bytes).expect("answer decodes")
+}
+
+/// One client's loop; returns the latency of each fenced ACK transaction.
+fn client(a: &Args, index: usize) -> Vec<Duration> {
+    let worker = WorkerId::parse(format!("bench-{index}")).unwrap();
+    let agent = agent(&a.dir, &worker);
+    let url = a.url.as_str();
+    let open = OpenSession {
+        agent_version: "bench".parse().unwrap(),
+        arch: std::env::consts::ARCH.parse().unwrap(),
+        labels: [("bench".parse().unwrap(), index.to_string().parse().unwrap())].into(),
+        capacity: 1,
+    };
+    let session: SessionOpened = post(&agent, url, &Route::OpenSession(worker.clone()), &open);
+    let mut times = Vec::with_capacity(a.cycles * (a.renewals + 3));
+    let mut timed = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        times.push(t.elapsed());
+    };
+    for _ in 0..a.cycles {
+        let poll = PollOffers { generation: session.generation, wait_ms: 5_000, max: 1 };
+        let offers: Offers = post(&agent, url, &Route::PollOffers(worker.clone(), session.session_id.clone()), &poll);
+        let offer = offers.offers.into_iter().next().expect("an offer within 5 s");
+        let token = Token::generate().unwrap();
+        let claim = Claim {
+            generation: session.generation,
+            run_id: offer.run_id.clone(),
+            attempt_id: offer.attempt_id.clone(),
+            lease_token: token.clone(),
+        };
+        let route = Route::Claim(worker.clone(), session.session_id.clone(), offer.offer_id.clone());
+        let claimed: Claimed = post(&agent, url, &route, &claim);
+        let path = AttemptPath {
+            worker: worker.clone(),
+            session: session.session_id.clone(),
+            run: offer.run_id.clone(),
+            attempt: offer.attempt_id.clone(),
+        };
+        let mut fence = Fence {
+            session_generation: session.generation,
+            offer_id: offer.offer_id.clone(),
+            lease_generation: claimed.lease_generation,
+            lease_token: token,
+            expected_lease_version: claimed.lease_version,
+        };
+        let at = |cmd| Route::Attempt(path.clone(), cmd);
+        timed(&mut || {
+            let _: AckReply = post(&agent, url, &at(AttemptCommand::Starting), &fence);
+        });
+        let callback = Token::generate().unwrap();
+        let running =
+            Running::new(fence.clone(), "pid:1 start:1".parse().unwrap(), None, Counter::ONE, callback.digest());
+        timed(&mut || {
+            let _: AckReply = post(&agent, url, &at(AttemptCommand::Running), &running);
+        });
+        for _ in 0..a.renewals {
+            timed(&mut || {
+                let r: Renewed = post(&agent, url, &at(AttemptCommand::RenewLease), &fence);
+                fence.expected_lease_version = r.lease_version;
+            });
+        }
+        let done = Completion::new(
+            fence.clone(),
+            CompletionSchema,
+            Counter::ONE,
+            callback.clone(),
+            Some(0),
+            None,
+            Timestamp::from_millis(0).unwrap(),
+            None,
+        );
+        timed(&mut || {
+            let _: CompletionReply = post(&agent, url, &at(AttemptCommand::Completion), &done);
+        });
+    }
+    times
+}
+
+/// Uploads `count` artifacts of `mib` MiB through one attempt held at `running`.
+fn uploads(a: &Args) {
+    let worker = WorkerId::parse("bench-upload").unwrap();
+    let agent = agent(&a.dir, &worker);
+    let url = a.url.as_str();
+    let open = OpenSession {
+        agent_version: "bench".parse().unwrap(),
+        arch: std::env::consts::ARCH.parse().unwrap(),
+        labels: [("bench".parse().unwrap(), "upload".parse().unwrap())].into(),
+        capacity: 1,
+    };
+    let session: SessionOpened = post(&agent, url, &Route::OpenSession(worker.clone()), &open);
+    let poll = PollOffers { generation: session.generation, wait_ms: 5_000, max: 1 };
+    let offers: Offers = post(&agent, url, &Route::PollOffers(worker.clone(), session.session_id.clone()), &poll);
+    let offer = offers.offers.into_iter().next().expect("an upload offer");
+    let token = Token::generate().unwrap();
+    let claim = Claim {
+        generation: session.generation,
+        run_id: offer.run_id.clone(),
+        attempt_id: offer.attempt_id.clone(),
+        lease_token: token.clone(),
+    };
+    let claimed: Claimed =
+        post(&agent, url, &Route::Claim(worker.clone(), session.session_id.clone(), offer.offer_id.clone()), &claim);
+    let path = AttemptPath { worker, session: session.session_id, run: offer.run_id, attempt: offer.attempt_id };
+    let fence = Fence {
+        session_generation: session.generation,
+        offer_id: offer.offer_id,
+        lease_generation: claimed.lease_generation,
+        lease_token: token,
+        expected_lease_version: claimed.lease_version,
+    };
+    let _: AckReply = post(&agent, url, &Route::Attempt(path.clone(), AttemptCommand::Starting), &fence);
+    let len = a.upload_mib * 1024 * 1024;
+    for i in 0..a.uploads {
+        let header = ArtifactHeader::new(fence.clone(), ArtifactSchema, len, false);
+        let prefix = ql_wire::frame::encode_prefix(&header).unwrap();
+        let fill = std::io::Read::take(std::io::repeat(b'a' + i as u8), len);
+        let mut body = std::io::Read::chain(std::io::Cursor::new(prefix.to_vec()), fill);
+        let route = Route::Artifact(path.clone(), ArtifactId::parse(format!("blob{i}")).unwrap());
+        let t = Instant::now();
+        let mut resp = agent
+            .put(format!("{url}{}", route.path()))
+            .header("Content-Type", ql_wire::route::ARTIFACT_MEDIA_TYPE)
+            .header("Content-Length", (prefix.len() as u64 + len).to_string())
+            .header("Expect", "100-continue")
+            .send(ureq::SendBody::from_reader(&mut body))
+            .expect("upload");
+        let bytes = resp.body_mut().read_to_vec().unwrap();
+        let reply: ArtifactReply = decode(&bytes).expect("artifact reply");
+        let secs = t.elapsed().as_secs_f64();
+        println!(
+            "upload {i}: {} MiB in {secs:.2} s ({:.0} MiB/s), {:?}",
+            a.upload_mib,
+            a.upload_mib as f64 / secs,
+            reply.result
+        );
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn main() {
+    let a = args();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (store, _) = admin::open_store(&a.dir).expect("state dir");
+    let submit = |label: String| SubmitArgs {
+        project: "default".into(),
+        argv: vec!["true".into()],
+        timeout_ms: 600_000,
+        log_limit: 1024,
+        labels: vec![label],
+        ..SubmitArgs::default()
+    };
+    for i in 0..a.clients {
+        for _ in 0..a.cycles {
+            rt.block_on(admin::submit(&store, &submit(format!("bench={i}")))).expect("submit");
+        }
+    }
+    if a.uploads > 0 {
+        let mut up = submit("bench=upload".into());
+        up.log_limit = 64 * 1024 * 1024;
+        rt.block_on(admin::submit(&store, &up)).expect("submit upload run");
+    }
+    let start = Instant::now();
+    let mut all: Vec<Duration> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..a.clients)
+            .map(|i| {
+                let a = &a;
+                s.spawn(move || client(a, i))
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().expect("client thread")).collect()
+    });
+    let wall = start.elapsed().as_secs_f64();
+    all.sort();
+    println!(
+        "clients {:>3}: {:>6} ACK transactions in {wall:.2} s = {:>7.0} ACK/s, p50 {:.2} ms, p99 {:.2} ms",
+        a.clients,
+        all.len(),
+        all.len() as f64 / wall,
+        percentile(&all, 0.50).as_secs_f64() * 1e3,
+        percentile(&all, 0.99).as_secs_f64() * 1e3,
+    );
+    if a.uploads > 0 {
+        uploads(&a);
+    }
+}

@@ -1,0 +1,308 @@
+//! Operator commands against a state directory: submit, cancel, runs, show, logs and
+//! workers. They open the same SQLite file as `serve` (SQLite serialises the writers) and
+//! go through the same decision code, so an operator can never break a protocol rule.
+
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use ql_wire::capability::Digest;
+use ql_wire::ids::{ProjectId, RunId};
+use ql_wire::spec::{EnvName, ExecutionSpec, Interpreter, Script, SpecSchema};
+use ql_wire::time::Timestamp;
+
+use crate::blob::fs::FsBlobStore;
+use crate::blob::{ArtifactKey, BlobStore};
+use crate::config::{Config, Layout};
+use crate::core::{CancelOutcome, Command, Reply, Submit};
+use crate::model::{Attempt, Millis};
+use crate::store::sqlite::SqliteStore;
+use crate::store::{RunDetail, Store};
+
+/// What to run, as an operator describes it.
+#[derive(Debug, Clone, Default)]
+pub struct SubmitArgs {
+    /// Project.
+    pub project: String,
+    /// A program and its arguments (exclusive with `script`).
+    pub argv: Vec<String>,
+    /// A script file (exclusive with `argv`).
+    pub script: Option<std::path::PathBuf>,
+    /// `sh`, `python3` or `node` (default `sh`).
+    pub interpreter: Option<String>,
+    /// `NAME=value` pairs.
+    pub env: Vec<String>,
+    /// Run time limit.
+    pub timeout_ms: u64,
+    /// Bytes of log kept.
+    pub log_limit: u64,
+    /// `key=value` placement labels.
+    pub labels: Vec<String>,
+    /// Lost leases tolerated.
+    pub retries: u32,
+}
+
+fn pair(text: &str, what: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("{what} {text:?} must look like NAME=value"))
+}
+
+/// Builds the run request, refusing what the protocol would refuse.
+pub fn submit_request(args: &SubmitArgs) -> Result<Submit, String> {
+    let project = ProjectId::parse(args.project.as_str()).map_err(|e| format!("project {:?}: {e}", args.project))?;
+    let (argv, script) = match (&args.script, args.argv.is_empty()) {
+        (Some(path), true) => {
+            let source = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let interpreter = match args.interpreter.as_deref().unwrap_or("sh") {
+                "sh" => Interpreter::Sh,
+                "python3" => Interpreter::Python3,
+                "node" => Interpreter::Node,
+                other => return Err(format!("interpreter {other:?}: use sh, python3 or node")),
+            };
+            (None, Some(Script { interpreter, source }))
+        }
+        (None, false) => (Some(args.argv.clone()), None),
+        (Some(_), false) => return Err("give either a program after `--` or --script, not both".into()),
+        (None, true) => return Err("nothing to run: give a program after `--`, or --script FILE".into()),
+    };
+    let mut env = BTreeMap::new();
+    for e in &args.env {
+        let (k, v) = pair(e, "--env")?;
+        env.insert(EnvName::parse(k.as_str()).map_err(|e| format!("--env {k:?}: {e}"))?, v);
+    }
+    let labels = args.labels.iter().map(|l| pair(l, "--label")).collect::<Result<_, _>>()?;
+    let spec = ExecutionSpec {
+        schema: SpecSchema,
+        project_id: project.clone(),
+        argv,
+        script,
+        env,
+        timeout_ms: args.timeout_ms,
+        log_limit_bytes: args.log_limit,
+    };
+    spec.validate().map_err(|e| format!("the run is out of bounds: {e}"))?;
+    Ok(Submit { project, spec, labels, retry_budget: args.retries })
+}
+
+/// Opens the state directory's store with its configured timings.
+pub fn open_store(dir: &Path) -> Result<(SqliteStore, Config), String> {
+    let layout = Layout::new(dir);
+    let config = Config::load(&layout)?;
+    let store = SqliteStore::open(layout.database(), config.timings()).map_err(|e| e.to_string())?;
+    Ok((store, config))
+}
+
+/// Opens the state directory's artifact store.
+pub fn open_blobs(dir: &Path) -> Result<FsBlobStore, String> {
+    FsBlobStore::open(Layout::new(dir).artifacts()).map_err(|e| e.to_string())
+}
+
+async fn execute<S: Store>(store: &S, cmd: Command) -> Result<Reply, String> {
+    match store.execute(cmd).await {
+        Ok(Ok(reply)) => Ok(reply),
+        Ok(Err(code)) => Err(format!("refused: {code}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Queues a run and returns its id.
+pub async fn submit<S: Store>(store: &S, args: &SubmitArgs) -> Result<RunId, String> {
+    match execute(store, Command::Submit(submit_request(args)?)).await? {
+        Reply::Submitted(id) => Ok(id),
+        other => Err(format!("unexpected answer {other:?}")),
+    }
+}
+
+/// Cancels a run and says what happened.
+pub async fn cancel<S: Store>(store: &S, run: &RunId) -> Result<String, String> {
+    match execute(store, Command::Cancel(run.clone())).await {
+        Ok(Reply::Cancelled(CancelOutcome::Cancelled)) => Ok(format!("{run} cancelled")),
+        Ok(Reply::Cancelled(CancelOutcome::StopRequested)) => {
+            Ok(format!("{run}: stop requested; the worker stops it at its next lease renewal"))
+        }
+        Ok(Reply::Cancelled(CancelOutcome::AlreadyEnded(status))) => Ok(format!("{run} had already ended: {status}")),
+        Ok(other) => Err(format!("unexpected answer {other:?}")),
+        Err(e) if e.ends_with("not_found") => Err(format!("no run {run} (see `ql-control runs`)")),
+        Err(e) => Err(e),
+    }
+}
+
+/// A time for people.
+pub fn when(ms: Option<Millis>) -> String {
+    ms.and_then(|ms| Timestamp::from_millis(ms).ok()).map_or_else(|| "-".into(), |t| t.to_string())
+}
+
+/// The runs as a table.
+pub async fn runs<S: Store>(store: &S, limit: usize) -> Result<String, String> {
+    let runs = store.runs(limit).await.map_err(|e| e.to_string())?;
+    let mut out =
+        format!("{:<28} {:<11} {:>8} {:<24} {:<24} {}\n", "RUN", "STATUS", "ATTEMPTS", "CREATED", "FINISHED", "ERROR");
+    for r in runs {
+        out += &format!(
+            "{:<28} {:<11} {:>8} {:<24} {:<24} {}\n",
+            r.id.as_str(),
+            r.status.as_str(),
+            r.attempts,
+            when(Some(r.created_at)),
+            when(r.finished_at),
+            r.error_code.as_deref().unwrap_or("-")
+        );
+    }
+    Ok(out)
+}
+
+/// The sessions as a table.
+pub async fn workers<S: Store>(store: &S, limit: usize) -> Result<String, String> {
+    let sessions = store.sessions(limit).await.map_err(|e| e.to_string())?;
+    let mut out = format!(
+        "{:<24} {:<28} {:>4} {:<9} {:>8} {:<24} {}\n",
+        "WORKER", "SESSION", "GEN", "STATUS", "CAPACITY", "LAST SEEN", "AGENT"
+    );
+    for s in sessions {
+        out += &format!(
+            "{:<24} {:<28} {:>4} {:<9} {:>8} {:<24} {} {}\n",
+            s.worker.as_str(),
+            s.id.as_str(),
+            s.generation.get(),
+            s.state.as_str(),
+            s.capacity,
+            when(Some(s.seen_at)),
+            s.agent_version,
+            s.arch
+        );
+    }
+    Ok(out)
+}
+
+fn attempt_view(a: &Attempt) -> serde_json::Value {
+    json!({
+        "attemptId": a.id,
+        "number": a.number,
+        "status": a.status.as_str(),
+        "worker": a.worker,
+        "sessionId": a.session,
+        "offerId": a.offer,
+        "leaseGeneration": a.lease.as_ref().map(|l| l.lease_generation),
+        "leaseVersion": a.lease.as_ref().map(|l| l.version),
+        "executorHandle": a.executor_handle,
+        "exitCode": a.exit_code,
+        "signal": a.signal,
+        "artifact": a.artifact,
+        "errorCode": a.error_code,
+        "summary": a.summary,
+        "startedAt": when(a.started_at),
+        "endedAt": when(a.ended_at),
+    })
+}
+
+/// A run, its attempts and its events as JSON (digests of tokens left out).
+pub fn detail_json(d: &RunDetail) -> serde_json::Value {
+    let r = &d.run;
+    json!({
+        "runId": r.id,
+        "project": r.project,
+        "status": r.status.as_str(),
+        "stop": r.stop,
+        "errorCode": r.error_code,
+        "summary": r.summary,
+        "attempts": d.attempts.iter().map(attempt_view).collect::<Vec<_>>(),
+        "leases": d.leases.iter().map(|l| json!({
+            "attemptId": l.attempt, "state": l.state.as_str(), "version": l.facts.version,
+            "generation": l.facts.lease_generation, "expiresAt": when(Some(l.facts.expires_at)),
+        })).collect::<Vec<_>>(),
+        "events": d.events.iter().map(|e| json!({
+            "eventId": e.id, "attemptId": e.attempt, "type": e.kind, "from": e.from_status, "to": e.to_status,
+            "payload": e.payload, "at": when(Some(e.at)),
+        })).collect::<Vec<_>>(),
+        "createdAt": when(Some(r.created_at)),
+        "startedAt": when(r.started_at),
+        "finishedAt": when(r.finished_at),
+    })
+}
+
+/// One run for people.
+pub fn detail_text(d: &RunDetail) -> String {
+    let r = &d.run;
+    let mut out = format!(
+        "run      {}\nproject  {}\nstatus   {}{}\ncreated  {}\nstarted  {}\nfinished {}\n",
+        r.id,
+        r.project,
+        r.status,
+        r.error_code.as_ref().map_or(String::new(), |c| format!(" ({c})")),
+        when(Some(r.created_at)),
+        when(r.started_at),
+        when(r.finished_at),
+    );
+    if let Some(stop) = r.stop {
+        out += &format!("stop     {stop:?}\n");
+    }
+    for a in &d.attempts {
+        out += &format!(
+            "attempt  {} #{} {} on {} exit={} signal={}{}\n",
+            a.id,
+            a.number,
+            a.status,
+            a.worker,
+            a.exit_code.map_or("-".into(), |c| c.to_string()),
+            a.signal.map_or("-".into(), |s| s.to_string()),
+            a.artifact.as_ref().map_or(String::new(), |r| format!(
+                " log={}B{}",
+                r.length,
+                if r.truncated { " (truncated)" } else { "" }
+            )),
+        );
+    }
+    out += "events\n";
+    for e in &d.events {
+        out += &format!(
+            "  {} {:<22} {} -> {}\n",
+            when(Some(e.at)),
+            e.kind,
+            e.from_status.as_deref().unwrap_or("-"),
+            e.to_status.as_deref().unwrap_or("-")
+        );
+    }
+    out
+}
+
+/// Looks a run up, with a message that says what to do when it is missing.
+pub async fn detail<S: Store>(store: &S, run: &RunId) -> Result<RunDetail, String> {
+    store
+        .run_detail(run)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("no run {run} (see `ql-control runs`)"))
+}
+
+/// Writes the run's stored log to `out` after checking it against its receipt.
+pub async fn logs<S: Store, B: BlobStore>(
+    store: &S,
+    blobs: &B,
+    run: &RunId,
+    out: &mut dyn std::io::Write,
+) -> Result<(), String> {
+    let d = detail(store, run).await?;
+    let Some((attempt, receipt)) = d.attempts.iter().rev().find_map(|a| a.artifact.as_ref().map(|r| (a, r))) else {
+        return Err(format!("run {run} has no stored log yet (status {})", d.run.status));
+    };
+    let key = ArtifactKey {
+        project: d.run.project.clone(),
+        run: d.run.id.clone(),
+        attempt: attempt.id.clone(),
+        artifact: receipt.artifact_id.clone(),
+    };
+    let content = blobs
+        .read(&key)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("the log of {run} is recorded but missing from the artifact store"))?;
+    if content.len() as u64 != receipt.length || !Digest::of(&content).ct_eq(&receipt.sha256) {
+        return Err(format!("the stored log of {run} does not match its receipt (SHA-256 or length differs)"));
+    }
+    out.write_all(&content).map_err(|e| e.to_string())?;
+    if receipt.truncated {
+        eprintln!("(log truncated at {} bytes by the worker)", receipt.length);
+    }
+    Ok(())
+}

@@ -1,0 +1,158 @@
+//! The control plane's settings: `<dir>/control.json`, written by `init` with every
+//! default spelled out so an operator sees what can be tuned. Every duration is here, so
+//! tests and small deployments can shorten them.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+use crate::core::Timings;
+
+/// Everything `serve` needs besides the PKI.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields, default)]
+pub struct Config {
+    /// Address the HTTPS ingress binds (`--listen` overrides it).
+    pub listen: String,
+    /// How often agents heartbeat.
+    pub heartbeat_ms: u64,
+    /// A session lapses after this long without a heartbeat or poll.
+    pub session_ttl_ms: u64,
+    /// An offer lapses after this long unclaimed.
+    pub offer_ttl_ms: u64,
+    /// A lease lapses after this long without renewal.
+    pub lease_ttl_ms: u64,
+    /// How often the sweeper looks for lapsed rows.
+    pub sweep_interval_ms: u64,
+    /// How often the server notices work submitted by another process.
+    pub change_poll_ms: u64,
+    /// Longest time the server waits for a request's headers or body bytes.
+    pub read_timeout_ms: u64,
+    /// Idle keep-alive connections are closed after this long.
+    pub idle_timeout_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        let t = Timings::default();
+        Self {
+            listen: "0.0.0.0:8443".into(),
+            heartbeat_ms: t.heartbeat_ms,
+            session_ttl_ms: t.session_ttl_ms,
+            offer_ttl_ms: t.offer_ttl_ms,
+            lease_ttl_ms: t.lease_ttl_ms,
+            sweep_interval_ms: 1_000,
+            change_poll_ms: 250,
+            read_timeout_ms: 60_000,
+            idle_timeout_ms: 300_000,
+        }
+    }
+}
+
+/// Where things live in a state directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// The directory.
+    pub dir: PathBuf,
+}
+
+impl Layout {
+    /// The layout of `dir`.
+    pub fn new(dir: &Path) -> Self {
+        Self { dir: dir.to_path_buf() }
+    }
+
+    /// The settings file.
+    pub fn config(&self) -> PathBuf {
+        self.dir.join("control.json")
+    }
+
+    /// The SQLite database.
+    pub fn database(&self) -> PathBuf {
+        self.dir.join("control.db")
+    }
+
+    /// The local artifact store.
+    pub fn artifacts(&self) -> PathBuf {
+        self.dir.join("artifacts")
+    }
+}
+
+impl Config {
+    /// The protocol durations.
+    pub fn timings(&self) -> Timings {
+        Timings {
+            heartbeat_ms: self.heartbeat_ms,
+            session_ttl_ms: self.session_ttl_ms,
+            offer_ttl_ms: self.offer_ttl_ms,
+            lease_ttl_ms: self.lease_ttl_ms,
+        }
+    }
+
+    /// Refuses settings that cannot work together.
+    pub fn check(&self) -> Result<(), String> {
+        let positive = [
+            ("heartbeat_ms", self.heartbeat_ms),
+            ("session_ttl_ms", self.session_ttl_ms),
+            ("offer_ttl_ms", self.offer_ttl_ms),
+            ("lease_ttl_ms", self.lease_ttl_ms),
+            ("sweep_interval_ms", self.sweep_interval_ms),
+            ("change_poll_ms", self.change_poll_ms),
+            ("read_timeout_ms", self.read_timeout_ms),
+            ("idle_timeout_ms", self.idle_timeout_ms),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("{name} must be greater than 0"));
+        }
+        if self.heartbeat_ms >= self.session_ttl_ms {
+            return Err("heartbeat_ms must be shorter than session_ttl_ms, or every session lapses".into());
+        }
+        Ok(())
+    }
+
+    /// Reads `<dir>/control.json`.
+    pub fn load(layout: &Layout) -> Result<Self, String> {
+        let path = layout.config();
+        let text = std::fs::read(&path).map_err(|e| {
+            format!("{}: {e} (run `ql-control init --dir {}` first)", path.display(), layout.dir.display())
+        })?;
+        let config: Self = serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        config.check().map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(config)
+    }
+
+    /// Writes the settings as pretty JSON.
+    pub fn save(&self, layout: &Layout) -> Result<(), String> {
+        let mut text = serde_json::to_vec_pretty(self).expect("settings serialise");
+        text.push(b'\n');
+        std::fs::write(layout.config(), text).map_err(|e| format!("{}: {e}", layout.config().display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_consistent_and_round_trip() {
+        let c = Config::default();
+        assert_eq!(c.check(), Ok(()));
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(serde_json::from_str::<Config>(&json).unwrap(), c);
+    }
+
+    #[test]
+    fn missing_keys_take_defaults_and_unknown_keys_are_refused() {
+        let c: Config = serde_json::from_str(r#"{"lease_ttl_ms": 900}"#).unwrap();
+        assert_eq!(c.lease_ttl_ms, 900);
+        assert_eq!(c.heartbeat_ms, Config::default().heartbeat_ms);
+        assert!(serde_json::from_str::<Config>(r#"{"lease_ttl": 900}"#).is_err());
+    }
+
+    #[test]
+    fn refuses_zero_durations_and_a_heartbeat_longer_than_the_session() {
+        let c = Config { sweep_interval_ms: 0, ..Config::default() };
+        assert!(c.check().unwrap_err().contains("sweep_interval_ms"));
+        let c = Config { heartbeat_ms: 5_000, session_ttl_ms: 5_000, ..Config::default() };
+        assert!(c.check().unwrap_err().contains("heartbeat_ms"));
+    }
+}
