@@ -167,7 +167,7 @@ pub async fn serve_until<S: Store, B: BlobStore>(
     server.await
 }
 
-/// Starts the worker ingress as a task on the current runtime.
+/// Starts the worker ingress as a task on the current Tokio runtime (panics outside one).
 pub fn spawn<S: Store, B: BlobStore>(
     listener: TcpListener,
     tls: Arc<ServerConfig>,

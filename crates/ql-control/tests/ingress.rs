@@ -1,0 +1,1215 @@
+//! The worker ingress over real TLS 1.3 with real certificates from `pki`, a real
+//! listener on 127.0.0.1, the SQLite store and the local-files artifact store.
+//!
+//! Two clients: ureq configured the way the agent is (ring provider filtered to TLS 1.3
+//! suites, only the worker CA as root, the worker's client certificate, HTTP statuses as
+//! values), and a raw rustls client over a std `TcpStream` that writes HTTP/1.1 bytes by
+//! hand, for everything a well-behaved client would never send.
+//!
+//! No test sleeps to synchronise: each waits for a condition with a deadline.
+
+use std::collections::BTreeMap;
+use std::io::{self, Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned, SupportedProtocolVersion};
+
+use ql_control::blob::fs::FsBlobStore;
+use ql_control::blob::{ArtifactKey, BlobStore as _};
+use ql_control::core::{Command, Reply, Submit, Timings};
+use ql_control::http::{self, IngressConfig, IngressStats};
+use ql_control::model::AuditRecord;
+use ql_control::pki::{self, PkiPaths};
+use ql_control::store::sqlite::{SqliteOptions, SqliteStore};
+use ql_control::store::{Snapshot, Store as _};
+use ql_wire::ack::{AckReply, Running, StartFailure};
+use ql_wire::artifact::{ArtifactHeader, ArtifactReply, ArtifactSchema, Receipt};
+use ql_wire::capability::Token;
+use ql_wire::completion::{Completion, CompletionReply, CompletionSchema, TerminalStatus};
+use ql_wire::frame::encode_prefix;
+use ql_wire::ids::{ArtifactId, Counter, ProjectId, RunId, SessionId, WorkerId};
+use ql_wire::lease::Renewed;
+use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
+use ql_wire::route::{AttemptCommand, AttemptPath, Route, ARTIFACT_MEDIA_TYPE, JSON_MEDIA_TYPE};
+use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened, SessionStatus};
+use ql_wire::spec::{ExecutionSpec, SpecSchema};
+use ql_wire::text::{ExecutorHandle, Reason};
+use ql_wire::time::Timestamp;
+use ql_wire::{Body, ErrorBody, ErrorCode, Fence, Outcome};
+
+/// How long any one wait in these tests may take before it is a failure.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------
+// The server under test.
+
+/// A scratch directory, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let mut rnd = [0u8; 8];
+        getrandom::getrandom(&mut rnd).unwrap();
+        let suffix: String = rnd.iter().map(|b| format!("{b:02x}")).collect();
+        let path = std::env::temp_dir().join(format!("ql-ingress-{name}-{suffix}"));
+        std::fs::create_dir_all(&path).unwrap();
+        Self(path)
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Short timeouts so the tests that wait for one finish quickly; long enough that a slow
+/// machine never trips the others.
+fn test_config() -> IngressConfig {
+    IngressConfig {
+        handshake_timeout: Duration::from_secs(10),
+        header_read_timeout: Duration::from_secs(30),
+        body_idle_timeout: Duration::from_millis(500),
+        max_poll_wait: Duration::from_secs(10),
+        linger_timeout: Duration::from_secs(2),
+        max_connections: 64,
+        shutdown_grace: Duration::from_secs(2),
+        accept_backoff: Duration::from_millis(10),
+    }
+}
+
+struct Server {
+    // Field order is drop order: the ingress stops before the runtime goes.
+    ingress: Option<http::Ingress>,
+    rt: tokio::runtime::Runtime,
+    store: SqliteStore,
+    blobs: FsBlobStore,
+    addr: SocketAddr,
+    pki: PkiPaths,
+    dir: TempDir,
+}
+
+impl Server {
+    fn start(name: &str) -> Self {
+        Self::start_with(name, test_config())
+    }
+
+    fn start_with(name: &str, cfg: IngressConfig) -> Self {
+        let dir = TempDir::new(name);
+        let pki = pki::init_pki(dir.path(), &["127.0.0.1".into(), "localhost".into()]).unwrap();
+        let tls = http::tls::server_config_from_dir(dir.path()).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let timings =
+            Timings { heartbeat_ms: 1_000, session_ttl_ms: 600_000, offer_ttl_ms: 600_000, lease_ttl_ms: 600_000 };
+        let options = SqliteOptions { timings, ..SqliteOptions::default() };
+        let store = SqliteStore::open_with_options(dir.path().join("authority.db"), options).unwrap();
+        let blobs = FsBlobStore::open(dir.path().join("artifacts")).unwrap();
+        let ingress = rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            http::spawn(listener, tls, store.clone(), blobs.clone(), cfg).unwrap()
+        });
+        let addr = ingress.local_addr();
+        Self { ingress: Some(ingress), rt, store, blobs, addr, pki, dir }
+    }
+
+    fn stats(&self) -> &IngressStats {
+        self.ingress.as_ref().unwrap().stats()
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        self.rt.block_on(self.store.snapshot()).unwrap()
+    }
+
+    fn audits(&self) -> Vec<AuditRecord> {
+        self.rt.block_on(self.store.audits()).unwrap()
+    }
+
+    fn inspect(&self, key: &ArtifactKey) -> Option<Receipt> {
+        self.rt.block_on(self.blobs.inspect(key)).unwrap()
+    }
+
+    fn submit(&self) -> RunId {
+        let spec = ExecutionSpec {
+            schema: SpecSchema,
+            project_id: project(),
+            argv: Some(vec!["true".into()]),
+            script: None,
+            env: BTreeMap::new(),
+            timeout_ms: 600_000,
+            log_limit_bytes: 1024 * 1024,
+        };
+        let submit = Submit { project: project(), spec, labels: BTreeMap::new(), retry_budget: 0 };
+        match self.rt.block_on(self.store.execute(Command::Submit(submit))).unwrap() {
+            Ok(Reply::Submitted(run)) => run,
+            other => panic!("submit: {other:?}"),
+        }
+    }
+
+    /// Enrols `worker` under this server's CA (once) and returns its PEM material.
+    fn enroll(&self, worker: &str) -> Creds {
+        let out = self.dir.path().join("agents").join(worker);
+        let (cert, key) = (out.join(format!("{worker}.crt")), out.join(format!("{worker}.key")));
+        if !cert.exists() {
+            pki::enroll(self.dir.path(), &wid(worker), &out).unwrap();
+        }
+        Creds::read(&out.join("ca.crt"), &cert, &key)
+    }
+
+    fn ca_pem(&self) -> Vec<u8> {
+        std::fs::read(&self.pki.ca_cert).unwrap()
+    }
+
+    /// A ureq client set up like the agent's, for `worker`.
+    fn client(&self, worker: &str) -> Client {
+        Client::new(self.addr, &self.enroll(worker), wid(worker))
+    }
+
+    /// A raw TLS 1.3 client for `worker`.
+    fn raw(&self, worker: &str) -> Raw {
+        let creds = self.enroll(worker);
+        Raw::connect(self.addr, client_config(&self.ca_pem(), Some(&creds), &[&rustls::version::TLS13])).unwrap()
+    }
+
+    /// Waits until the server's counters satisfy `cond`.
+    fn wait_for(&self, what: &str, cond: impl Fn(&IngressStats) -> bool) {
+        wait_until(what, || cond(self.stats()));
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(ingress) = self.ingress.take() {
+            let _ = self.rt.block_on(ingress.shutdown());
+        }
+    }
+}
+
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        // A poll interval, not a synchronisation: the condition decides.
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn wid(s: &str) -> WorkerId {
+    WorkerId::parse(s).unwrap()
+}
+
+fn project() -> ProjectId {
+    ProjectId::parse("default").unwrap()
+}
+
+fn now() -> Timestamp {
+    let ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis();
+    Timestamp::from_millis(i64::try_from(ms).unwrap()).unwrap()
+}
+
+/// A client's PEM material.
+struct Creds {
+    ca: Vec<u8>,
+    cert: Vec<u8>,
+    key: Vec<u8>,
+}
+
+impl Creds {
+    fn read(ca: &Path, cert: &Path, key: &Path) -> Self {
+        Self { ca: std::fs::read(ca).unwrap(), cert: std::fs::read(cert).unwrap(), key: std::fs::read(key).unwrap() }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The agent-like client.
+
+/// ring, with only the TLS 1.3 cipher suites: ureq has no protocol-version setting, so
+/// this is how the agent refuses anything older.
+fn tls13_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider.cipher_suites.retain(|suite| suite.version() == &rustls::version::TLS13);
+    Arc::new(provider)
+}
+
+struct Client {
+    agent: ureq::Agent,
+    base: String,
+    worker: WorkerId,
+}
+
+/// A status and a body.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn json<T: Body>(&self, status: u16) -> T {
+        assert_eq!(self.status, status, "body: {}", String::from_utf8_lossy(&self.body));
+        ql_wire::decode::<T>(&self.body).unwrap()
+    }
+
+    fn error(&self) -> ErrorCode {
+        let body: ErrorBody = serde_json::from_slice(&self.body)
+            .unwrap_or_else(|_| panic!("not an error body: {}", String::from_utf8_lossy(&self.body)));
+        assert_eq!(self.status, body.error.status(), "status matches the code");
+        body.error
+    }
+}
+
+impl Client {
+    /// The agent trusts the CA that came with its enrolment, and nothing else.
+    fn new(addr: SocketAddr, creds: &Creds, worker: WorkerId) -> Self {
+        use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig, TlsProvider};
+        let root = Certificate::from_pem(&creds.ca).unwrap();
+        let cert = Certificate::from_pem(&creds.cert).unwrap();
+        let key = PrivateKey::from_pem(&creds.key).unwrap();
+        let tls = TlsConfig::builder()
+            .provider(TlsProvider::Rustls)
+            .root_certs(RootCerts::new_with_certs(&[root]))
+            .client_cert(Some(ClientCert::new_with_certs(&[cert], key)))
+            .unversioned_rustls_crypto_provider(tls13_provider())
+            .build();
+        let agent = ureq::Agent::config_builder()
+            .tls_config(tls)
+            .http_status_as_error(false)
+            .timeout_global(Some(PATIENCE))
+            .build()
+            .new_agent();
+        Self { agent, base: format!("https://{addr}"), worker }
+    }
+
+    fn post<T: Body>(&self, route: &Route, body: &T) -> Answer {
+        self.post_bytes(route, &ql_wire::encode(body))
+    }
+
+    fn post_bytes(&self, route: &Route, body: &[u8]) -> Answer {
+        let mut response = self
+            .agent
+            .post(format!("{}{}", self.base, route.path()))
+            .header("content-type", JSON_MEDIA_TYPE)
+            .send(body)
+            .unwrap();
+        let status = response.status().as_u16();
+        Answer { status, body: response.body_mut().read_to_vec().unwrap() }
+    }
+
+    /// Streams an artifact frame the way the agent does: explicit length, `Expect:
+    /// 100-continue`, a reader body.
+    fn put_artifact(&self, route: &Route, frame: &[u8]) -> Answer {
+        let mut reader = frame;
+        let mut response = self
+            .agent
+            .put(format!("{}{}", self.base, route.path()))
+            .header("content-type", ARTIFACT_MEDIA_TYPE)
+            .header("content-length", frame.len().to_string())
+            .header("expect", "100-continue")
+            .send(ureq::SendBody::from_reader(&mut reader))
+            .unwrap();
+        let status = response.status().as_u16();
+        Answer { status, body: response.body_mut().read_to_vec().unwrap() }
+    }
+
+    fn open(&self, capacity: u32) -> (SessionId, Counter) {
+        let body = OpenSession {
+            agent_version: "0.1.0".parse().unwrap(),
+            arch: "x86_64".parse().unwrap(),
+            labels: BTreeMap::new(),
+            capacity,
+        };
+        let opened: SessionOpened = self.post(&Route::OpenSession(self.worker.clone()), &body).json(201);
+        (opened.session_id, opened.generation)
+    }
+
+    fn poll(&self, session: &SessionId, generation: Counter, wait_ms: u64, max: u32) -> Offers {
+        let route = Route::PollOffers(self.worker.clone(), session.clone());
+        self.post(&route, &PollOffers { generation, wait_ms, max }).json(200)
+    }
+
+    /// Claims `offer` and returns the job with a fresh lease token.
+    fn claim(&self, session: &SessionId, generation: Counter, offer: &ql_wire::offer::Offer) -> Job {
+        let token = Token::generate().unwrap();
+        let route = Route::Claim(self.worker.clone(), session.clone(), offer.offer_id.clone());
+        let body = Claim {
+            generation,
+            run_id: offer.run_id.clone(),
+            attempt_id: offer.attempt_id.clone(),
+            lease_token: token.clone(),
+        };
+        let claimed: Claimed = self.post(&route, &body).json(200);
+        assert_eq!(claimed.lease_version, Counter::ONE);
+        Job {
+            path: AttemptPath {
+                worker: self.worker.clone(),
+                session: session.clone(),
+                run: offer.run_id.clone(),
+                attempt: offer.attempt_id.clone(),
+            },
+            fence: Fence {
+                session_generation: generation,
+                offer_id: offer.offer_id.clone(),
+                lease_generation: claimed.lease_generation,
+                lease_token: token,
+                expected_lease_version: claimed.lease_version,
+            },
+            callback: Token::generate().unwrap(),
+        }
+    }
+
+    fn starting(&self, job: &Job) -> AckReply {
+        self.post(&job.route(AttemptCommand::Starting), &job.fence).json(200)
+    }
+
+    fn running(&self, job: &Job, log: Option<&ArtifactId>) -> AckReply {
+        let body = Running::new(
+            job.fence.clone(),
+            ExecutorHandle::parse("pid:1 start:1").unwrap(),
+            log.cloned(),
+            Counter::ONE,
+            job.callback.digest(),
+        );
+        self.post(&job.route(AttemptCommand::Running), &body).json(200)
+    }
+
+    fn renew(&self, job: &mut Job) -> Renewed {
+        let renewed: Renewed = self.post(&job.route(AttemptCommand::RenewLease), &job.fence).json(200);
+        job.fence.expected_lease_version = renewed.lease_version;
+        renewed
+    }
+
+    /// Submits a run and brings it to `running` through the routes: open, poll, claim,
+    /// starting, running.
+    fn running_job(&self, server: &Server, log: Option<&ArtifactId>) -> Job {
+        server.submit();
+        let (session, generation) = self.open(1);
+        let offers = self.poll(&session, generation, 0, 1);
+        assert_eq!(offers.offers.len(), 1);
+        let job = self.claim(&session, generation, &offers.offers[0]);
+        assert_eq!(self.starting(&job).result, Outcome::Started);
+        assert_eq!(self.running(&job, log).result, Outcome::Running);
+        job
+    }
+}
+
+/// What the agent remembers about one claimed attempt.
+struct Job {
+    path: AttemptPath,
+    fence: Fence,
+    callback: Token,
+}
+
+impl Job {
+    fn route(&self, cmd: AttemptCommand) -> Route {
+        Route::Attempt(self.path.clone(), cmd)
+    }
+
+    fn artifact_route(&self, id: &ArtifactId) -> Route {
+        Route::Artifact(self.path.clone(), id.clone())
+    }
+
+    fn key(&self, id: &ArtifactId) -> ArtifactKey {
+        ArtifactKey {
+            project: project(),
+            run: self.path.run.clone(),
+            attempt: self.path.attempt.clone(),
+            artifact: id.clone(),
+        }
+    }
+
+    fn header(&self, content_length: u64) -> ArtifactHeader {
+        ArtifactHeader::new(self.fence.clone(), ArtifactSchema, content_length, false)
+    }
+
+    /// A well-formed frame for `content`.
+    fn frame(&self, content: &[u8]) -> Vec<u8> {
+        let mut frame = encode_prefix(&self.header(content.len() as u64)).unwrap().to_vec();
+        frame.extend_from_slice(content);
+        frame
+    }
+
+    fn completion(&self, exit_code: i32, artifact: Option<Receipt>) -> Completion {
+        Completion::new(
+            self.fence.clone(),
+            CompletionSchema,
+            Counter::ONE,
+            self.callback.clone(),
+            Some(exit_code),
+            None,
+            now(),
+            artifact,
+        )
+    }
+}
+
+fn log_id() -> ArtifactId {
+    ArtifactId::parse("log").unwrap()
+}
+
+/// Content that is not all one byte, so a mix-up would show in the digest.
+fn content(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// The raw client.
+
+fn client_config(
+    ca: &[u8],
+    creds: Option<&Creds>,
+    versions: &[&'static SupportedProtocolVersion],
+) -> Arc<ClientConfig> {
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let builder = ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_protocol_versions(versions)
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match creds {
+        Some(creds) => {
+            let chain = CertificateDer::pem_slice_iter(&creds.cert).collect::<Result<Vec<_>, _>>().unwrap();
+            builder.with_client_auth_cert(chain, PrivateKeyDer::from_pem_slice(&creds.key).unwrap()).unwrap()
+        }
+        None => builder.with_no_client_auth(),
+    };
+    Arc::new(config)
+}
+
+/// One response, with the interim (1xx) statuses that preceded it.
+#[derive(Debug)]
+struct RawResponse {
+    interim: Vec<u16>,
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl RawResponse {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    fn error(&self) -> ErrorCode {
+        let body: ErrorBody = serde_json::from_slice(&self.body).unwrap_or_else(|_| {
+            panic!("{} with a non-error body: {}", self.status, String::from_utf8_lossy(&self.body))
+        });
+        assert_eq!(self.status, body.error.status());
+        assert_eq!(self.header("content-type"), Some(JSON_MEDIA_TYPE));
+        assert_eq!(self.header("content-length"), Some(self.body.len().to_string().as_str()));
+        body.error
+    }
+
+    fn closes(&self) -> bool {
+        self.header("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"))
+    }
+}
+
+/// A response's status and headers.
+type Head = (u16, Vec<(String, String)>);
+
+/// HTTP/1.1 by hand over rustls.
+struct Raw {
+    tls: StreamOwned<ClientConnection, TcpStream>,
+    buf: Vec<u8>,
+}
+
+impl Raw {
+    fn connect(addr: SocketAddr, config: Arc<ClientConfig>) -> io::Result<Self> {
+        let mut tcp = TcpStream::connect(addr)?;
+        tcp.set_read_timeout(Some(PATIENCE))?;
+        tcp.set_write_timeout(Some(PATIENCE))?;
+        let name = ServerName::try_from("127.0.0.1").unwrap();
+        let mut conn = ClientConnection::new(config, name).map_err(io::Error::other)?;
+        while conn.is_handshaking() {
+            conn.complete_io(&mut tcp)?;
+        }
+        Ok(Self { tls: StreamOwned::new(conn, tcp), buf: Vec::new() })
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.tls.write_all(bytes)?;
+        self.tls.flush()
+    }
+
+    /// Sends a request head for `route` with `headers` (each `name: value`).
+    fn head(&mut self, method: &str, path: &str, headers: &[&str]) -> io::Result<()> {
+        let mut head = format!("{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n");
+        for h in headers {
+            head.push_str(h);
+            head.push_str("\r\n");
+        }
+        head.push_str("\r\n");
+        self.send(head.as_bytes())
+    }
+
+    fn fill(&mut self) -> io::Result<usize> {
+        let mut chunk = [0u8; 16 * 1024];
+        let n = self.tls.read(&mut chunk)?;
+        self.buf.extend_from_slice(&chunk[..n]);
+        Ok(n)
+    }
+
+    /// Reads one response head; `Ok(None)` when the connection ended first.
+    fn read_head(&mut self) -> io::Result<Option<Head>> {
+        loop {
+            if let Some(end) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8(self.buf.drain(..end + 4).collect()).unwrap();
+                let mut lines = head.split("\r\n");
+                let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+                let headers = lines
+                    .filter(|l| !l.is_empty())
+                    .map(|l| {
+                        let (n, v) = l.split_once(':').unwrap();
+                        (n.trim().to_owned(), v.trim().to_owned())
+                    })
+                    .collect();
+                return Ok(Some((status, headers)));
+            }
+            if self.fill()? == 0 {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Reads the next final response (skipping and recording 1xx ones).
+    fn response(&mut self) -> io::Result<RawResponse> {
+        let mut interim = Vec::new();
+        loop {
+            let (status, headers) =
+                self.read_head()?.ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "no response"))?;
+            if (100..200).contains(&status) {
+                interim.push(status);
+                continue;
+            }
+            let length: usize = headers
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+                .map(|(_, v)| v.parse().unwrap())
+                .unwrap_or(0);
+            while self.buf.len() < length {
+                if self.fill()? == 0 {
+                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "short response body"));
+                }
+            }
+            let body = self.buf.drain(..length).collect();
+            return Ok(RawResponse { interim, status, headers, body });
+        }
+    }
+
+    /// Whether the server ended the connection (clean close, reset or alert) with
+    /// nothing more to read.
+    fn ended(&mut self) -> bool {
+        match self.fill() {
+            Ok(0) | Err(_) => self.buf.is_empty(),
+            Ok(_) => false,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The happy path.
+
+#[test]
+fn every_route_succeeds_over_one_keep_alive_connection() {
+    let server = Server::start("happy");
+    let client = server.client("router-1");
+    server.submit();
+    server.submit();
+
+    // Sessions.
+    let (session, generation) = client.open(2);
+    let hb: HeartbeatReply = client
+        .post(&Route::Heartbeat(wid("router-1"), session.clone()), &Heartbeat { generation, draining: false })
+        .json(200);
+    assert_eq!(hb.status, SessionStatus::Online);
+
+    // Delivery.
+    let offers = client.poll(&session, generation, 0, 2);
+    assert_eq!(offers.offers.len(), 2);
+    let mut job = client.claim(&session, generation, &offers.offers[0]);
+    let failing = client.claim(&session, generation, &offers.offers[1]);
+
+    // Start ACKs, renewal.
+    assert_eq!(client.starting(&job).result, Outcome::Started);
+    assert_eq!(client.running(&job, Some(&log_id())).result, Outcome::Running);
+    let renewed = client.renew(&mut job);
+    assert_eq!(renewed.lease_version.get(), 2);
+    assert_eq!(renewed.stop, None);
+
+    // The artifact, streamed with `Expect: 100-continue`, 1 MiB.
+    let log = content(1024 * 1024, 7);
+    let stored: ArtifactReply = client.put_artifact(&job.artifact_route(&log_id()), &job.frame(&log)).json(200);
+    assert_eq!(stored.result, Outcome::Stored);
+    assert_eq!(stored.receipt.length, log.len() as u64);
+    assert_eq!(stored.receipt.sha256, ql_wire::capability::Digest::of(&log));
+    assert_eq!(server.inspect(&job.key(&log_id())), Some(stored.receipt.clone()));
+
+    // Completion, with the receipt re-inspected by the server.
+    let done: CompletionReply =
+        client.post(&job.route(AttemptCommand::Completion), &job.completion(0, Some(stored.receipt))).json(200);
+    assert_eq!((done.result, done.status), (Outcome::Completed, TerminalStatus::Succeeded));
+
+    // start-failure on the second attempt.
+    assert_eq!(client.starting(&failing).result, Outcome::Started);
+    let body = StartFailure::new(failing.fence.clone(), Reason::parse("spawn failed").unwrap());
+    let failed: AckReply = client.post(&failing.route(AttemptCommand::StartFailure), &body).json(200);
+    assert_eq!(failed.result, Outcome::Failed);
+
+    // Ten routes, twelve requests, one TCP connection.
+    assert_eq!(server.stats().requests(), 12);
+    assert_eq!(server.stats().connections(), 1, "the agent's one keep-alive connection served everything");
+    assert_eq!(server.stats().handshake_failures(), 0);
+
+    let admitted: Vec<String> =
+        server.audits().into_iter().filter(|a| a.outcome == "admitted").map(|a| a.route).collect();
+    for route in [
+        "session.open",
+        "session.heartbeat",
+        "offers.poll",
+        "offer.claim",
+        "attempt.starting",
+        "attempt.running",
+        "lease.renew",
+        "artifact.put",
+        "attempt.completion",
+        "attempt.start_failure",
+    ] {
+        assert!(admitted.iter().any(|r| r == route), "{route} audited as admitted: {admitted:?}");
+    }
+    assert!(server.audits().iter().all(|a| a.principal == Some(wid("router-1"))));
+}
+
+#[test]
+fn refusals_after_the_body_keep_the_connection() {
+    let server = Server::start("keep");
+    let client = server.client("router-1");
+    let (session, generation) = client.open(1);
+    let route = Route::Heartbeat(wid("router-1"), session.clone());
+
+    // Unknown field: 400, body read, connection kept.
+    let answer = client.post_bytes(&route, br#"{"generation":1,"draining":false,"extra":1}"#);
+    assert_eq!(answer.error(), ErrorCode::InvalidRequest);
+    // Not JSON at all.
+    assert_eq!(client.post_bytes(&route, b"not json").error(), ErrorCode::InvalidRequest);
+    // A conflict from the store: a generation that is not the session's.
+    let stale = Counter::new(generation.get() + 5).unwrap();
+    let answer = client.post(&route, &Heartbeat { generation: stale, draining: false });
+    assert_eq!(answer.status, 409);
+    // And the session still answers.
+    let hb: HeartbeatReply = client.post(&route, &Heartbeat { generation, draining: true }).json(200);
+    assert_eq!(hb.status, SessionStatus::Draining);
+    assert_eq!(server.stats().connections(), 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// Long-poll.
+
+#[test]
+fn an_empty_poll_waits_for_its_deadline() {
+    let server = Server::start("poll-empty");
+    let client = server.client("router-1");
+    let (session, generation) = client.open(1);
+    let started = Instant::now();
+    let offers = client.poll(&session, generation, 300, 1);
+    assert!(offers.offers.is_empty());
+    assert!(started.elapsed() >= Duration::from_millis(300), "answered after {:?}", started.elapsed());
+}
+
+#[test]
+fn a_waiting_poll_wakes_when_work_arrives() {
+    let server = Server::start("poll-wake");
+    let client = server.client("router-1");
+    let (session, generation) = client.open(1);
+    let before = server.stats().requests();
+    let started = Instant::now();
+    let offers = std::thread::scope(|s| {
+        let waiting = s.spawn(|| client.poll(&session, generation, 10_000, 1));
+        server.wait_for("the poll to arrive", |st| st.requests() > before);
+        server.submit();
+        waiting.join().unwrap()
+    });
+    assert_eq!(offers.offers.len(), 1);
+    assert!(started.elapsed() < Duration::from_secs(8), "woken, not timed out: {:?}", started.elapsed());
+}
+
+#[test]
+fn the_server_caps_a_polls_wait() {
+    let cfg = IngressConfig { max_poll_wait: Duration::from_millis(200), ..test_config() };
+    let server = Server::start_with("poll-cap", cfg);
+    let client = server.client("router-1");
+    let (session, generation) = client.open(1);
+    let started = Instant::now();
+    assert!(client.poll(&session, generation, 30_000, 1).offers.is_empty());
+    assert!(started.elapsed() < Duration::from_secs(10), "capped: {:?}", started.elapsed());
+}
+
+// ---------------------------------------------------------------------------------------
+// Authentication and binding.
+
+/// Whether a client with this configuration gets any HTTP answer.
+fn gets_an_answer(server: &Server, config: Arc<ClientConfig>) -> bool {
+    let Ok(mut raw) = Raw::connect(server.addr, config) else { return false };
+    if raw
+        .head("POST", "/v1/workers/router-1/sessions", &["content-type: application/json", "content-length: 0"])
+        .is_err()
+    {
+        return false;
+    }
+    raw.response().is_ok()
+}
+
+#[test]
+fn a_tls12_only_client_is_refused() {
+    let server = Server::start("tls12");
+    let creds = server.enroll("router-1");
+    let config = client_config(&server.ca_pem(), Some(&creds), &[&rustls::version::TLS12]);
+    assert!(Raw::connect(server.addr, config.clone()).is_err(), "TLS 1.2 handshake refused");
+    assert!(!gets_an_answer(&server, config));
+    server.wait_for("both handshakes to fail", |st| st.handshake_failures() == 2);
+    assert_eq!(server.stats().requests(), 0);
+}
+
+#[test]
+fn a_client_without_a_certificate_is_refused() {
+    let server = Server::start("nocert");
+    assert!(!gets_an_answer(&server, client_config(&server.ca_pem(), None, &[&rustls::version::TLS13])));
+    server.wait_for("the handshake to fail", |st| st.handshake_failures() == 1);
+    assert_eq!(server.stats().requests(), 0);
+}
+
+#[test]
+fn a_certificate_from_a_foreign_ca_is_refused() {
+    let server = Server::start("foreign");
+    let foreign = TempDir::new("foreign-ca");
+    pki::init_pki(foreign.path(), &["localhost".into()]).unwrap();
+    let files = pki::enroll(foreign.path(), &wid("router-1"), &foreign.path().join("out")).unwrap();
+    let creds = Creds::read(&files.ca, &files.cert, &files.key);
+    assert!(!gets_an_answer(&server, client_config(&server.ca_pem(), Some(&creds), &[&rustls::version::TLS13])));
+    server.wait_for("the handshake to fail", |st| st.handshake_failures() == 1);
+    assert_eq!(server.stats().requests(), 0);
+}
+
+/// Signs a client certificate with the server's CA but with the given URI SANs (and a
+/// DNS name), bypassing `pki::enroll`, which would always add exactly one worker URI.
+fn odd_client_cert(server: &Server, uris: &[&str]) -> Creds {
+    use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType};
+    let ca_key = KeyPair::from_pem(&std::fs::read_to_string(&server.pki.ca_key).unwrap()).unwrap();
+    let ca_pem = std::fs::read(&server.pki.ca_cert).unwrap();
+    let (_, pem) = x509_parser::pem::parse_x509_pem(&ca_pem).unwrap();
+    let ca = pem.parse_x509().unwrap();
+    let cn = ca.subject().iter_common_name().next().unwrap().as_str().unwrap().to_owned();
+    let mut ca_params = CertificateParams::default();
+    ca_params.distinguished_name = rcgen::DistinguishedName::new();
+    ca_params.distinguished_name.push(DnType::CommonName, cn);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let issuer = Issuer::new(ca_params, &ca_key);
+
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::default();
+    params.is_ca = IsCa::ExplicitNoCa;
+    params.use_authority_key_identifier_extension = true;
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.subject_alt_names = vec![SanType::DnsName("router-1.example".try_into().unwrap())];
+    params.subject_alt_names.extend(uris.iter().map(|u| SanType::URI((*u).try_into().unwrap())));
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    Creds { ca: ca_pem, cert: cert.pem().into_bytes(), key: key.serialize_pem().into_bytes() }
+}
+
+#[test]
+fn a_certificate_without_exactly_one_worker_uri_is_unauthenticated() {
+    let server = Server::start("nouri");
+    for (n, uris) in [vec![], vec!["urn:qinglong:worker:router-1", "urn:qinglong:worker:router-2"]].iter().enumerate() {
+        let creds = odd_client_cert(&server, uris);
+        let client = Client::new(server.addr, &creds, wid("router-1"));
+        let answer = client.post_bytes(&Route::OpenSession(wid("router-1")), b"{}");
+        assert_eq!(answer.error(), ErrorCode::Unauthenticated);
+        server.wait_for("the connection to close", |st| st.closed() == n + 1);
+    }
+    assert_eq!(server.stats().handshake_failures(), 0, "the chain was valid; the principal was not");
+    assert_eq!(server.stats().authenticated(), 0);
+    let audits = server.audits();
+    assert_eq!(audits.len(), 2);
+    assert!(audits
+        .iter()
+        .all(|a| a.principal.is_none() && a.outcome == "unauthenticated" && a.route == "session.open"));
+    assert!(server.snapshot().sessions.is_empty());
+}
+
+#[test]
+fn another_workers_path_is_refused_before_its_body_is_read() {
+    let server = Server::start("mismatch");
+    let mut raw = server.raw("router-2");
+    // A large declared body that is never sent: the answer must come anyway.
+    raw.head(
+        "PUT",
+        "/v1/workers/router-1/sessions/s1/runs/r1/attempts/a1/artifacts/log",
+        &[&format!("content-type: {ARTIFACT_MEDIA_TYPE}"), "content-length: 60000000", "expect: 100-continue"],
+    )
+    .unwrap();
+    let response = raw.response().unwrap();
+    assert_eq!(response.error(), ErrorCode::PrincipalMismatch);
+    assert!(response.interim.is_empty(), "no 100 Continue: the body was never asked for");
+    assert!(response.closes());
+    assert!(raw.ended());
+
+    let audits = server.audits();
+    assert_eq!(audits.len(), 1);
+    assert_eq!(audits[0].principal, Some(wid("router-2")));
+    assert_eq!((audits[0].route.as_str(), audits[0].outcome.as_str()), ("artifact.put", "principal_mismatch"));
+}
+
+#[test]
+fn unknown_routes_and_query_strings_are_not_found() {
+    let server = Server::start("notfound");
+    for (method, path) in [
+        ("POST", "/v1/workers/router-1/sessions?x=1"),
+        ("POST", "/v1/workers/router-1/sessions/"),
+        ("GET", "/v1/workers/router-1/sessions"),
+        ("POST", "/v1/workers/router-1/sessions/s1/offers%3Apoll"),
+        ("POST", "/metrics"),
+    ] {
+        let mut raw = server.raw("router-1");
+        raw.head(method, path, &["content-type: application/json", "content-length: 2"]).unwrap();
+        let response = raw.response().unwrap();
+        assert_eq!(response.error(), ErrorCode::NotFound, "{method} {path}");
+        assert!(response.closes());
+    }
+    let audits = server.audits();
+    assert_eq!(audits.len(), 5);
+    assert!(audits
+        .iter()
+        .all(|a| a.principal == Some(wid("router-1")) && a.route == "unknown" && a.outcome == "not_found"));
+}
+
+#[test]
+fn json_framing_is_checked_before_the_body() {
+    let server = Server::start("json-framing");
+    let path = "/v1/workers/router-1/sessions";
+    for (headers, code) in [
+        (vec!["content-type: text/plain", "content-length: 2"], ErrorCode::UnsupportedMediaType),
+        (vec!["content-type: application/json; charset=utf-8", "content-length: 2"], ErrorCode::UnsupportedMediaType),
+        (
+            vec!["content-type: application/json", "content-encoding: gzip", "content-length: 2"],
+            ErrorCode::UnsupportedMediaType,
+        ),
+        (vec!["content-type: application/json", "transfer-encoding: chunked"], ErrorCode::LengthRequired),
+        (vec!["content-type: application/json"], ErrorCode::LengthRequired),
+        (vec!["content-type: application/json", "content-length: 4097"], ErrorCode::PayloadTooLarge),
+    ] {
+        let mut raw = server.raw("router-1");
+        let mut all = headers.clone();
+        all.push("expect: 100-continue");
+        raw.head("POST", path, &all).unwrap();
+        let response = raw.response().unwrap();
+        assert_eq!(response.error(), code, "{headers:?}");
+        assert!(response.interim.is_empty(), "{headers:?}: refused without asking for the body");
+        assert!(response.closes());
+    }
+    assert!(server.snapshot().sessions.is_empty());
+    // Each was admitted (authenticated and bound) before its framing was refused.
+    assert_eq!(server.audits().iter().filter(|a| a.outcome == "admitted").count(), 6);
+}
+
+// ---------------------------------------------------------------------------------------
+// The artifact route.
+
+/// A running job, its store state and a raw connection, for one malformed upload each.
+struct UploadCase {
+    server: Server,
+    client: Client,
+    job: Job,
+    before: Snapshot,
+}
+
+impl UploadCase {
+    fn new(name: &str) -> Self {
+        let server = Server::start(name);
+        let client = server.client("router-1");
+        let job = client.running_job(&server, Some(&log_id()));
+        let before = server.snapshot();
+        Self { server, client, job, before }
+    }
+
+    fn path(&self) -> String {
+        self.job.artifact_route(&log_id()).path()
+    }
+
+    /// Sends a head (with `Expect: 100-continue`) and then `body`, whether or not the
+    /// server asked for it, and returns the answer.
+    fn put(&self, headers: &[&str], body: &[u8]) -> RawResponse {
+        let mut raw = self.server.raw("router-1");
+        let mut all = headers.to_vec();
+        all.push("expect: 100-continue");
+        raw.head("PUT", &self.path(), &all).unwrap();
+        if !body.is_empty() {
+            // The server may already have answered and closed; its answer is what counts.
+            let _ = raw.send(body);
+        }
+        raw.response().unwrap()
+    }
+
+    fn put_frame(&self, declared: usize, body: &[u8]) -> RawResponse {
+        let ct = format!("content-type: {ARTIFACT_MEDIA_TYPE}");
+        let cl = format!("content-length: {declared}");
+        self.put(&[&ct, &cl], body)
+    }
+
+    /// Nothing stored, no row changed.
+    fn assert_untouched(&self) {
+        assert_eq!(self.server.inspect(&self.job.key(&log_id())), None, "nothing stored");
+        assert_eq!(self.server.snapshot(), self.before, "no row changed");
+    }
+}
+
+#[test]
+fn artifact_framing_refusals_come_before_the_body() {
+    let case = UploadCase::new("artifact-framing");
+    let ct = format!("content-type: {ARTIFACT_MEDIA_TYPE}");
+    let cap = Route::Artifact(case.job.path.clone(), log_id()).body_cap();
+    let over = format!("content-length: {}", cap + 1);
+    for (headers, code) in [
+        (vec!["content-type: application/json", "content-length: 100"], ErrorCode::UnsupportedMediaType),
+        (vec!["content-type: application/octet-stream", "content-length: 100"], ErrorCode::UnsupportedMediaType),
+        (vec![&ct, "content-encoding: gzip", "content-length: 100"], ErrorCode::UnsupportedMediaType),
+        (vec![&ct, "transfer-encoding: chunked"], ErrorCode::LengthRequired),
+        (vec![&ct], ErrorCode::LengthRequired),
+        (vec![&ct, &over], ErrorCode::PayloadTooLarge),
+    ] {
+        let response = case.put(&headers, b"");
+        assert_eq!(response.error(), code, "{headers:?}");
+        assert!(response.interim.is_empty(), "{headers:?}: refused before 100 Continue");
+        assert!(response.closes());
+    }
+    case.assert_untouched();
+}
+
+#[test]
+fn an_artifact_header_over_4096_bytes_is_refused() {
+    let case = UploadCase::new("artifact-header");
+    let mut body = 5000u32.to_be_bytes().to_vec();
+    body.extend(std::iter::repeat_n(b' ', 5000));
+    let response = case.put_frame(body.len(), &body);
+    assert_eq!(response.error(), ErrorCode::InvalidRequest);
+    assert_eq!(response.interim, vec![100], "the header is in the body, so the body was asked for");
+    assert!(response.closes());
+    case.assert_untouched();
+}
+
+#[test]
+fn a_header_content_length_that_disagrees_with_the_body_is_refused() {
+    let case = UploadCase::new("artifact-mismatch");
+    let log = content(1000, 1);
+    // The header promises more content than the body carries.
+    let mut frame = encode_prefix(&case.job.header(1007)).unwrap().to_vec();
+    frame.extend_from_slice(&log);
+    let response = case.put_frame(frame.len(), &frame);
+    assert_eq!(response.error(), ErrorCode::InvalidRequest);
+    assert!(response.closes());
+    case.assert_untouched();
+}
+
+#[test]
+fn a_body_longer_than_its_frame_is_refused() {
+    let case = UploadCase::new("artifact-long");
+    let mut frame = case.job.frame(&content(1000, 2));
+    frame.extend_from_slice(b"trailing bytes the frame does not declare");
+    let response = case.put_frame(frame.len(), &frame);
+    assert_eq!(response.error(), ErrorCode::InvalidRequest);
+    case.assert_untouched();
+}
+
+#[test]
+fn a_body_that_stops_short_is_refused_and_nothing_is_stored() {
+    let case = UploadCase::new("artifact-short");
+    let frame = case.job.frame(&content(100_000, 3));
+    // Declares the whole frame, sends all but the last 10 bytes, then goes quiet: the
+    // upload is admitted and started, and must be discarded.
+    let response = case.put_frame(frame.len(), &frame[..frame.len() - 10]);
+    assert_eq!(response.error(), ErrorCode::InvalidRequest);
+    assert_eq!(response.interim, vec![100]);
+    assert!(response.closes());
+    case.assert_untouched();
+}
+
+#[test]
+fn a_body_cut_off_by_the_client_stores_nothing() {
+    let case = UploadCase::new("artifact-cut");
+    let frame = case.job.frame(&content(100_000, 4));
+    let mut raw = case.server.raw("router-1");
+    let ct = format!("content-type: {ARTIFACT_MEDIA_TYPE}");
+    let cl = format!("content-length: {}", frame.len());
+    raw.head("PUT", &case.path(), &[&ct, &cl]).unwrap();
+    raw.send(&frame[..frame.len() / 2]).unwrap();
+    raw.tls.conn.send_close_notify();
+    raw.tls.flush().unwrap();
+    raw.tls.sock.shutdown(std::net::Shutdown::Write).unwrap();
+    // Whatever the server manages to say, the connection ends and nothing is kept. (The
+    // agent client's own connection is still open: only this one closes.)
+    if let Ok(response) = raw.response() {
+        assert_eq!(response.error(), ErrorCode::InvalidRequest);
+    }
+    case.server.wait_for("the connection to end", |st| st.closed() == 1);
+    case.assert_untouched();
+}
+
+#[test]
+fn fence_drift_refuses_the_upload_without_reading_content() {
+    let mut case = UploadCase::new("artifact-fence");
+    // The lease moves on (renewal), the upload still speaks for version 1.
+    let stale = case.job.fence.clone();
+    case.client.renew(&mut case.job);
+    case.before = case.server.snapshot();
+    let header = ArtifactHeader::new(stale, ArtifactSchema, 1_000_000, false);
+    let prefix = encode_prefix(&header).unwrap();
+    let declared = prefix.len() + 1_000_000;
+    // Only the prefix is sent: the refusal must not wait for content.
+    let response = case.put_frame(declared, &prefix);
+    assert_eq!(response.error(), ErrorCode::LeaseConflict);
+    assert!(response.closes());
+    case.assert_untouched();
+}
+
+#[test]
+fn the_agent_reads_a_fence_refusal_even_mid_upload() {
+    // ureq writes the whole body before it reads: after `100 Continue` the server refuses
+    // on the header and stops reading, and only the lingering close lets the 409 arrive
+    // instead of a reset.
+    let mut case = UploadCase::new("artifact-linger");
+    let stale_job =
+        Job { path: case.job.path.clone(), fence: case.job.fence.clone(), callback: case.job.callback.clone() };
+    case.client.renew(&mut case.job);
+    case.before = case.server.snapshot();
+    let answer = case.client.put_artifact(&stale_job.artifact_route(&log_id()), &stale_job.frame(&content(8 << 20, 9)));
+    assert_eq!(answer.error(), ErrorCode::LeaseConflict);
+    case.assert_untouched();
+}
+
+#[test]
+fn the_agent_learns_of_a_refusal_before_sending_its_upload() {
+    let case = UploadCase::new("artifact-expect");
+    let intruder = case.server.client("router-2");
+    let answer = intruder.put_artifact(&case.job.artifact_route(&log_id()), &case.job.frame(&content(8 << 20, 10)));
+    assert_eq!(answer.error(), ErrorCode::PrincipalMismatch);
+    case.assert_untouched();
+}
+
+#[test]
+fn an_upload_for_an_unknown_attempt_is_refused() {
+    let case = UploadCase::new("artifact-unknown");
+    let mut path = case.job.path.clone();
+    path.attempt = ql_wire::ids::AttemptId::parse("att_nope").unwrap();
+    let route = Route::Artifact(path, log_id());
+    let answer = case.client.put_artifact(&route, &case.job.frame(b"hello"));
+    assert_eq!(answer.status, 404);
+    case.assert_untouched();
+}
+
+#[test]
+fn a_replayed_artifact_is_already_stored_and_other_content_conflicts() {
+    let case = UploadCase::new("artifact-replay");
+    let route = case.job.artifact_route(&log_id());
+    let log = content(50_000, 5);
+    let first: ArtifactReply = case.client.put_artifact(&route, &case.job.frame(&log)).json(200);
+    assert_eq!(first.result, Outcome::Stored);
+    let again: ArtifactReply = case.client.put_artifact(&route, &case.job.frame(&log)).json(200);
+    assert_eq!(again.result, Outcome::AlreadyStored);
+    assert_eq!(again.receipt, first.receipt);
+    let other = case.client.put_artifact(&route, &case.job.frame(&content(50_000, 6)));
+    assert_eq!(other.error(), ErrorCode::ArtifactConflict);
+    assert_eq!(case.server.inspect(&case.job.key(&log_id())), Some(first.receipt));
+    assert_eq!(case.server.snapshot(), case.before, "uploads write no rows");
+    // All three read their bodies to the end: one connection.
+    assert_eq!(case.server.stats().connections(), 1);
+}
+
+#[test]
+fn a_completion_whose_receipt_is_not_what_the_store_holds_is_refused() {
+    let case = UploadCase::new("completion-receipt");
+    let log = content(10_000, 8);
+    let stored: ArtifactReply =
+        case.client.put_artifact(&case.job.artifact_route(&log_id()), &case.job.frame(&log)).json(200);
+    let mut forged = stored.receipt.clone();
+    forged.length += 1;
+    let route = case.job.route(AttemptCommand::Completion);
+    let answer = case.client.post(&route, &case.job.completion(0, Some(forged)));
+    assert_eq!(answer.error(), ErrorCode::ArtifactConflict);
+    assert_eq!(case.server.snapshot(), case.before);
+    let done: CompletionReply = case.client.post(&route, &case.job.completion(0, Some(stored.receipt))).json(200);
+    assert_eq!(done.result, Outcome::Completed);
+}
+
+// ---------------------------------------------------------------------------------------
+// Audit.
+
+#[test]
+fn admissions_and_refusals_are_audited() {
+    let server = Server::start("audit");
+    let client = server.client("router-1");
+    client.open(1);
+    let mut raw = server.raw("router-2");
+    raw.head("POST", "/v1/workers/router-1/sessions", &["content-type: application/json", "content-length: 2"])
+        .unwrap();
+    assert_eq!(raw.response().unwrap().error(), ErrorCode::PrincipalMismatch);
+    let audits = server.audits();
+    let found = |principal: &str, outcome: &str| {
+        audits.iter().any(|a| a.principal == Some(wid(principal)) && a.route == "session.open" && a.outcome == outcome)
+    };
+    assert!(found("router-1", "admitted"));
+    assert!(found("router-2", "principal_mismatch"));
+    assert!(audits.iter().all(|a| a.at > 0), "DB time is filled in");
+}
+
+// ---------------------------------------------------------------------------------------
+// Lifecycle.
+
+#[test]
+fn shutdown_closes_idle_connections_and_stops_accepting() {
+    let mut server = Server::start("shutdown");
+    let client = server.client("router-1");
+    client.open(1);
+    let ingress = server.ingress.take().unwrap();
+    server.rt.block_on(ingress.shutdown()).unwrap();
+    assert!(TcpStream::connect(server.addr).is_err(), "the listener is gone");
+}
+
+#[test]
+fn a_stalled_handshake_times_out() {
+    let cfg = IngressConfig { handshake_timeout: Duration::from_millis(200), ..test_config() };
+    let server = Server::start_with("handshake", cfg);
+    let _silent = TcpStream::connect(server.addr).unwrap();
+    server.wait_for("the handshake to time out", |st| st.handshake_failures() == 1);
+}
+
+#[test]
+fn an_idle_connection_is_closed_after_the_header_read_timeout() {
+    let cfg = IngressConfig { header_read_timeout: Duration::from_millis(300), ..test_config() };
+    let server = Server::start_with("idle", cfg);
+    let mut raw = server.raw("router-1");
+    assert!(raw.ended(), "the server closed the idle connection");
+    server.wait_for("the connection to close", |st| st.closed() == 1);
+    assert_eq!(server.stats().requests(), 0);
+}
+
+#[test]
+fn a_body_naming_a_worker_is_refused() {
+    // Bodies never carry a worker identity: a body naming one is an unknown field.
+    let server = Server::start("identity");
+    let client = server.client("router-1");
+    let answer = client.post_bytes(
+        &Route::OpenSession(wid("router-1")),
+        br#"{"agentVersion":"0.1.0","arch":"x86_64","labels":{},"capacity":1,"workerId":"router-2"}"#,
+    );
+    assert_eq!(answer.error(), ErrorCode::InvalidRequest);
+    assert!(server.snapshot().sessions.is_empty());
+}
