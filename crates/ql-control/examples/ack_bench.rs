@@ -267,14 +267,16 @@ fn main() {
     });
     let wall = start.elapsed().as_secs_f64();
     all.sort();
-    println!(
-        "clients {:>3}: {:>6} ACK transactions in {wall:.2} s = {:>7.0} ACK/s, p50 {:.2} ms, p99 {:.2} ms",
-        a.clients,
-        all.len(),
-        all.len() as f64 / wall,
-        percentile(&all, 0.50).as_secs_f64() * 1e3,
-        percentile(&all, 0.99).as_secs_f64() * 1e3,
-    );
+    if !all.is_empty() {
+        println!(
+            "clients {:>3}: {:>6} ACK transactions in {wall:.2} s = {:>7.0} ACK/s, p50 {:.2} ms, p99 {:.2} ms",
+            a.clients,
+            all.len(),
+            all.len() as f64 / wall,
+            percentile(&all, 0.50).as_secs_f64() * 1e3,
+            percentile(&all, 0.99).as_secs_f64() * 1e3,
+        );
+    }
     if a.uploads > 0 {
         uploads(&a);
     }
