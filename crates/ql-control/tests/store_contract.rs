@@ -2,7 +2,8 @@
 //!
 //! Each backend gets one `#[tokio::test]` per scenario, each on a fresh database. Adding
 //! a backend means implementing [`contract::Backend`] for it and listing it in
-//! [`contract_suite!`] below; the scenarios do not change.
+//! [`contract_suite!`] below; the scenarios do not change. PostgreSQL's backend lives in
+//! `contract/pg.rs` and needs a server (`scripts/test` provides one).
 
 mod contract;
 
@@ -120,9 +121,13 @@ impl Backend for Sqlite {
     }
 }
 
-/// One test per scenario for each backend listed.
+/// One test per scenario for each backend listed: `mod <backend>` with one
+/// `#[tokio::test]` per scenario, each on the backend `make` builds.
 macro_rules! contract_suite {
-    ($backend:ident: $make:expr => $($scenario:ident),* $(,)?) => {
+    ($($backend:ident: $make:expr),+ $(,)? => $scenarios:tt) => {
+        $(contract_suite!(@one $backend: $make => $scenarios);)+
+    };
+    (@one $backend:ident: $make:expr => [$($scenario:ident),* $(,)?]) => {
         mod $backend {
             #[allow(unused_imports)]
             use super::*;
@@ -136,22 +141,26 @@ macro_rules! contract_suite {
     };
 }
 
-contract_suite!(sqlite: Sqlite::new() =>
-    the_whole_protocol_with_replays,
-    completion_from_starting_registers_the_callback,
-    artifacts_are_admitted_and_completions_match_their_receipt,
-    start_failure_and_its_replay,
-    stop_intents_decide_the_terminal_status,
-    cancel_before_a_claim_ends_the_run,
-    every_drift_is_refused_and_changes_nothing,
-    a_new_session_replaces_the_old_one,
-    placement_honours_labels_and_capacity,
-    an_expired_offer_requeues_without_spending_retries,
-    expired_leases_are_lost_then_the_run_fails,
-    an_overdue_run_gets_a_timeout_stop,
-    no_raw_token_reaches_the_database,
-    changes_wake_on_new_work_here_and_elsewhere,
-    operator_reads_are_ordered_and_bounded,
-    a_failed_write_rolls_back_the_whole_command,
-    racing_claims_and_polls_admit_exactly_one,
+contract_suite!(
+    sqlite: Sqlite::new(),
+    postgres: contract::pg::Pg::new().await,
+    => [
+        the_whole_protocol_with_replays,
+        completion_from_starting_registers_the_callback,
+        artifacts_are_admitted_and_completions_match_their_receipt,
+        start_failure_and_its_replay,
+        stop_intents_decide_the_terminal_status,
+        cancel_before_a_claim_ends_the_run,
+        every_drift_is_refused_and_changes_nothing,
+        a_new_session_replaces_the_old_one,
+        placement_honours_labels_and_capacity,
+        an_expired_offer_requeues_without_spending_retries,
+        expired_leases_are_lost_then_the_run_fails,
+        an_overdue_run_gets_a_timeout_stop,
+        no_raw_token_reaches_the_database,
+        changes_wake_on_new_work_here_and_elsewhere,
+        operator_reads_are_ordered_and_bounded,
+        a_failed_write_rolls_back_the_whole_command,
+        racing_claims_and_polls_admit_exactly_one,
+    ]
 );

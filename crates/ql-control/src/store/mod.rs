@@ -10,6 +10,7 @@
 //! Raw tokens never reach a store: commands carry them only to be digested by the
 //! decision code, and rows hold digests.
 
+pub mod postgres;
 pub mod sqlite;
 
 use std::future::Future;

@@ -4,14 +4,15 @@
 //! A backend plugs in through [`Backend`] (a store, a second handle on the same database
 //! as another process would hold, a way to move DB time, and two backdoors that only
 //! tests use). Each scenario in [`scenarios`] is an `async fn` generic over the backend;
-//! `tests/store_contract.rs` instantiates every scenario once per backend, so SQLite
-//! today and PostgreSQL later answer to the same suite.
+//! `tests/store_contract.rs` instantiates every scenario once per backend, so SQLite and
+//! PostgreSQL ([`pg`]) answer to the same suite.
 //!
 //! Time never passes by sleeping: scenarios move DB time forward with
 //! [`Backend::advance`] and rely on the store reading DB time inside its transaction.
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod pg;
 pub mod scenarios;
 
 use std::collections::{BTreeMap, HashMap, HashSet};

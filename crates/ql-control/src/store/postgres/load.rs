@@ -1,0 +1,294 @@
+//! Locking and loading a command's [`Keys`] into [`Rows`], inside its transaction.
+//!
+//! # Lock order (ADR-0109 §2)
+//!
+//! Every command takes its locks in one fixed order, so two commands can wait for each
+//! other only in one direction and never deadlock:
+//!
+//! 1. the attempt's advisory fence: `pg_advisory_xact_lock(hashtextextended('attempt:'
+//!    || id, 0))` — transaction-level, so a pooled connection never keeps it;
+//! 2. the worker session, `SELECT ... FOR UPDATE`;
+//! 3. the run, then the attempt, `FOR UPDATE`;
+//! 4. the run lease, `FOR UPDATE`;
+//! 5. the offer, `FOR UPDATE` (claim and cancel write it; it comes last).
+//!
+//! A command skips the levels it has no key for, never goes back up. Opening a session
+//! first takes an advisory lock on the worker (two agents of one worker racing to open
+//! must not both take the same generation), then the worker's sessions.
+//!
+//! Cancel names only the run. It reads the run's current attempt without a lock, takes
+//! that attempt's fence, then locks the run; if the current attempt changed in between,
+//! the transaction is retried ([`Error::Retry`]) rather than taking a fence out of order.
+//!
+//! # Placement and the sweeper never wait
+//!
+//! A poll locks the session, then takes queued runs with `FOR UPDATE SKIP LOCKED`: a run
+//! another replica is placing right now is simply not offered here. The sweeper takes
+//! every lock with `pg_try_advisory_xact_lock` and `SKIP LOCKED`, so it never waits at
+//! all — it cannot deadlock with anything, two sweepers on two replicas split the lapsed
+//! rows between them, and a row busy in a live command is left for the next sweep. The
+//! decision re-checks every lapse against DB time read after the locks.
+
+use tokio_postgres::Row;
+
+use ql_wire::ids::{AttemptId, RunId, SessionId, WorkerId};
+
+use super::rows::{self, ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+use super::{Error, Tx};
+use crate::core::{Keys, Lapsed, Rows, COMPLETION_EVENT};
+use crate::model::{Millis, Session, SessionState};
+
+/// Most queued runs placement looks at per poll.
+pub(super) const PLACEMENT_BATCH: i64 = 256;
+/// Most lapsed rows of each kind one sweep handles.
+pub(super) const SWEEP_BATCH: i64 = 256;
+
+/// The blocking fence of an attempt.
+const FENCE: &str = "SELECT pg_advisory_xact_lock(hashtextextended('attempt:' || $1, 0))";
+/// The non-blocking fence of an attempt (sweeper).
+const TRY_FENCE: &str = "SELECT pg_try_advisory_xact_lock(hashtextextended('attempt:' || $1, 0))";
+/// The lock that serialises opening sessions of one worker.
+const WORKER_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextextended('worker:' || $1, 0))";
+
+fn by_id(table: &str, cols: &str, key: &str, lock: &str) -> String {
+    format!("SELECT {cols} FROM {table} WHERE {key} = $1 {lock}")
+}
+
+async fn session(tx: &mut Tx<'_>, id: &SessionId, lock: &str) -> Result<Option<Session>, Error> {
+    let sql = by_id("sessions", &SESSION_COLS, "id", lock);
+    tx.one(&sql, &[&id.as_str()]).await?.as_ref().map(rows::session).transpose()
+}
+
+async fn one_by<T>(
+    tx: &mut Tx<'_>,
+    table: &str,
+    cols: &str,
+    key: &str,
+    id: &str,
+    lock: &str,
+    map: fn(&Row) -> Result<T, Error>,
+) -> Result<Option<T>, Error> {
+    let sql = by_id(table, cols, key, lock);
+    tx.one(&sql, &[&id]).await?.as_ref().map(map).transpose()
+}
+
+async fn fence(tx: &mut Tx<'_>, attempt: &AttemptId) -> Result<(), Error> {
+    tx.one(FENCE, &[&attempt.as_str()]).await.map(drop)
+}
+
+async fn try_fence(tx: &mut Tx<'_>, attempt: &str) -> Result<bool, Error> {
+    let row = tx.one(TRY_FENCE, &[&attempt]).await?;
+    Ok(row.is_some_and(|r| r.get::<_, bool>(0)))
+}
+
+/// The worker's live sessions (to replace) and its highest generation (to succeed), as
+/// in the SQLite store.
+async fn worker_sessions(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Vec<Session>, Error> {
+    tx.one(WORKER_LOCK, &[&worker.as_str()]).await?;
+    let sql = format!(
+        "SELECT {} FROM sessions WHERE worker = $1 AND (state IN ('online', 'draining') \
+         OR generation = (SELECT MAX(generation) FROM sessions WHERE worker = $1)) ORDER BY generation FOR UPDATE",
+        *SESSION_COLS
+    );
+    tx.all(&sql, &[&worker.as_str()]).await?.iter().map(rows::session).collect()
+}
+
+/// Queued runs the session's labels satisfy, oldest first, locked with SKIP LOCKED. Only
+/// as many as the session has room for: placement takes the first `room` eligible runs,
+/// and locking more would hide them from other replicas' polls for nothing.
+async fn queued_for(tx: &mut Tx<'_>, session: &Session, active: u32) -> Result<Vec<crate::model::Run>, Error> {
+    let room = i64::from(session.capacity.saturating_sub(active)).min(PLACEMENT_BATCH);
+    if session.state != SessionState::Online || room == 0 {
+        return Ok(Vec::new());
+    }
+    let labels = serde_json::to_string(&session.labels).map_err(|e| Error::Corrupt(e.to_string()))?;
+    let sql = format!(
+        "SELECT {} FROM runs WHERE status = 'queued' AND $1::text::jsonb @> labels \
+         ORDER BY created_at, id LIMIT $2 FOR UPDATE SKIP LOCKED",
+        *RUN_COLS
+    );
+    tx.all(&sql, &[&labels, &room]).await?.iter().map(rows::run).collect()
+}
+
+async fn placement(tx: &mut Tx<'_>, session: &Session, out: &mut Rows) -> Result<(), Error> {
+    let n: i64 = tx
+        .one(
+            "SELECT COUNT(*) FROM attempts WHERE session_id = $1 \
+             AND status IN ('offered', 'claimed', 'starting', 'running')",
+            &[&session.id.as_str()],
+        )
+        .await?
+        .map_or(0, |r| r.get(0));
+    out.active_attempts = u32::try_from(n).unwrap_or(u32::MAX);
+    let sql =
+        format!("SELECT {} FROM offers WHERE session_id = $1 AND state = 'open' ORDER BY expires_at, id", *OFFER_COLS);
+    out.open_offers = tx.all(&sql, &[&session.id.as_str()]).await?.iter().map(rows::offer).collect::<Result<_, _>>()?;
+    out.queued = queued_for(tx, session, out.active_attempts).await?;
+    Ok(())
+}
+
+/// Locks and loads the attempt's run, attempt and lease (in that order).
+async fn run_attempt_lease(
+    tx: &mut Tx<'_>,
+    run: Option<&RunId>,
+    attempt: &AttemptId,
+    out: &mut Rows,
+) -> Result<(), Error> {
+    const LOCK: &str = "FOR UPDATE";
+    if let Some(run) = run {
+        out.run = one_by(tx, "runs", &RUN_COLS, "id", run.as_str(), LOCK, rows::run).await?;
+    }
+    out.attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", attempt.as_str(), LOCK, rows::attempt).await?;
+    if out.run.is_none() && run.is_none() {
+        if let Some(r) = out.attempt.as_ref().map(|a| a.run.clone()) {
+            out.run = one_by(tx, "runs", &RUN_COLS, "id", r.as_str(), LOCK, rows::run).await?;
+        }
+    }
+    if out.attempt.is_some() {
+        out.lease = one_by(tx, "leases", &LEASE_COLS, "attempt_id", attempt.as_str(), LOCK, rows::lease).await?;
+    }
+    Ok(())
+}
+
+/// Cancel: fence of the run's current attempt, then the run, attempt, lease and offer.
+async fn current_attempt(tx: &mut Tx<'_>, run: &RunId, out: &mut Rows) -> Result<(), Error> {
+    let seen = one_by(tx, "runs", "current_attempt_id", "id", run.as_str(), "", |r| {
+        r.try_get::<_, Option<String>>(0).map_err(Error::Pg)
+    })
+    .await?;
+    let Some(seen) = seen else {
+        return Ok(()); // no such run: the decision answers not_found
+    };
+    if let Some(a) = &seen {
+        tx.one(FENCE, &[&a.as_str()]).await?;
+    }
+    out.run = one_by(tx, "runs", &RUN_COLS, "id", run.as_str(), "FOR UPDATE", rows::run).await?;
+    let now_current = out.run.as_ref().and_then(|r| r.current_attempt.as_ref()).map(|a| a.as_str().to_owned());
+    if now_current != seen {
+        return Err(Error::Retry);
+    }
+    if let Some(a) = out.run.as_ref().and_then(|r| r.current_attempt.clone()) {
+        run_attempt_lease(tx, None, &a, out).await?;
+        if let Some(o) = out.attempt.as_ref().map(|a| a.offer.clone()) {
+            out.offer = one_by(tx, "offers", &OFFER_COLS, "id", o.as_str(), "FOR UPDATE", rows::offer).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Loads what `keys` names, taking the locks in the protocol's order.
+pub(super) async fn load(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<Rows, Error> {
+    let mut out = Rows::default();
+    if keys.sweep {
+        out.lapsed = lapsed(tx, offset).await?;
+        return Ok(out);
+    }
+    if let Some(a) = &keys.attempt {
+        fence(tx, a).await?;
+    }
+    if let Some(w) = &keys.worker_sessions {
+        out.worker_sessions = worker_sessions(tx, w).await?;
+    }
+    if let Some(s) = &keys.session {
+        out.session = session(tx, s, "FOR UPDATE").await?;
+    }
+    match (&keys.attempt, &keys.run) {
+        (Some(a), run) => run_attempt_lease(tx, run.as_ref(), a, &mut out).await?,
+        (None, Some(r)) if keys.current_attempt => current_attempt(tx, r, &mut out).await?,
+        (None, Some(r)) => out.run = one_by(tx, "runs", &RUN_COLS, "id", r.as_str(), "FOR UPDATE", rows::run).await?,
+        (None, None) => {}
+    }
+    if let Some(o) = &keys.offer {
+        out.offer = one_by(tx, "offers", &OFFER_COLS, "id", o.as_str(), "FOR UPDATE", rows::offer).await?;
+    }
+    if keys.placement {
+        if let Some(s) = out.session.clone() {
+            placement(tx, &s, &mut out).await?;
+        }
+    }
+    if keys.completion_event {
+        if let Some(a) = &keys.attempt {
+            let sql = format!("SELECT {EVENT_COLS} FROM events WHERE attempt_id = $1 AND kind = $2");
+            out.completion_event =
+                tx.one(&sql, &[&a.as_str(), &COMPLETION_EVENT]).await?.as_ref().map(rows::event).transpose()?;
+        }
+    }
+    Ok(out)
+}
+
+/// What has lapsed by DB time, each item locked without waiting (see the module doc).
+async fn lapsed(tx: &mut Tx<'_>, offset: i64) -> Result<Lapsed, Error> {
+    const SKIP: &str = "FOR UPDATE SKIP LOCKED";
+    let now: Millis = tx.now(offset).await?;
+    let mut out = Lapsed::default();
+
+    let sql = format!(
+        "SELECT {} FROM sessions WHERE state IN ('online', 'draining') AND expires_at <= $1 \
+         ORDER BY expires_at, id LIMIT $2 {SKIP}",
+        *SESSION_COLS
+    );
+    out.sessions = tx.all(&sql, &[&now, &SWEEP_BATCH]).await?.iter().map(rows::session).collect::<Result<_, _>>()?;
+
+    // Leases, then offers, then overdue runs: candidates without locks, then each one's
+    // fence, run, attempt and row, every lock non-blocking.
+    let candidates = tx
+        .all(
+            "SELECT attempt_id, run_id FROM leases WHERE state = 'leased' AND expires_at <= $1 \
+             ORDER BY expires_at, attempt_id LIMIT $2",
+            &[&now, &SWEEP_BATCH],
+        )
+        .await?;
+    for c in candidates {
+        let (a, r): (String, String) = (c.get(0), c.get(1));
+        if !try_fence(tx, &a).await? {
+            continue;
+        }
+        let run = one_by(tx, "runs", &RUN_COLS, "id", &r, SKIP, rows::run).await?;
+        let attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", &a, SKIP, rows::attempt).await?;
+        let lease = one_by(tx, "leases", &LEASE_COLS, "attempt_id", &a, SKIP, rows::lease).await?;
+        if let (Some(lease), Some(run), Some(attempt)) = (lease, run, attempt) {
+            out.leases.push((lease, run, attempt));
+        }
+    }
+
+    let candidates = tx
+        .all(
+            "SELECT id, run_id, attempt_id FROM offers WHERE state = 'open' AND expires_at <= $1 \
+             ORDER BY expires_at, id LIMIT $2",
+            &[&now, &SWEEP_BATCH],
+        )
+        .await?;
+    for c in candidates {
+        let (o, r, a): (String, String, String) = (c.get(0), c.get(1), c.get(2));
+        if !try_fence(tx, &a).await? {
+            continue;
+        }
+        let run = one_by(tx, "runs", &RUN_COLS, "id", &r, SKIP, rows::run).await?;
+        let attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", &a, SKIP, rows::attempt).await?;
+        let offer = one_by(tx, "offers", &OFFER_COLS, "id", &o, SKIP, rows::offer).await?;
+        if let (Some(offer), Some(run), Some(attempt)) = (offer, run, attempt) {
+            out.offers.push((offer, run, attempt));
+        }
+    }
+
+    let candidates = tx
+        .all(
+            "SELECT id, current_attempt_id FROM runs WHERE deadline_at IS NOT NULL AND deadline_at <= $1 \
+             AND status IN ('queued', 'dispatching', 'running') AND (stop IS NULL OR stop <> 'timeout') \
+             ORDER BY deadline_at, id LIMIT $2",
+            &[&now, &SWEEP_BATCH],
+        )
+        .await?;
+    for c in candidates {
+        let (r, a): (String, Option<String>) = (c.get(0), c.get(1));
+        if let Some(a) = &a {
+            if !try_fence(tx, a).await? {
+                continue;
+            }
+        }
+        if let Some(run) = one_by(tx, "runs", &RUN_COLS, "id", &r, SKIP, rows::run).await? {
+            out.overdue.push(run);
+        }
+    }
+    Ok(out)
+}

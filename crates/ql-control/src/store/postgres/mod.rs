@@ -1,0 +1,505 @@
+//! The PostgreSQL authority store: several `ql-control` replicas, one truth.
+//!
+//! # One command, one short transaction
+//!
+//! [`Store::execute`] takes a pooled connection and runs, in one transaction:
+//! the command's locks and loads in the protocol's fixed order (attempt advisory fence,
+//! worker session, run and attempt, run lease — see [`load`]); then DB time, read with a
+//! statement of its own issued *after* the last lock, so it is the `statement_timestamp()`
+//! of a moment every lock was held; then the shared pure [`core::decide`] (no decision
+//! logic lives here); then the decision's rows and events, in order; then COMMIT. A
+//! refusal rolls back (it carries no writes). Any SQL error — a constraint, a lost
+//! connection, a failed COMMIT — closes the connection, which makes the server roll the
+//! transaction back, and becomes a [`StoreError`] (`503 unavailable`: safe to repeat).
+//!
+//! Transactions run at READ COMMITTED: every row a decision rewrites was read under a row
+//! lock, which PostgreSQL returns at its latest committed version, so no update is lost.
+//!
+//! # Roles
+//!
+//! The store connects as the runtime role (`ql_runtime`: SELECT, INSERT, UPDATE on the
+//! state tables, append-only on history). Audit records may go through a second pool
+//! connected as the worker-ingress role (`ql_worker_ingress`, which may only append audit
+//! records) — [`PgOptions::audit_url`]. Migrations run as the owner, separately
+//! ([`migrate`]). The migration file documents the grants.
+//!
+//! # Wake-ups across replicas
+//!
+//! A waking decision ([`Decision::wake`](crate::core::Decision::wake)) sends
+//! `NOTIFY ql_changes` inside its transaction, so the notification leaves exactly when
+//! the change commits. Each store keeps one dedicated connection that `LISTEN`s and bumps
+//! [`Store::changes`] on every notification, whichever replica committed; when that
+//! connection drops it reconnects and bumps once (a notification may have been missed).
+//! No per-worker state is kept in memory: long-polls just re-run their poll.
+//!
+//! # DB time
+//!
+//! `statement_timestamp()` plus [`PgOptions::clock_offset`], zero in production; tests
+//! move time forward with the offset instead of sleeping.
+
+mod load;
+mod pool;
+mod rows;
+mod schema;
+
+use std::future::Future;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Config, Row};
+
+use ql_wire::ids::RunId;
+use ql_wire::ErrorCode;
+
+use super::{RunDetail, Snapshot, Store, StoreError};
+use crate::core::{self, Command, IdGen, Reply, Timings, Write};
+use crate::model::{AuditRecord, Run, Session};
+use pool::{Pool, Pooled};
+use rows::{ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+
+pub use schema::{ROLES, SCHEMA_VERSION};
+
+/// The notification channel of waking decisions.
+const CHANNEL: &str = "ql_changes";
+
+/// Why a store operation failed (all become [`StoreError`]).
+#[derive(Debug)]
+pub(crate) enum Error {
+    /// The driver or the server refused.
+    Pg(tokio_postgres::Error),
+    /// A stored value its type refuses, or a schema this build cannot use.
+    Corrupt(String),
+    /// Cancel saw the run's current attempt change under it; run the command again.
+    Retry,
+    /// The pool is closed.
+    Closed,
+    /// The test hook of [`PgOptions::kill_after_commit`] ended the connection.
+    Killed,
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Pg(e) => match e.as_db_error() {
+                Some(db) => write!(f, "postgres: {} ({})", db.message(), db.code().code()),
+                None => write!(f, "postgres: {e}"),
+            },
+            Self::Corrupt(why) => write!(f, "postgres: {why}"),
+            Self::Retry => f.write_str("postgres: the run changed while cancelling, retries exhausted"),
+            Self::Closed => f.write_str("postgres: the pool is closed"),
+            Self::Killed => f.write_str("postgres: the connection was terminated after COMMIT (test hook)"),
+        }
+    }
+}
+
+impl From<Error> for StoreError {
+    fn from(e: Error) -> Self {
+        StoreError(e.to_string())
+    }
+}
+
+/// A test hook: after the COMMIT of a command it returns `true` for, the store
+/// terminates its own backend (`pg_terminate_backend`) and fails the call, as if the
+/// connection had died between COMMIT and the reply.
+pub type KillAfterCommit = Arc<dyn Fn(&Command) -> bool + Send + Sync>;
+
+/// How to open a [`PgStore`].
+#[derive(Clone)]
+pub struct PgOptions {
+    /// Durations the authority hands out.
+    pub timings: Timings,
+    /// Added to the server's clock to make DB time. Zero in production; tests raise it
+    /// to move time forward without sleeping.
+    pub clock_offset: Arc<AtomicI64>,
+    /// Most connections this store holds (the LISTEN connection not counted).
+    pub pool_size: usize,
+    /// How long to wait for a connection to open.
+    pub connect_timeout: Duration,
+    /// A URL for audit records, normally as the worker-ingress role; `None`: the
+    /// runtime connection writes them.
+    pub audit_url: Option<String>,
+    /// Test-only fault injection (see [`KillAfterCommit`]).
+    pub kill_after_commit: Option<KillAfterCommit>,
+}
+
+impl Default for PgOptions {
+    fn default() -> Self {
+        Self {
+            timings: Timings::default(),
+            clock_offset: Arc::new(AtomicI64::new(0)),
+            pool_size: 16,
+            connect_timeout: Duration::from_secs(5),
+            audit_url: None,
+            kill_after_commit: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for PgOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgOptions")
+            .field("timings", &self.timings)
+            .field("pool_size", &self.pool_size)
+            .field("audit_url", &self.audit_url.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The PostgreSQL authority store. Cloning is cheap; clones share the pool and the
+/// LISTEN connection, which stops when the last clone is dropped.
+#[derive(Clone)]
+pub struct PgStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore").finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    pool: Pool,
+    audit: Option<Pool>,
+    timings: Timings,
+    clock_offset: Arc<AtomicI64>,
+    changes: Arc<watch::Sender<u64>>,
+    kill_after_commit: Option<KillAfterCommit>,
+    listener: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.listener.abort();
+    }
+}
+
+fn parse_url(url: &str) -> Result<Config, StoreError> {
+    // The URL may carry a password: never echo it back.
+    Config::from_str(url).map_err(|_| StoreError("the database URL is not a valid PostgreSQL URL".to_owned()))
+}
+
+/// Applies the migrations as the owner role at `owner_url`; returns the version found
+/// before and the version now.
+pub async fn migrate(owner_url: &str) -> Result<(i64, i64), StoreError> {
+    let config = parse_url(owner_url)?;
+    let mut client = Pool::connect(&config).await?;
+    let before = schema::migrate(&mut client).await?;
+    Ok((before, SCHEMA_VERSION))
+}
+
+impl PgStore {
+    /// Connects as the runtime role at `url`, checks the schema version, and starts the
+    /// LISTEN connection. Must be called inside a Tokio runtime.
+    pub async fn open(url: &str, options: PgOptions) -> Result<Self, StoreError> {
+        let config = parse_url(url)?;
+        let pool = Pool::new(config.clone(), options.pool_size, options.connect_timeout);
+        {
+            let mut conn = pool.get().await?;
+            schema::check(conn.client()).await?;
+            conn.keep();
+        }
+        let audit = match &options.audit_url {
+            Some(u) => Some(Pool::new(parse_url(u)?, options.pool_size.min(4), options.connect_timeout)),
+            None => None,
+        };
+        let (changes, _) = watch::channel(0u64);
+        let changes = Arc::new(changes);
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let listener = tokio::spawn(listen(config, changes.clone(), ready_tx));
+        // Listening before the first command: a change committed elsewhere right after
+        // `open` returns must not be missed.
+        let _ = tokio::time::timeout(options.connect_timeout, ready_rx).await;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                pool,
+                audit,
+                timings: options.timings,
+                clock_offset: options.clock_offset,
+                changes,
+                kill_after_commit: options.kill_after_commit,
+                listener,
+            }),
+        })
+    }
+
+    fn offset(&self) -> i64 {
+        self.inner.clock_offset.load(Ordering::SeqCst)
+    }
+
+    fn wake(&self) {
+        self.inner.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Closes the idle connections (tests use it after restarting the server).
+    pub fn reset_idle(&self) {
+        self.inner.pool.clear();
+    }
+
+    async fn execute_once(&self, cmd: &Command) -> Result<Result<Reply, ErrorCode>, Error> {
+        let mut conn = self.inner.pool.get().await?;
+        let offset = self.offset();
+        let mut tx = Tx::begin(&mut conn).await?;
+        let rows = load::load(&mut tx, &cmd.keys(), offset).await?;
+        // DB time from a statement issued after every lock is held.
+        let now = tx.now(offset).await?;
+        let decision = core::decide(cmd, &rows, now, &self.inner.timings, &mut IdGen::random());
+        let reply = match decision.reply {
+            Ok(reply) => reply,
+            Err(code) => {
+                // A refusal carries no writes by contract; nothing is applied either way.
+                tx.finish("ROLLBACK").await?;
+                conn.keep();
+                return Ok(Err(code));
+            }
+        };
+        for write in &decision.writes {
+            apply(&mut tx, write).await?;
+        }
+        if decision.wake {
+            tx.exec("SELECT pg_notify($1, '')", &[&CHANNEL]).await?;
+        }
+        tx.finish("COMMIT").await?;
+        if self.inner.kill_after_commit.as_ref().is_some_and(|hook| hook(cmd)) {
+            // The connection dies after COMMIT and before the reply: the caller must see
+            // `unavailable`, and its replay must find the committed facts.
+            let _ = conn.client().execute("SELECT pg_terminate_backend(pg_backend_pid())", &[]).await;
+            return Err(Error::Killed);
+        }
+        conn.keep();
+        if decision.wake {
+            self.wake();
+        }
+        Ok(Ok(reply))
+    }
+
+    /// A connection inside a REPEATABLE READ, READ ONLY transaction: operator reads see
+    /// one snapshot, as of one commit.
+    async fn reading(&self) -> Result<Pooled<'_>, Error> {
+        let conn = self.inner.pool.get().await?;
+        conn.client().batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await.map_err(Error::Pg)?;
+        Ok(conn)
+    }
+
+    /// Ends a read started by [`PgStore::reading`] and returns its connection.
+    async fn done(mut conn: Pooled<'_>) -> Result<(), Error> {
+        conn.client().batch_execute("COMMIT").await.map_err(Error::Pg)?;
+        conn.keep();
+        Ok(())
+    }
+}
+
+/// An open transaction on a pooled connection. It has no Drop: a transaction that is not
+/// finished is ended by closing its connection (the pool discards it), which makes the
+/// server roll it back.
+pub(crate) struct Tx<'a> {
+    conn: &'a mut pool::Conn,
+}
+
+fn refs(params: &[Box<dyn ToSql + Sync + Send>]) -> Vec<&(dyn ToSql + Sync)> {
+    params.iter().map(|p| p.as_ref() as &(dyn ToSql + Sync)).collect()
+}
+
+impl<'a> Tx<'a> {
+    async fn begin(conn: &'a mut pool::Conn) -> Result<Self, Error> {
+        let mut tx = Self { conn };
+        tx.exec_simple("BEGIN").await?;
+        Ok(tx)
+    }
+
+    async fn exec_simple(&mut self, sql: &str) -> Result<(), Error> {
+        self.conn.client().batch_execute(sql).await.map_err(Error::Pg)
+    }
+
+    async fn finish(mut self, sql: &str) -> Result<(), Error> {
+        self.exec_simple(sql).await
+    }
+
+    /// At most one row.
+    pub(crate) async fn one(&mut self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Option<Row>, Error> {
+        let stmt = self.conn.prepare(sql).await?;
+        self.conn.client().query_opt(&stmt, params).await.map_err(Error::Pg)
+    }
+
+    /// Every row.
+    pub(crate) async fn all(&mut self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, Error> {
+        let stmt = self.conn.prepare(sql).await?;
+        self.conn.client().query(&stmt, params).await.map_err(Error::Pg)
+    }
+
+    /// A statement without rows (or whose rows do not matter).
+    pub(crate) async fn exec(&mut self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, Error> {
+        let stmt = self.conn.prepare(sql).await?;
+        self.conn.client().execute(&stmt, params).await.map_err(Error::Pg)
+    }
+
+    /// DB time (see [`schema::DB_NOW`]).
+    pub(crate) async fn now(&mut self, offset: i64) -> Result<i64, Error> {
+        let row = self.one(schema::DB_NOW, &[&offset]).await?;
+        Ok(row.map_or(0, |r| r.get(0)))
+    }
+}
+
+async fn apply(tx: &mut Tx<'_>, write: &Write) -> Result<(), Error> {
+    let (sql, params): (&str, _) = match write {
+        Write::Session(s) => (&rows::SESSION_UPSERT, rows::session_params(s)?),
+        Write::Run(r) => (&rows::RUN_UPSERT, rows::run_params(r)?),
+        Write::Attempt(a) => (&rows::ATTEMPT_UPSERT, rows::attempt_params(a)?),
+        Write::Offer(o) => (&rows::OFFER_UPSERT, rows::offer_params(o)?),
+        Write::Lease(l) => (&rows::LEASE_UPSERT, rows::lease_params(l)?),
+        Write::Event(e) => (rows::EVENT_INSERT, rows::event_params(e)?),
+    };
+    tx.exec(sql, &refs(&params)).await.map(drop)
+}
+
+/// The LISTEN connection: bumps `changes` on every notification, reconnects when it
+/// drops (bumping once, since a notification may have been missed meanwhile).
+async fn listen(config: Config, changes: Arc<watch::Sender<u64>>, ready: tokio::sync::oneshot::Sender<()>) {
+    let bump = || changes.send_modify(|n| *n = n.wrapping_add(1));
+    let mut ready = Some(ready);
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        if let Ok((client, mut connection)) = config.connect(tokio_postgres::NoTls).await {
+            // The client's request needs the connection polled; both run in this task.
+            let mut listening = Box::pin(client.batch_execute("LISTEN ql_changes"));
+            let mut listened = false;
+            let ended = std::future::poll_fn(|cx| {
+                if !listened {
+                    match listening.as_mut().poll(cx) {
+                        std::task::Poll::Ready(Ok(())) => {
+                            listened = true;
+                            if let Some(r) = ready.take() {
+                                let _ = r.send(());
+                            }
+                            bump();
+                        }
+                        std::task::Poll::Ready(Err(_)) => return std::task::Poll::Ready(()),
+                        std::task::Poll::Pending => {}
+                    }
+                }
+                loop {
+                    match connection.poll_message(cx) {
+                        std::task::Poll::Ready(Some(Ok(tokio_postgres::AsyncMessage::Notification(_)))) => bump(),
+                        std::task::Poll::Ready(Some(Ok(_))) => {}
+                        std::task::Poll::Ready(Some(Err(_)) | None) => return std::task::Poll::Ready(()),
+                        std::task::Poll::Pending => return std::task::Poll::Pending,
+                    }
+                }
+            });
+            ended.await;
+            if listened {
+                backoff = Duration::from_millis(50);
+            }
+            bump();
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+fn limit(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+fn map_all<T>(rows: Vec<Row>, f: fn(&Row) -> Result<T, Error>) -> Result<Vec<T>, Error> {
+    rows.iter().map(f).collect()
+}
+
+/// How many times a command is run again when cancel saw its run change under it.
+const RETRIES: usize = 8;
+
+impl Store for PgStore {
+    async fn execute(&self, cmd: Command) -> Result<Result<Reply, ErrorCode>, StoreError> {
+        for _ in 0..RETRIES {
+            match self.execute_once(&cmd).await {
+                Err(Error::Retry) => continue,
+                other => return other.map_err(StoreError::from),
+            }
+        }
+        Err(Error::Retry.into())
+    }
+
+    async fn audit(&self, record: AuditRecord) -> Result<(), StoreError> {
+        const SQL: &str = "INSERT INTO audit (at, principal, route, outcome) VALUES \
+             ((floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint, $2, $3, $4)";
+        let pool = self.inner.audit.as_ref().unwrap_or(&self.inner.pool);
+        let mut conn = pool.get().await?;
+        let stmt = conn.prepare(SQL).await?;
+        let principal = record.principal.as_ref().map(|p| p.as_str());
+        conn.client()
+            .execute(&stmt, &[&self.offset(), &principal, &record.route, &record.outcome])
+            .await
+            .map_err(Error::Pg)?;
+        conn.keep();
+        Ok(())
+    }
+
+    async fn audits(&self) -> Result<Vec<AuditRecord>, StoreError> {
+        let mut conn = self.reading().await?;
+        let found = map_all(
+            Tx { conn: &mut conn }.all("SELECT at, principal, route, outcome FROM audit ORDER BY seq", &[]).await?,
+            rows::audit,
+        )?;
+        Self::done(conn).await?;
+        Ok(found)
+    }
+
+    async fn runs(&self, n: usize) -> Result<Vec<Run>, StoreError> {
+        let sql = format!("SELECT {} FROM runs ORDER BY created_at DESC, id DESC LIMIT $1", *RUN_COLS);
+        let mut conn = self.reading().await?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::run)?;
+        Self::done(conn).await?;
+        Ok(found)
+    }
+
+    async fn run_detail(&self, run: &RunId) -> Result<Option<RunDetail>, StoreError> {
+        let id = run.as_str();
+        let mut conn = self.reading().await?;
+        let mut tx = Tx { conn: &mut conn };
+        let sql = format!("SELECT {} FROM runs WHERE id = $1", *RUN_COLS);
+        let Some(run) = tx.one(&sql, &[&id]).await?.as_ref().map(rows::run).transpose()? else {
+            Self::done(conn).await?;
+            return Ok(None);
+        };
+        let sql = format!("SELECT {} FROM attempts WHERE run_id = $1 ORDER BY number", *ATTEMPT_COLS);
+        let attempts = map_all(tx.all(&sql, &[&id]).await?, rows::attempt)?;
+        let sql = format!("SELECT {} FROM leases WHERE run_id = $1 ORDER BY lease_generation, attempt_id", *LEASE_COLS);
+        let leases = map_all(tx.all(&sql, &[&id]).await?, rows::lease)?;
+        let sql = format!("SELECT {EVENT_COLS} FROM events WHERE run_id = $1 ORDER BY seq");
+        let events = map_all(tx.all(&sql, &[&id]).await?, rows::event)?;
+        Self::done(conn).await?;
+        Ok(Some(RunDetail { run, attempts, leases, events }))
+    }
+
+    async fn sessions(&self, n: usize) -> Result<Vec<Session>, StoreError> {
+        let sql = format!("SELECT {} FROM sessions ORDER BY created_at DESC, id DESC LIMIT $1", *SESSION_COLS);
+        let mut conn = self.reading().await?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::session)?;
+        Self::done(conn).await?;
+        Ok(found)
+    }
+
+    async fn snapshot(&self) -> Result<Snapshot, StoreError> {
+        let mut conn = self.reading().await?;
+        let mut tx = Tx { conn: &mut conn };
+        let q = |table: &str, cols: &str, order: &str| format!("SELECT {cols} FROM {table} ORDER BY {order}");
+        let snap = Snapshot {
+            sessions: map_all(tx.all(&q("sessions", &SESSION_COLS, "id"), &[]).await?, rows::session)?,
+            runs: map_all(tx.all(&q("runs", &RUN_COLS, "id"), &[]).await?, rows::run)?,
+            attempts: map_all(tx.all(&q("attempts", &ATTEMPT_COLS, "id"), &[]).await?, rows::attempt)?,
+            offers: map_all(tx.all(&q("offers", &OFFER_COLS, "id"), &[]).await?, rows::offer)?,
+            leases: map_all(tx.all(&q("leases", &LEASE_COLS, "attempt_id"), &[]).await?, rows::lease)?,
+            events: map_all(tx.all(&q("events", EVENT_COLS, "seq"), &[]).await?, rows::event)?,
+        };
+        Self::done(conn).await?;
+        Ok(snap)
+    }
+
+    fn changes(&self) -> watch::Receiver<u64> {
+        self.inner.changes.subscribe()
+    }
+}

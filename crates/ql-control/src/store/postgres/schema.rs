@@ -1,0 +1,80 @@
+//! Migrations, applied by the migration owner, and the schema check every runtime
+//! connection makes before serving.
+//!
+//! The applied version lives in `ql_schema_version`, written in the same transaction as
+//! the migrations it records (PostgreSQL DDL is transactional): a crash mid-migration
+//! leaves the old version and none of the new schema. A transaction-level advisory lock
+//! serialises migrators, so two replicas started at once cannot both apply version 1. A
+//! database written by a newer build is refused rather than guessed at.
+
+use tokio_postgres::{Client, GenericClient};
+
+use super::Error;
+
+/// Migrations in order; entry `i` takes the schema from version `i` to `i + 1`.
+const MIGRATIONS: &[&str] = &[include_str!("../../../migrations/postgres/0001_init.sql")];
+
+/// The schema version this build reads and writes.
+pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// The roles the migrations grant to (created by the cluster administrator beforehand;
+/// `scripts/pg` does it for a throwaway cluster).
+pub const ROLES: [&str; 3] = ["ql_owner", "ql_runtime", "ql_worker_ingress"];
+
+/// Serialises migrators across processes.
+const MIGRATION_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextextended('ql-control:migrate', 0))";
+
+async fn version(client: &impl GenericClient) -> Result<Option<i64>, Error> {
+    let exists: bool =
+        client.query_one("SELECT to_regclass('ql_schema_version') IS NOT NULL", &[]).await.map_err(Error::Pg)?.get(0);
+    if !exists {
+        return Ok(None);
+    }
+    let row = client.query_one("SELECT version FROM ql_schema_version", &[]).await.map_err(Error::Pg)?;
+    Ok(Some(row.get(0)))
+}
+
+/// Brings the schema to [`SCHEMA_VERSION`]; `client` must be connected as the owner.
+/// Returns the version found before.
+pub(super) async fn migrate(client: &mut Client) -> Result<i64, Error> {
+    let tx = client.transaction().await.map_err(Error::Pg)?;
+    tx.execute(MIGRATION_LOCK, &[]).await.map_err(Error::Pg)?;
+    let current = version(&tx).await?.unwrap_or(0);
+    if current > SCHEMA_VERSION {
+        return Err(Error::Corrupt(format!("schema version {current} is newer than this build's {SCHEMA_VERSION}")));
+    }
+    if current == 0 {
+        tx.batch_execute(
+            "CREATE TABLE ql_schema_version (one BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one), version BIGINT NOT NULL); \
+             INSERT INTO ql_schema_version (version) VALUES (0); \
+             REVOKE ALL ON ql_schema_version FROM PUBLIC; \
+             GRANT SELECT ON ql_schema_version TO ql_runtime;",
+        )
+        .await
+        .map_err(Error::Pg)?;
+    }
+    for sql in &MIGRATIONS[current as usize..] {
+        tx.batch_execute(sql).await.map_err(Error::Pg)?;
+    }
+    tx.execute("UPDATE ql_schema_version SET version = $1", &[&SCHEMA_VERSION]).await.map_err(Error::Pg)?;
+    tx.commit().await.map_err(Error::Pg)?;
+    Ok(current)
+}
+
+/// Refuses a database whose schema is not exactly this build's.
+pub(super) async fn check(client: &Client) -> Result<(), Error> {
+    match version(client).await? {
+        Some(SCHEMA_VERSION) => Ok(()),
+        Some(v) => Err(Error::Corrupt(format!(
+            "the database is at schema version {v}, this build needs {SCHEMA_VERSION}: run `ql-control migrate` \
+             as the migration owner"
+        ))),
+        None => Err(Error::Corrupt(
+            "the database has no QingLong schema: run `ql-control migrate --database <owner URL>` first".to_owned(),
+        )),
+    }
+}
+
+/// DB time in milliseconds since the Unix epoch, plus `offset`: the `statement_timestamp()`
+/// of this very statement, which the store issues only after it holds every lock.
+pub(super) const DB_NOW: &str = "SELECT (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint";
