@@ -372,10 +372,10 @@ async fn listen(config: Config, changes: Arc<watch::Sender<u64>>, ready: tokio::
                     match listening.as_mut().poll(cx) {
                         std::task::Poll::Ready(Ok(())) => {
                             listened = true;
+                            bump();
                             if let Some(r) = ready.take() {
                                 let _ = r.send(());
                             }
-                            bump();
                         }
                         std::task::Poll::Ready(Err(_)) => return std::task::Poll::Ready(()),
                         std::task::Poll::Pending => {}

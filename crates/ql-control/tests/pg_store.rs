@@ -1,0 +1,206 @@
+//! PostgreSQL-only proofs beyond the shared contract suite: the three roles are enforced
+//! by PostgreSQL itself, a connection that dies right after a completion's COMMIT loses
+//! only the reply, two sweepers on two replicas at once never double-expire, and a
+//! commit on one replica wakes the other's long-polls through LISTEN/NOTIFY.
+//!
+//! Each test has a database of its own on the server `QL_TEST_PG_URL` names (see
+//! `contract/pg.rs`; `scripts/test` provides one).
+
+mod contract;
+
+use std::sync::atomic::AtomicI64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ql_control::core::{Command, Reply};
+use ql_control::model::{AuditRecord, LeaseState};
+use ql_control::store::postgres::PgOptions;
+use ql_control::store::Store;
+use ql_wire::completion::TerminalStatus;
+use ql_wire::offer::PollOffers;
+use ql_wire::{ErrorCode, Outcome};
+
+use contract::pg::{connect, Pg, TestDb};
+use contract::*;
+
+/// The SQLSTATE of a statement `client` runs, or `None` when it succeeds.
+async fn sqlstate(client: &tokio_postgres::Client, sql: &str) -> Option<String> {
+    client.batch_execute(sql).await.err().map(|e| e.code().map_or_else(|| e.to_string(), |c| c.code().to_owned()))
+}
+
+const INSUFFICIENT_PRIVILEGE: &str = "42501";
+
+#[tokio::test]
+async fn the_worker_ingress_role_may_append_audit_records_and_nothing_else() {
+    let b = Pg::new().await;
+    let store = b.store();
+    // A real run with a lease, so every refused statement below has a row to hit.
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    let (run, attempt) = (h.run().as_str().to_owned(), h.attempt().as_str().to_owned());
+
+    let ingress = connect(&b.db().url("ql_worker_ingress")).await;
+    assert_eq!(
+        sqlstate(&ingress, "INSERT INTO audit (at, principal, route, outcome) VALUES (1, 'router-1', 'x', 'admitted')")
+            .await,
+        None,
+        "worker-ingress appends audit records"
+    );
+    let refused = [
+        format!("UPDATE runs SET status = 'succeeded' WHERE id = '{run}'"),
+        "INSERT INTO runs (id, project, spec, labels, status, retry_budget, retries_used, attempts, \
+         lease_generations, created_at) VALUES ('run_forged', 'default', '{}', '{}', 'queued', 0, 0, 0, 0, 0)"
+            .to_owned(),
+        format!("UPDATE attempts SET status = 'succeeded' WHERE id = '{attempt}'"),
+        format!("UPDATE leases SET version = version + 1 WHERE attempt_id = '{attempt}'"),
+        format!("INSERT INTO events (id, run_id, kind, payload, at) VALUES ('evt_forged', '{run}', 'run.succeeded', '{{}}', 0)"),
+        "UPDATE sessions SET state = 'expired'".to_owned(),
+        "UPDATE offers SET state = 'withdrawn'".to_owned(),
+        format!("DELETE FROM runs WHERE id = '{run}'"),
+        "SELECT * FROM runs".to_owned(),
+        "SELECT * FROM audit".to_owned(),
+        "UPDATE audit SET outcome = 'rewritten'".to_owned(),
+    ];
+    for sql in &refused {
+        assert_eq!(sqlstate(&ingress, sql).await.as_deref(), Some(INSUFFICIENT_PRIVILEGE), "worker-ingress: {sql}");
+    }
+
+    // The runtime role changes state, but never deletes and never rewrites history.
+    let runtime = connect(&b.db().runtime_url()).await;
+    for sql in [
+        format!("DELETE FROM runs WHERE id = '{run}'"),
+        format!("UPDATE events SET kind = 'rewritten' WHERE run_id = '{run}'"),
+        "DELETE FROM events".to_owned(),
+        "UPDATE audit SET outcome = 'rewritten'".to_owned(),
+        "CREATE TABLE forged (x int)".to_owned(),
+    ] {
+        assert_eq!(sqlstate(&runtime, &sql).await.as_deref(), Some(INSUFFICIENT_PRIVILEGE), "runtime: {sql}");
+    }
+    // Even the owner cannot rewrite history (the append-only triggers).
+    let owner = connect(&b.db().url("ql_owner")).await;
+    assert_eq!(
+        sqlstate(&owner, &format!("UPDATE events SET kind = 'rewritten' WHERE run_id = '{run}'")).await.as_deref(),
+        Some(INSUFFICIENT_PRIVILEGE)
+    );
+
+    // Nothing the refused statements tried changed anything.
+    let d = detail(&store, h.run()).await;
+    assert_eq!(d.run.status, ql_control::model::RunStatus::Dispatching);
+    assert_eq!(d.leases[0].facts.version.get(), 1);
+    assert!(d.events.iter().all(|e| e.id.as_str() != "evt_forged"));
+
+    // A store whose audit records go through the worker-ingress role.
+    let offset = Arc::new(AtomicI64::new(0));
+    let audited =
+        b.db().store(PgOptions { audit_url: Some(b.db().url("ql_worker_ingress")), ..Pg::options(&offset) }).await;
+    let rec = AuditRecord {
+        at: 0,
+        principal: Some(worker("router-1")),
+        route: "session.open".into(),
+        outcome: "admitted".into(),
+    };
+    audited.audit(rec).await.expect("worker-ingress writes audit records through the store");
+    assert_eq!(audited.audits().await.unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn a_connection_killed_right_after_a_completion_commits_loses_only_the_reply() {
+    let db = TestDb::new("kill").await;
+    let offset = Arc::new(AtomicI64::new(0));
+    let kill = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let armed = kill.clone();
+    let options = PgOptions {
+        kill_after_commit: Some(Arc::new(move |cmd: &Command| {
+            matches!(cmd, Command::Complete(..)) && armed.swap(false, std::sync::atomic::Ordering::SeqCst)
+        })),
+        ..Pg::options(&offset)
+    };
+    let store = db.store(options).await;
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    to_running(&store, &h).await;
+
+    kill.store(true, std::sync::atomic::Ordering::SeqCst);
+    let first = store.execute(h.complete(Some(0))).await;
+    assert!(first.is_err(), "the first call answers unavailable (a StoreError is 503): {first:?}");
+    assert_eq!(
+        exec(&store, h.complete(Some(0))).await,
+        Ok(completed(Outcome::AlreadyCompleted, TerminalStatus::Succeeded)),
+        "the agent's replay finds the committed completion"
+    );
+    let d = detail(&store, h.run()).await;
+    let completion: Vec<&str> = d
+        .events
+        .iter()
+        .map(|e| e.kind.as_str())
+        .filter(|k| *k == "attempt.completed" || *k == "run.succeeded")
+        .collect();
+    assert_eq!(completion, ["attempt.completed", "run.succeeded"], "exactly the two completion events");
+    assert_eq!(d.leases[0].state, LeaseState::Completed);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+// Two worker threads: the two sweeps run truly in parallel, not just interleaved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_sweeping_at_once_expire_each_lease_once() {
+    let b = Pg::new().await;
+    let (a, other) = (b.store(), b.other_process());
+    const RUNS: usize = 24;
+    let agent = open_with(&a, "router-1", RUNS as u32, &[]).await;
+    for _ in 0..RUNS {
+        submit(&a, LONG_TIMEOUT_MS, 1).await;
+    }
+    let body = PollOffers { generation: agent.generation, wait_ms: 0, max: RUNS as u32 };
+    let all = match exec(&a, Command::PollOffers(agent.worker.clone(), agent.session.clone(), body)).await {
+        Ok(Reply::Offers(o)) => o.offers,
+        other => panic!("poll: {other:?}"),
+    };
+    assert_eq!(all.len(), RUNS);
+    for offer in &all[..RUNS / 2] {
+        let h = claim(&a, &agent, offer).await;
+        to_starting(&a, &h).await;
+    }
+    // Past every lease and every unclaimed offer: each replica sweeps, both at once,
+    // until neither finds anything.
+    b.advance(b.timings().lease_ttl_ms as i64 + 1_000);
+    let mut total = 0;
+    loop {
+        let (x, y) = tokio::join!(sweep(&a), sweep(&other));
+        total += x + y;
+        if x + y == 0 {
+            break;
+        }
+    }
+    assert_eq!(total, RUNS, "every lapsed lease and offer is swept exactly once");
+    let snap = a.snapshot().await.unwrap();
+    check_invariants(&snap);
+    let lost = snap.events.iter().filter(|e| e.kind == "attempt.lost").count();
+    assert_eq!(lost, RUNS, "one attempt.lost per attempt");
+    assert!(snap.leases.iter().all(|l| l.state == LeaseState::Expired));
+    assert!(snap.runs.iter().all(|r| r.status == ql_control::model::RunStatus::Queued));
+    let spent: u32 = snap.runs.iter().map(|r| r.retries_used).sum();
+    assert_eq!(spent as usize, RUNS / 2, "a lost lease spends a retry, a lapsed offer does not");
+}
+
+#[tokio::test]
+async fn a_commit_on_one_replica_wakes_the_other() {
+    let b = Pg::new().await;
+    let (a, other) = (b.store(), b.other_process());
+    let mut rx = other.changes();
+    // Opening the store bumped the counter once, after its LISTEN took effect.
+    rx.borrow_and_update();
+    submit(&a, LONG_TIMEOUT_MS, 0).await;
+    tokio::time::timeout(Duration::from_secs(10), rx.changed())
+        .await
+        .expect("a submit on one replica wakes the other's long-polls")
+        .unwrap();
+
+    // A decision that does not wake (a heartbeat) sends nothing.
+    let agent = open(&a, "router-1").await;
+    tokio::time::timeout(Duration::from_secs(10), rx.changed()).await.expect("opening a session wakes").unwrap();
+    rx.borrow_and_update();
+    assert!(heartbeat(&a, &agent, false).await.is_ok());
+    assert!(tokio::time::timeout(Duration::from_millis(300), rx.changed()).await.is_err(), "a heartbeat wakes nobody");
+    // And a refused command neither.
+    let refusal = exec(&a, Command::Cancel("run_missing".parse().unwrap())).await;
+    assert_eq!(refusal, Err(ErrorCode::NotFound));
+    assert!(tokio::time::timeout(Duration::from_millis(300), rx.changed()).await.is_err());
+}
