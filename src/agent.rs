@@ -256,7 +256,7 @@ impl Agent {
                 self.establish_session(now).await?;
                 continue;
             }
-            let (moved, due) = self.work(now, blocked).await?;
+            let (moved, due) = self.work(blocked).await?;
             if moved {
                 continue;
             }
@@ -607,24 +607,37 @@ impl Agent {
 
     // ---- jobs ----
 
-    /// Performs each job's next step once. Returns whether anything moved, and the earliest
-    /// instant a waiting job needs attention.
-    async fn work(&mut self, now: Instant, blocked: bool) -> Result<(bool, Option<Instant>), Fatal> {
+    /// Performs each job's steps until it waits or a call fails. Returns whether anything
+    /// moved, and the earliest instant a waiting job needs attention.
+    ///
+    /// A job's steps run back to back, without looking at process ends in between, so a
+    /// quick job still gets its `running` ACK before its exit is recorded.
+    async fn work(&mut self, blocked: bool) -> Result<(bool, Option<Instant>), Fatal> {
         let mut moved = false;
         let mut due = None;
         let mut blocked = blocked;
         let keys: Vec<JobKey> = self.state.jobs.keys().cloned().collect();
         for key in keys {
-            let Some(job) = self.state.jobs.get(&key) else { continue };
-            let rt = self.rts.entry(key.clone()).or_default();
-            let step = core::next(&key, job, rt, Now { at: now, drain_by: self.drain_by });
-            if step.is_remote() && blocked {
-                continue;
-            }
-            match self.perform(&key, step, now).await? {
-                Turn::Moved => moved = true,
-                Turn::Idle(t) => due = earliest(due, t),
-                Turn::Blocked => blocked = true,
+            while let Some(job) = self.state.jobs.get(&key) {
+                // Read per step: calls take time, and a claim's or renewal's age counts from
+                // when its request was sent.
+                let now = Instant::now();
+                let rt = self.rts.entry(key.clone()).or_default();
+                let step = core::next(&key, job, rt, Now { at: now, drain_by: self.drain_by });
+                if step.is_remote() && blocked {
+                    break;
+                }
+                match self.perform(&key, step, now).await? {
+                    Turn::Moved => moved = true,
+                    Turn::Idle(t) => {
+                        due = earliest(due, t);
+                        break;
+                    }
+                    Turn::Blocked => {
+                        blocked = true;
+                        break;
+                    }
+                }
             }
         }
         Ok((moved, due))
