@@ -1,6 +1,7 @@
 //! Operator commands against a state directory: submit, cancel, runs, show, logs and
-//! workers. They open the same SQLite file as `serve` (SQLite serialises the writers) and
-//! go through the same decision code, so an operator can never break a protocol rule.
+//! workers. They open the same SQLite file as `serve` (SQLite serialises the writers) —
+//! or, with `--database postgres://...`, the same PostgreSQL database as every replica —
+//! and go through the same decision code, so an operator can never break a protocol rule.
 
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -16,8 +17,9 @@ use crate::blob::{ArtifactKey, BlobStore};
 use crate::config::{Config, Layout};
 use crate::core::{CancelOutcome, Command, Reply, Submit};
 use crate::model::{Attempt, Millis};
+use crate::store::postgres::{PgOptions, PgStore};
 use crate::store::sqlite::SqliteStore;
-use crate::store::{RunDetail, Store};
+use crate::store::{RunDetail, Snapshot, Store, StoreError};
 
 /// What to run, as an operator describes it.
 #[derive(Debug, Clone, Default)]
@@ -91,6 +93,80 @@ pub fn open_store(dir: &Path) -> Result<(SqliteStore, Config), String> {
     let config = Config::load(&layout)?;
     let store = SqliteStore::open(layout.database(), config.timings()).map_err(|e| e.to_string())?;
     Ok((store, config))
+}
+
+/// The authority an operator command talks to: the state directory's SQLite file (the
+/// default) or a PostgreSQL database shared by replicas.
+#[derive(Debug, Clone)]
+pub enum Authority {
+    /// `<dir>/control.db`.
+    Sqlite(SqliteStore),
+    /// `--database postgres://...`.
+    Postgres(PgStore),
+}
+
+/// Forwards one [`Store`] method to whichever store is inside.
+macro_rules! either {
+    ($self:ident, $s:ident => $call:expr) => {
+        match $self {
+            Authority::Sqlite($s) => $call.await,
+            Authority::Postgres($s) => $call.await,
+        }
+    };
+}
+
+impl Store for Authority {
+    async fn execute(&self, cmd: Command) -> Result<Result<Reply, ql_wire::ErrorCode>, StoreError> {
+        either!(self, s => s.execute(cmd))
+    }
+    async fn audit(&self, record: crate::model::AuditRecord) -> Result<(), StoreError> {
+        either!(self, s => s.audit(record))
+    }
+    async fn audits(&self) -> Result<Vec<crate::model::AuditRecord>, StoreError> {
+        either!(self, s => s.audits())
+    }
+    async fn runs(&self, limit: usize) -> Result<Vec<crate::model::Run>, StoreError> {
+        either!(self, s => s.runs(limit))
+    }
+    async fn run_detail(&self, run: &RunId) -> Result<Option<RunDetail>, StoreError> {
+        either!(self, s => s.run_detail(run))
+    }
+    async fn sessions(&self, limit: usize) -> Result<Vec<crate::model::Session>, StoreError> {
+        either!(self, s => s.sessions(limit))
+    }
+    async fn snapshot(&self) -> Result<Snapshot, StoreError> {
+        either!(self, s => s.snapshot())
+    }
+    fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        match self {
+            Authority::Sqlite(s) => s.changes(),
+            Authority::Postgres(s) => s.changes(),
+        }
+    }
+}
+
+/// Whether `database` names a PostgreSQL database (a `postgres://` or `postgresql://`
+/// URL, or libpq `key=value` settings).
+pub fn is_postgres(database: &str) -> bool {
+    database.starts_with("postgres://") || database.starts_with("postgresql://") || database.contains('=')
+}
+
+/// Opens the authority: PostgreSQL when `database` is given, else the state directory's
+/// SQLite file. Call inside the Tokio runtime that will use the store.
+pub async fn open_authority(dir: &Path, database: Option<&str>) -> Result<(Authority, Config), String> {
+    match database {
+        None => open_store(dir).map(|(s, c)| (Authority::Sqlite(s), c)),
+        Some(url) if is_postgres(url) => {
+            // The operator commands need no state directory besides control.json's
+            // timings; without one, the defaults.
+            let layout = Layout::new(dir);
+            let config = if layout.config().exists() { Config::load(&layout)? } else { Config::default() };
+            let options = PgOptions { timings: config.timings(), pool_size: 2, ..PgOptions::default() };
+            let store = PgStore::open(url, options).await.map_err(|e| e.to_string())?;
+            Ok((Authority::Postgres(store), config))
+        }
+        Some(_) => Err("--database takes a postgres://... URL (SQLite is the state directory's default)".to_owned()),
+    }
 }
 
 /// Opens the state directory's artifact store.

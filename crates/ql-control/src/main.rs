@@ -10,7 +10,8 @@ use ql_control::config::{Config, Layout};
 use ql_wire::ids::{RunId, WorkerId};
 
 /// QingLong Edge control plane. Every command works on one state directory: --dir, or
-/// $QL_CONTROL_DIR, or /var/lib/ql-control.
+/// $QL_CONTROL_DIR, or /var/lib/ql-control. The authority is that directory's SQLite
+/// file, unless --database (or $QL_CONTROL_DATABASE) names a PostgreSQL database.
 #[derive(FromArgs)]
 struct Cli {
     #[argh(subcommand)]
@@ -29,7 +30,17 @@ enum Cmd {
     Show(Show),
     Logs(Logs),
     Workers(Workers),
+    Migrate(Migrate),
     Version(Version),
+}
+
+/// Apply the PostgreSQL schema migrations, connected as the migration owner (ql_owner).
+#[derive(FromArgs)]
+#[argh(subcommand, name = "migrate")]
+struct Migrate {
+    /// the owner's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
 }
 
 /// Create a state directory: worker CA, server certificate, database, artifact
@@ -71,6 +82,10 @@ struct Serve {
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL, as the runtime role (default: the state
+    /// directory's SQLite file; or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
     /// address to listen on (overrides control.json); port 0 picks a free port
     #[argh(option)]
     listen: Option<String>,
@@ -83,6 +98,10 @@ struct SubmitCmd {
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL, as the runtime role (default: the state
+    /// directory's SQLite file; or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
     /// project (default "default")
     #[argh(option, default = "String::from(\"default\")")]
     project: String,
@@ -122,6 +141,10 @@ struct Cancel {
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL, as the runtime role (default: the state
+    /// directory's SQLite file; or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
 }
 
 /// List runs, newest first.
@@ -131,6 +154,10 @@ struct Runs {
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL, as the runtime role (default: the state
+    /// directory's SQLite file; or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
     /// how many (default 50)
     #[argh(option, default = "50")]
     limit: usize,
@@ -146,6 +173,10 @@ struct Show {
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL, as the runtime role (default: the state
+    /// directory's SQLite file; or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
     /// print JSON instead of text
     #[argh(switch)]
     json: bool,
@@ -161,6 +192,10 @@ struct Logs {
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL, as the runtime role (default: the state
+    /// directory's SQLite file; or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
 }
 
 /// List worker sessions: generation, status, capacity, last heartbeat.
@@ -170,6 +205,10 @@ struct Workers {
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL, as the runtime role (default: the state
+    /// directory's SQLite file; or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
     /// how many (default 50)
     #[argh(option, default = "50")]
     limit: usize,
@@ -183,6 +222,25 @@ struct Version {}
 fn state_dir(dir: Option<PathBuf>) -> PathBuf {
     dir.or_else(|| std::env::var_os("QL_CONTROL_DIR").map(PathBuf::from))
         .unwrap_or_else(|| PathBuf::from("/var/lib/ql-control"))
+}
+
+/// The PostgreSQL URL, if any: the flag, else $QL_CONTROL_DATABASE.
+fn database(flag: Option<String>) -> Option<String> {
+    flag.or_else(|| std::env::var("QL_CONTROL_DATABASE").ok()).filter(|s| !s.is_empty())
+}
+
+/// Runs `f` on the authority in one runtime (a PostgreSQL store lives on the runtime
+/// that opened it).
+fn with_authority<T>(
+    dir: Option<PathBuf>,
+    db: Option<String>,
+    f: impl AsyncFnOnce(&admin::Authority) -> Result<T, String>,
+) -> Result<T, String> {
+    let dir = state_dir(dir);
+    runtime().block_on(async move {
+        let (store, _) = admin::open_authority(&dir, database(db).as_deref()).await?;
+        f(&store).await
+    })
 }
 
 fn run_id(text: &str) -> Result<RunId, String> {
@@ -232,7 +290,15 @@ fn main() -> ExitCode {
                 println!("enrolled {worker}: {} {} {}", done.cert.display(), done.key.display(), done.ca.display());
                 Ok(())
             }),
-        Cmd::Serve(cmd) => ql_control::serve::run(&state_dir(cmd.dir), cmd.listen),
+        Cmd::Serve(cmd) => ql_control::serve::run(&state_dir(cmd.dir), cmd.listen, database(cmd.database)),
+        Cmd::Migrate(cmd) => match database(cmd.database) {
+            None => Err("migrate needs --database <the migration owner's PostgreSQL URL>".to_owned()),
+            Some(url) => runtime().block_on(async move {
+                let (before, now) = ql_control::store::postgres::migrate(&url).await.map_err(|e| e.to_string())?;
+                println!("schema version {before} -> {now}");
+                Ok(())
+            }),
+        },
         Cmd::Submit(cmd) => {
             let args = SubmitArgs {
                 project: cmd.project,
@@ -245,24 +311,23 @@ fn main() -> ExitCode {
                 labels: cmd.label,
                 retries: cmd.retries,
             };
-            admin::open_store(&state_dir(cmd.dir)).and_then(|(store, _)| {
-                let id = runtime().block_on(admin::submit(&store, &args))?;
-                println!("{id}");
+            with_authority(cmd.dir, cmd.database, async |store| {
+                println!("{}", admin::submit(store, &args).await?);
                 Ok(())
             })
         }
         Cmd::Cancel(cmd) => run_id(&cmd.run).and_then(|run| {
-            let (store, _) = admin::open_store(&state_dir(cmd.dir))?;
-            println!("{}", runtime().block_on(admin::cancel(&store, &run))?);
-            Ok(())
+            with_authority(cmd.dir, cmd.database, async |store| {
+                println!("{}", admin::cancel(store, &run).await?);
+                Ok(())
+            })
         }),
-        Cmd::Runs(cmd) => admin::open_store(&state_dir(cmd.dir)).and_then(|(store, _)| {
-            print!("{}", runtime().block_on(admin::runs(&store, cmd.limit))?);
+        Cmd::Runs(cmd) => with_authority(cmd.dir, cmd.database, async |store| {
+            print!("{}", admin::runs(store, cmd.limit).await?);
             Ok(())
         }),
         Cmd::Show(cmd) => run_id(&cmd.run).and_then(|run| {
-            let (store, _) = admin::open_store(&state_dir(cmd.dir))?;
-            let d = runtime().block_on(admin::detail(&store, &run))?;
+            let d = with_authority(cmd.dir, cmd.database, async |store| admin::detail(store, &run).await)?;
             if cmd.json {
                 println!("{}", serde_json::to_string_pretty(&admin::detail_json(&d)).expect("JSON"));
             } else {
@@ -271,13 +336,13 @@ fn main() -> ExitCode {
             Ok(())
         }),
         Cmd::Logs(cmd) => run_id(&cmd.run).and_then(|run| {
-            let dir = state_dir(cmd.dir);
-            let (store, _) = admin::open_store(&dir)?;
-            let blobs = admin::open_blobs(&dir)?;
-            runtime().block_on(admin::logs(&store, &blobs, &run, &mut std::io::stdout().lock()))
+            let blobs = admin::open_blobs(&state_dir(cmd.dir.clone()))?;
+            with_authority(cmd.dir, cmd.database, async |store| {
+                admin::logs(store, &blobs, &run, &mut std::io::stdout().lock()).await
+            })
         }),
-        Cmd::Workers(cmd) => admin::open_store(&state_dir(cmd.dir)).and_then(|(store, _)| {
-            print!("{}", runtime().block_on(admin::workers(&store, cmd.limit))?);
+        Cmd::Workers(cmd) => with_authority(cmd.dir, cmd.database, async |store| {
+            print!("{}", admin::workers(store, cmd.limit).await?);
             Ok(())
         }),
     };

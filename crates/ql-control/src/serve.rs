@@ -1,5 +1,9 @@
 //! `ql-control serve`: the HTTPS ingress and the sweeper, on one Tokio runtime.
 //!
+//! The authority is the state directory's SQLite file by default, or the PostgreSQL
+//! database `--database` names; either way the same generic server runs over it. Every
+//! replica of a PostgreSQL deployment runs this same command against the same database.
+//!
 //! The sweeper runs here on a timer; it is idempotent and safe on every replica. On
 //! SIGTERM or Ctrl-C the ingress stops accepting, lets in-flight requests finish, and
 //! the process prints what it served (connections, requests) before it exits.
@@ -12,6 +16,7 @@ use std::time::Duration;
 use crate::config::{Config, Layout};
 use crate::core::{Command, Reply};
 use crate::http::{self, IngressConfig};
+use crate::store::postgres::{PgOptions, PgStore};
 use crate::store::sqlite::{SqliteOptions, SqliteStore};
 use crate::store::Store;
 
@@ -46,37 +51,61 @@ async fn shutdown_signal() {
     }
 }
 
-/// Runs the server until SIGTERM or Ctrl-C.
-pub fn run(dir: &Path, listen: Option<String>) -> Result<(), String> {
+/// Runs the server until SIGTERM or Ctrl-C, on the SQLite file of `dir`, or on the
+/// PostgreSQL database `database` names (connected as the runtime role).
+pub fn run(dir: &Path, listen: Option<String>, database: Option<String>) -> Result<(), String> {
     let layout = Layout::new(dir);
     let config = Config::load(&layout)?;
     let addr = listen.unwrap_or_else(|| config.listen.clone());
     let tls = http::tls::server_config_from_dir(dir).map_err(|e| e.to_string())?;
-    let options = SqliteOptions {
-        timings: config.timings(),
-        clock_offset: Arc::new(AtomicI64::new(0)),
-        watch_tick: Duration::from_millis(config.change_poll_ms),
-        ..SqliteOptions::default()
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| format!("starting the runtime: {e}"))?;
     runtime.block_on(async move {
-        let store = SqliteStore::open_with_options(layout.database(), options).map_err(|e| e.to_string())?;
-        let blobs = crate::blob::fs::FsBlobStore::open(layout.artifacts()).map_err(|e| e.to_string())?;
-        let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|e| format!("listening on {addr}: {e}"))?;
-        let ingress = http::spawn(listener, tls, store.clone(), blobs, ingress_config(&config))
-            .map_err(|e| format!("starting the ingress: {e}"))?;
-        // Scripts and tests read this line to learn the port when they asked for port 0.
-        println!("listening on https://{}", ingress.local_addr());
-        let sweeper = tokio::spawn(sweep_forever(store, Duration::from_millis(config.sweep_interval_ms)));
-        shutdown_signal().await;
-        sweeper.abort();
-        let (connections, requests) = (ingress.stats().connections(), ingress.stats().requests());
-        let result = ingress.shutdown().await.map_err(|e| format!("ingress: {e}"));
-        eprintln!("ql-control: stopped after {connections} connection(s), {requests} request(s)");
-        result
+        match database {
+            Some(url) => {
+                if !crate::admin::is_postgres(&url) {
+                    return Err("--database takes a postgres://... URL".to_owned());
+                }
+                let options = PgOptions { timings: config.timings(), ..PgOptions::default() };
+                let store = PgStore::open(&url, options).await.map_err(|e| e.to_string())?;
+                serve_on(store, &layout, &config, tls, &addr).await
+            }
+            None => {
+                let options = SqliteOptions {
+                    timings: config.timings(),
+                    clock_offset: Arc::new(AtomicI64::new(0)),
+                    watch_tick: Duration::from_millis(config.change_poll_ms),
+                    ..SqliteOptions::default()
+                };
+                let store = SqliteStore::open_with_options(layout.database(), options).map_err(|e| e.to_string())?;
+                serve_on(store, &layout, &config, tls, &addr).await
+            }
+        }
     })
+}
+
+/// The server over any store: ingress, sweeper, and a clean stop on a signal.
+async fn serve_on<S: Store>(
+    store: S,
+    layout: &Layout,
+    config: &Config,
+    tls: Arc<rustls::ServerConfig>,
+    addr: &str,
+) -> Result<(), String> {
+    let blobs = crate::blob::fs::FsBlobStore::open(layout.artifacts()).map_err(|e| e.to_string())?;
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?;
+    let ingress = http::spawn(listener, tls, store.clone(), blobs, ingress_config(config))
+        .map_err(|e| format!("starting the ingress: {e}"))?;
+    // Scripts and tests read this line to learn the port when they asked for port 0.
+    println!("listening on https://{}", ingress.local_addr());
+    let sweeper = tokio::spawn(sweep_forever(store, Duration::from_millis(config.sweep_interval_ms)));
+    shutdown_signal().await;
+    sweeper.abort();
+    let (connections, requests) = (ingress.stats().connections(), ingress.stats().requests());
+    let result = ingress.shutdown().await.map_err(|e| format!("ingress: {e}"));
+    eprintln!("ql-control: stopped after {connections} connection(s), {requests} request(s)");
+    result
 }
