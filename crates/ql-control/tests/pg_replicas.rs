@@ -1,0 +1,532 @@
+//! Two `ql-control serve` replicas on one PostgreSQL database, real agents' traffic over
+//! mTLS spread across both, and an operator cancelling at random: at the end every run
+//! has ended exactly once and the committed state satisfies every invariant. Then the
+//! same with PostgreSQL restarted in the middle: agents ride through `unavailable` and
+//! converge.
+//!
+//! Each simulated agent is one thread with one client certificate, sending one request
+//! at a time, each to the next replica in turn (any replica may answer any request). It
+//! drives its attempts through claim, starting, running, renewals and completion, replays
+//! some commands exactly as an agent does after a lost response, fails some starts, and
+//! now and then "crashes" (abandons an attempt) so the replicas' sweepers expire leases.
+//! On `unavailable` or a dropped connection it repeats the same request, as the protocol
+//! says is safe.
+
+mod contract;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ql_control::config::{Config, Layout};
+use ql_control::core::{Command as Cmd, Reply, Submit};
+use ql_control::model::RunStatus;
+use ql_control::store::postgres::{PgOptions, PgStore};
+use ql_control::store::Store;
+use ql_wire::ack::{AckReply, Running, StartFailure};
+use ql_wire::capability::Token;
+use ql_wire::completion::{Completion, CompletionReply, CompletionSchema, TerminalStatus};
+use ql_wire::error::ErrorBody;
+use ql_wire::ids::{Counter, RunId, WorkerId};
+use ql_wire::lease::Renewed;
+use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
+use ql_wire::route::{AttemptCommand, AttemptPath, Route};
+use ql_wire::session::{OpenSession, SessionOpened};
+use ql_wire::text::Reason;
+use ql_wire::time::Timestamp;
+use ql_wire::{decode, encode, Body, ErrorCode, Fence, Outcome};
+use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig, TlsProvider};
+
+use contract::pg::TestDb;
+use contract::{check_invariants, spec, TempDir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ql-control");
+
+/// A running `ql-control serve`, stopped when dropped.
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Server {
+    fn start(dir: &Path, database: &str) -> Self {
+        let mut child = Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--database", database, "--dir"])
+            .arg(dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("ql-control serve starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let url = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("serve said {line:?}")).to_owned();
+        Self { child, url }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A state directory (PKI, control.json with short durations) shared by the replicas.
+fn state_dir(tmp: &TempDir) -> PathBuf {
+    let dir = tmp.path().join("state");
+    let ok = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&dir).output().unwrap();
+    assert!(ok.status.success(), "init: {}", String::from_utf8_lossy(&ok.stderr));
+    let layout = Layout::new(&dir);
+    let config = Config {
+        heartbeat_ms: 1_000,
+        session_ttl_ms: 20_000,
+        offer_ttl_ms: 3_000,
+        lease_ttl_ms: 3_000,
+        sweep_interval_ms: 200,
+        ..Config::load(&layout).unwrap()
+    };
+    config.save(&layout).unwrap();
+    dir
+}
+
+/// A tiny deterministic generator (xorshift): each agent's choices are reproducible.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// What every agent reports.
+#[derive(Default)]
+struct Tally {
+    /// Answers by code (`ok` for success).
+    answers: HashMap<String, usize>,
+    /// Anything the protocol forbids.
+    violations: Vec<String>,
+    /// The terminal status each completion or start failure was told, by run.
+    told: HashMap<RunId, TerminalStatus>,
+    /// Attempts deliberately abandoned.
+    abandoned: usize,
+}
+
+struct Agent {
+    http: ureq::Agent,
+    urls: Vec<String>,
+    next: usize,
+    tally: Arc<Mutex<Tally>>,
+    deadline: Instant,
+}
+
+impl Agent {
+    fn new(dir: &Path, worker: &WorkerId, urls: Vec<String>, tally: Arc<Mutex<Tally>>, deadline: Instant) -> Self {
+        let enrolled = ql_control::pki::enroll(dir, worker, &dir.join("workers")).expect("enroll");
+        let read = |p: &Path| std::fs::read(p).unwrap();
+        let ca = Certificate::from_pem(&read(&enrolled.ca)).unwrap();
+        let cert = Certificate::from_pem(&read(&enrolled.cert)).unwrap();
+        let key = PrivateKey::from_pem(&read(&enrolled.key)).unwrap();
+        let mut provider = rustls::crypto::ring::default_provider();
+        provider.cipher_suites.retain(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
+        let tls = TlsConfig::builder()
+            .provider(TlsProvider::Rustls)
+            .unversioned_rustls_crypto_provider(Arc::new(provider))
+            .root_certs(RootCerts::new_with_certs(&[ca]))
+            .client_cert(Some(ClientCert::new_with_certs(&[cert], key)))
+            .build();
+        let http = ureq::Agent::config_builder()
+            .tls_config(tls)
+            .http_status_as_error(false)
+            .max_idle_connections_per_host(1)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .new_agent();
+        Self { http, urls, next: 0, tally, deadline }
+    }
+
+    fn note(&self, what: &str) {
+        *self.tally.lock().unwrap().answers.entry(what.to_owned()).or_default() += 1;
+    }
+
+    fn violation(&self, what: String) {
+        self.tally.lock().unwrap().violations.push(what);
+    }
+
+    /// One request to the next replica; `Err(Unavailable)` also for a dropped connection.
+    fn once<Req: Body, Resp: Body>(&mut self, route: &Route, body: &Req) -> Result<Resp, ErrorCode> {
+        let url = &self.urls[self.next % self.urls.len()];
+        self.next += 1;
+        let sent = self
+            .http
+            .post(format!("{url}{}", route.path()))
+            .header("Content-Type", "application/json")
+            .send(&encode(body)[..]);
+        let Ok(mut resp) = sent else {
+            self.note("transport");
+            return Err(ErrorCode::Unavailable);
+        };
+        let Ok(bytes) = resp.body_mut().read_to_vec() else {
+            self.note("transport");
+            return Err(ErrorCode::Unavailable);
+        };
+        if resp.status().is_success() {
+            self.note("ok");
+            return Ok(decode(&bytes).unwrap_or_else(|e| panic!("{}: {e}", route.name())));
+        }
+        let code = decode::<ErrorBody>(&bytes).map(|b| b.error).unwrap_or_else(|_| {
+            self.violation(format!("{} {}: {}", route.name(), resp.status(), String::from_utf8_lossy(&bytes)));
+            ErrorCode::Unavailable
+        });
+        self.note(code.as_str());
+        Err(code)
+    }
+
+    /// Repeats a request while the authority is unavailable (safe, per the protocol).
+    fn call<Req: Body, Resp: Body>(&mut self, route: &Route, body: &Req) -> Result<Resp, ErrorCode> {
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            match self.once(route, body) {
+                Err(ErrorCode::Unavailable) if Instant::now() < self.deadline => {
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_millis(300));
+                }
+                other => return other,
+            }
+        }
+    }
+}
+
+fn open_session(a: &mut Agent, worker: &WorkerId) -> SessionOpened {
+    let body = OpenSession {
+        agent_version: "stress".parse().unwrap(),
+        arch: "x86_64".parse().unwrap(),
+        labels: Default::default(),
+        capacity: 1,
+    };
+    a.call(&Route::OpenSession(worker.clone()), &body).expect("open a session")
+}
+
+/// One agent: takes offers until `stop`, driving each attempt along a path its seed picks.
+fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
+    let worker = WorkerId::parse(format!("agent-{index}")).unwrap();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((index as u64 + 1) * 0x1000_0001));
+    let mut session = open_session(&mut a, &worker);
+    while !stop.load(Ordering::SeqCst) && Instant::now() < a.deadline {
+        let poll = PollOffers { generation: session.generation, wait_ms: 200, max: 1 };
+        let offers: Offers = match a.call(&Route::PollOffers(worker.clone(), session.session_id.clone()), &poll) {
+            Ok(o) => o,
+            Err(ErrorCode::SessionConflict) => {
+                session = open_session(&mut a, &worker);
+                continue;
+            }
+            Err(code) => {
+                a.violation(format!("poll: {code}"));
+                continue;
+            }
+        };
+        let Some(offer) = offers.offers.into_iter().next() else { continue };
+        let token = Token::generate().unwrap();
+        let claim = Claim {
+            generation: session.generation,
+            run_id: offer.run_id.clone(),
+            attempt_id: offer.attempt_id.clone(),
+            lease_token: token.clone(),
+        };
+        let route = Route::Claim(worker.clone(), session.session_id.clone(), offer.offer_id.clone());
+        let claimed: Claimed = match a.call(&route, &claim) {
+            Ok(c) => c,
+            // Withdrawn by a cancel, lapsed, or our session was replaced meanwhile.
+            Err(ErrorCode::OfferConflict | ErrorCode::SessionConflict | ErrorCode::NotFound) => continue,
+            Err(code) => {
+                a.violation(format!("claim: {code}"));
+                continue;
+            }
+        };
+        let path = AttemptPath {
+            worker: worker.clone(),
+            session: session.session_id.clone(),
+            run: offer.run_id.clone(),
+            attempt: offer.attempt_id.clone(),
+        };
+        let mut fence = Fence {
+            session_generation: session.generation,
+            offer_id: offer.offer_id.clone(),
+            lease_generation: claimed.lease_generation,
+            lease_token: token,
+            expected_lease_version: claimed.lease_version,
+        };
+        let at = |cmd| Route::Attempt(path.clone(), cmd);
+        let fate = rng.below(100);
+        if fate < 4 {
+            a.tally.lock().unwrap().abandoned += 1;
+            continue; // a crash: the lease lapses and a sweeper takes it back
+        }
+        // A refusal on a live attempt is legitimate only as one of these (a cancel or
+        // sweep got there first); anything else is a violation.
+        let gone = |code: ErrorCode| {
+            matches!(code, ErrorCode::LeaseConflict | ErrorCode::AlreadyTerminal | ErrorCode::SessionConflict)
+        };
+        match a.call::<_, AckReply>(&at(AttemptCommand::Starting), &fence) {
+            Ok(r) if matches!(r.result, Outcome::Started | Outcome::AlreadyStarting) => {}
+            Ok(r) => a.violation(format!("starting answered {:?}", r.result)),
+            Err(code) if gone(code) => continue,
+            Err(code) => {
+                a.violation(format!("starting: {code}"));
+                continue;
+            }
+        }
+        if fate % 3 == 0 {
+            match a.call::<_, AckReply>(&at(AttemptCommand::Starting), &fence) {
+                Ok(r) if r.result == Outcome::AlreadyStarting => {}
+                Err(code) if gone(code) => continue,
+                other => a.violation(format!("starting replay: {other:?}")),
+            }
+        }
+        if fate < 14 {
+            let body = StartFailure::new(fence.clone(), Reason::parse("spawn failed").unwrap());
+            let first = a.call::<_, AckReply>(&at(AttemptCommand::StartFailure), &body);
+            let Ok(first) = first else {
+                if !gone(first.unwrap_err()) {
+                    a.violation("start-failure refused".into());
+                }
+                continue;
+            };
+            let status = match first.result {
+                Outcome::Failed => TerminalStatus::Failed,
+                Outcome::Cancelled => TerminalStatus::Cancelled,
+                Outcome::TimedOut => TerminalStatus::TimedOut,
+                other => {
+                    a.violation(format!("start-failure answered {other:?}"));
+                    continue;
+                }
+            };
+            a.tally.lock().unwrap().told.insert(offer.run_id.clone(), status);
+            match a.call::<_, AckReply>(&at(AttemptCommand::StartFailure), &body) {
+                Ok(r) if r == first => {}
+                other => a.violation(format!("start-failure replay: {other:?} after {first:?}")),
+            }
+            continue;
+        }
+        let callback = Token::generate().unwrap();
+        let running =
+            Running::new(fence.clone(), "pid:1 start:1".parse().unwrap(), None, Counter::ONE, callback.digest());
+        match a.call::<_, AckReply>(&at(AttemptCommand::Running), &running) {
+            Ok(r) if matches!(r.result, Outcome::Running | Outcome::AlreadyRunning) => {}
+            Ok(r) => a.violation(format!("running answered {:?}", r.result)),
+            Err(code) if gone(code) => continue,
+            Err(code) => {
+                a.violation(format!("running: {code}"));
+                continue;
+            }
+        }
+        if fate % 4 == 0 {
+            match a.call::<_, AckReply>(&at(AttemptCommand::Running), &running) {
+                Ok(r) if r.result == Outcome::AlreadyRunning => {}
+                Err(code) if gone(code) => continue,
+                other => a.violation(format!("running replay: {other:?}")),
+            }
+        }
+        let mut lost = false;
+        for _ in 0..rng.below(4) {
+            match a.call::<_, Renewed>(&at(AttemptCommand::RenewLease), &fence) {
+                Ok(r) => {
+                    fence.expected_lease_version = r.lease_version;
+                    if r.stop.is_some() {
+                        break; // stop the job, then complete normally
+                    }
+                }
+                Err(code) if gone(code) => {
+                    lost = true;
+                    break;
+                }
+                Err(code) => {
+                    a.violation(format!("renew: {code}"));
+                    lost = true;
+                    break;
+                }
+            }
+        }
+        if lost {
+            continue;
+        }
+        let exit = if fate % 5 == 0 { 1 } else { 0 };
+        let done = Completion::new(
+            fence.clone(),
+            CompletionSchema,
+            Counter::ONE,
+            callback.clone(),
+            Some(exit),
+            None,
+            Timestamp::from_millis(1_700_000_000_000).unwrap(),
+            None,
+        );
+        let first = match a.call::<_, CompletionReply>(&at(AttemptCommand::Completion), &done) {
+            Ok(r) => r,
+            Err(code) if gone(code) => continue,
+            Err(code) => {
+                a.violation(format!("completion: {code}"));
+                continue;
+            }
+        };
+        a.tally.lock().unwrap().told.insert(offer.run_id.clone(), first.status);
+        if fate % 2 == 0 {
+            match a.call::<_, CompletionReply>(&at(AttemptCommand::Completion), &done) {
+                Ok(r) if r.result == Outcome::AlreadyCompleted && r.status == first.status => {}
+                other => a.violation(format!("completion replay: {other:?} after {first:?}")),
+            }
+        }
+    }
+}
+
+/// Runs `runs` runs through `replicas` servers on `database` with `agents` agents while
+/// an operator cancels some; `restart` is called once, a third of the way through.
+async fn stress(db_url: &str, replicas: usize, agents: usize, runs: usize, restart: Option<Box<dyn FnOnce() + Send>>) {
+    let tmp = TempDir::new("pg-replicas");
+    let dir = state_dir(&tmp);
+    let servers: Vec<Server> = (0..replicas).map(|_| Server::start(&dir, db_url)).collect();
+    let urls: Vec<String> = servers.iter().map(|s| s.url.clone()).collect();
+    let store = PgStore::open(db_url, PgOptions { pool_size: 2, ..PgOptions::default() }).await.unwrap();
+
+    let mut ids = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let submit =
+            Submit { project: contract::project(), spec: spec(600_000), labels: Default::default(), retry_budget: 1 };
+        match store.execute(Cmd::Submit(submit)).await.unwrap() {
+            Ok(Reply::Submitted(id)) => ids.push(id),
+            other => panic!("submit: {other:?}"),
+        }
+    }
+
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(240);
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads: Vec<_> = (0..agents)
+        .map(|i| {
+            let a = Agent::new(
+                &dir,
+                &WorkerId::parse(format!("agent-{i}")).unwrap(),
+                urls.clone(),
+                tally.clone(),
+                deadline,
+            );
+            let stop = stop.clone();
+            std::thread::spawn(move || agent_loop(i, a, stop))
+        })
+        .collect();
+
+    // The operator: cancels one run in twenty, at random moments, and watches progress.
+    let mut rng = Rng(42);
+    let mut restart = restart;
+    let mut cancels = 0;
+    let mut done = 0;
+    while Instant::now() < deadline {
+        if cancels < runs / 20 {
+            let run = &ids[rng.below(runs as u64) as usize];
+            if let Ok(Ok(_)) = store.execute(Cmd::Cancel(run.clone())).await {
+                cancels += 1;
+            }
+        }
+        if let Ok(all) = store.runs(runs + 10).await {
+            done = all.iter().filter(|r| r.status.is_terminal()).count();
+            if done == runs {
+                break;
+            }
+        }
+        if done >= runs / 3 {
+            if let Some(f) = restart.take() {
+                tokio::task::spawn_blocking(f).await.unwrap();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for t in threads {
+        t.join().unwrap();
+    }
+    let elapsed = started.elapsed();
+    let tally = std::mem::take(&mut *tally.lock().unwrap());
+    eprintln!(
+        "{runs} runs, {replicas} replicas, {agents} agents, {cancels} cancels, {} abandoned: {done} ended in \
+         {elapsed:.1?}; answers {:?}",
+        tally.abandoned, tally.answers
+    );
+    assert!(tally.violations.is_empty(), "protocol violations: {:#?}", tally.violations);
+    assert_eq!(done, runs, "every run ended before the deadline");
+
+    let snap = store.snapshot().await.unwrap();
+    check_invariants(&snap);
+    let status: HashMap<&RunId, RunStatus> = snap.runs.iter().map(|r| (&r.id, r.status)).collect();
+    for (run, told) in &tally.told {
+        let want = match told {
+            TerminalStatus::Succeeded => RunStatus::Succeeded,
+            TerminalStatus::Failed => RunStatus::Failed,
+            TerminalStatus::Cancelled => RunStatus::Cancelled,
+            TerminalStatus::TimedOut => RunStatus::TimedOut,
+        };
+        assert_eq!(status[run], want, "run {run}: the agent was told {told:?}");
+    }
+    drop(servers);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_a_thousand_runs_racing_end_each_run_once() {
+    let db = TestDb::new("replicas").await;
+    stress(&db.runtime_url(), 2, 8, 1_000, None).await;
+}
+
+/// A throwaway cluster of this test's own (it restarts it), removed when dropped.
+struct Cluster(PathBuf);
+
+impl Cluster {
+    fn script() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/pg")
+    }
+
+    fn start(tmp: &TempDir) -> (Self, HashMap<String, String>) {
+        let dir = tmp.path().join("cluster");
+        let out = Command::new(Self::script()).arg("start").arg(&dir).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            contract::pg::HOW_TO_GET_POSTGRES,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let env = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.strip_prefix("export "))
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.trim_matches('\'').to_owned()))
+            .collect();
+        (Self(dir), env)
+    }
+
+    fn restart(&self) {
+        let out = Command::new(Self::script()).arg("restart").arg(&self.0).output().unwrap();
+        assert!(out.status.success(), "restart: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new(Self::script()).arg("stop").arg(&self.0).status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_ride_through_a_postgres_restart_and_converge() {
+    let tmp = TempDir::new("pg-restart");
+    let (cluster, env) = Cluster::start(&tmp);
+    ql_control::store::postgres::migrate(&env["QL_PG_OWNER_URL"]).await.unwrap();
+    let cluster = Arc::new(cluster);
+    let c = cluster.clone();
+    stress(&env["QL_PG_URL"], 2, 6, 300, Some(Box::new(move || c.restart()))).await;
+    drop(cluster);
+}
