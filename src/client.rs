@@ -177,6 +177,11 @@ impl Client {
             .max_redirects(0)
             .max_idle_connections(1)
             .max_idle_connections_per_host(1)
+            // ureq's 128 KiB defaults are sized for servers, not routers: answers are at
+            // most a 320 KiB claim read in pieces, headers are short, and uploads stream.
+            .input_buffer_size(16 * 1024)
+            .output_buffer_size(16 * 1024)
+            .max_response_header_size(8 * 1024)
             .timeout_connect(Some(timeouts.connect))
             .user_agent(format!("ql-agent/{}", env!("CARGO_PKG_VERSION")))
             .build()
