@@ -98,6 +98,22 @@ pub(super) fn live(held: &Held<'_>, fence: &Fence, now: Millis, unexpired: bool)
     Ok(())
 }
 
+/// What the non-terminal ACKs (`starting`, `running`) need: the lease identified with a
+/// live session, the attempt and run not ended, and the lease live at the expected version.
+pub(super) fn live_ack<'a>(
+    path: &AttemptPath,
+    fence: &Fence,
+    rows: &'a Rows,
+    now: Millis,
+) -> Result<Held<'a>, ErrorCode> {
+    let held = identify(path, fence, rows, now, SessionNeed::Live)?;
+    if held.attempt.status.is_terminal() || held.run.status.is_terminal() {
+        return Err(ErrorCode::AlreadyTerminal);
+    }
+    live(&held, fence, now, true)?;
+    Ok(held)
+}
+
 /// The stop intent in force: the run's own, raised to `timeout` once its deadline passed
 /// (the sweeper records that later; a decision must not wait for it).
 pub(super) fn effective_stop(run: &Run, now: Millis) -> Option<StopIntent> {

@@ -10,9 +10,9 @@ use ql_wire::route::AttemptPath;
 use ql_wire::{ErrorCode, Outcome};
 
 use super::fence::{effective_stop, identify, live, Held, SessionNeed};
-use super::start::{facts_at, run_transition, transition, EXECUTION_CANCELLED, EXECUTION_TIMED_OUT};
-use super::{event, Decision, IdGen, Reply, Rows, Write};
-use crate::model::{Attempt, AttemptStatus, EndKind, Lease, LeaseState, Millis, Run, RunStatus};
+use super::start::{terminate, Ending, EXECUTION_CANCELLED, EXECUTION_TIMED_OUT};
+use super::{Decision, IdGen, Reply, Rows};
+use crate::model::{Attempt, AttemptStatus, EndKind, LeaseState, Millis, Run, RunStatus};
 
 /// Error code of a run whose process exited non-zero or by a signal.
 pub const EXECUTION_FAILED: &str = "EXECUTION_FAILED";
@@ -20,22 +20,22 @@ pub const EXECUTION_FAILED: &str = "EXECUTION_FAILED";
 /// The event type of a completion; replays compare against it.
 pub const COMPLETION_EVENT: &str = "attempt.completed";
 
-pub(super) fn admit_artifact(path: &AttemptPath, header: &ArtifactHeader, rows: &Rows, now: Millis) -> Decision {
+pub(super) fn admit_artifact(
+    path: &AttemptPath,
+    header: &ArtifactHeader,
+    rows: &Rows,
+    now: Millis,
+) -> Result<Decision, ErrorCode> {
     let fence = header.fence();
-    let held = match identify(path, &fence, rows, now, SessionNeed::SameGeneration) {
-        Ok(h) => h,
-        Err(code) => return Decision::refuse(code),
-    };
+    let held = identify(path, &fence, rows, now, SessionNeed::SameGeneration)?;
     if held.attempt.status.is_terminal() || held.run.status.is_terminal() {
-        return Decision::refuse(ErrorCode::AlreadyTerminal);
+        return Err(ErrorCode::AlreadyTerminal);
     }
     if !matches!(held.attempt.status, AttemptStatus::Starting | AttemptStatus::Running) {
-        return Decision::refuse(ErrorCode::StateConflict);
+        return Err(ErrorCode::StateConflict);
     }
-    if let Err(code) = live(&held, &fence, now, true) {
-        return Decision::refuse(code);
-    }
-    Decision::answer(Reply::ArtifactAdmitted(held.run.project.clone()))
+    live(&held, &fence, now, true)?;
+    Ok(Decision::answer(Reply::ArtifactAdmitted(held.run.project.clone())))
 }
 
 fn statuses(status: TerminalStatus) -> (AttemptStatus, RunStatus) {
@@ -68,12 +68,8 @@ pub fn terminal_status(stop: Option<StopIntent>, exit_code: Option<i32>) -> (Ter
 }
 
 /// The completion event's payload: every terminal fact, and nothing secret.
-fn completion_payload(
-    body: &Completion,
-    status: TerminalStatus,
-    code: Option<&str>,
-    version: u64,
-) -> serde_json::Value {
+/// The completion event's payload, less the lease version that [`terminate`] adds.
+fn completion_payload(body: &Completion, status: TerminalStatus, code: Option<&str>) -> serde_json::Value {
     json!({
         "status": status,
         "errorCode": code,
@@ -82,7 +78,6 @@ fn completion_payload(
         "finishedAt": body.finished_at,
         "callbackSequence": body.callback_sequence,
         "artifact": body.artifact,
-        "leaseVersion": version,
     })
 }
 
@@ -93,44 +88,36 @@ pub(super) fn complete(
     rows: &Rows,
     now: Millis,
     ids: &mut IdGen,
-) -> Decision {
+) -> Result<Decision, ErrorCode> {
     let fence = body.fence();
-    let held = match identify(path, &fence, rows, now, SessionNeed::SameGeneration) {
-        Ok(h) => h,
-        Err(code) => return Decision::refuse(code),
-    };
-    let (run, attempt, lease) = (held.run, held.attempt, held.lease);
+    let held = identify(path, &fence, rows, now, SessionNeed::SameGeneration)?;
+    let (run, attempt) = (held.run, held.attempt);
     if attempt.status.is_terminal() || run.status.is_terminal() {
         return replay(&held, body, rows);
     }
     match (attempt.status, run.status) {
         (AttemptStatus::Starting, RunStatus::Dispatching) | (AttemptStatus::Running, RunStatus::Running) => {}
-        _ => return Decision::refuse(ErrorCode::StateConflict),
+        _ => return Err(ErrorCode::StateConflict),
     }
     // The lease must not have been swept; it may have lapsed on the clock meanwhile.
-    if let Err(code) = live(&held, &fence, now, false) {
-        return Decision::refuse(code);
-    }
+    live(&held, &fence, now, false)?;
     if body.finished_at.millis() > now + FINISHED_AT_SKEW_MS {
-        return Decision::refuse(ErrorCode::InvalidRequest);
+        return Err(ErrorCode::InvalidRequest);
     }
     let digest = body.callback_token.digest();
     if attempt.status == AttemptStatus::Running {
         let registered = attempt.callback_sequence == Some(body.callback_sequence)
             && attempt.callback_digest.as_ref().is_some_and(|d| d.ct_eq(&digest));
         if !registered {
-            return Decision::refuse(ErrorCode::LeaseConflict);
+            return Err(ErrorCode::LeaseConflict);
         }
     }
     if let Some(receipt) = &body.artifact {
         let declared = attempt.log_artifact.as_ref().is_none_or(|id| *id == receipt.artifact_id);
         if stored != Some(receipt) || !declared {
-            return Decision::refuse(ErrorCode::ArtifactConflict);
+            return Err(ErrorCode::ArtifactConflict);
         }
     }
-    let Some(version) = lease.facts.version.next() else {
-        return Decision::refuse(ErrorCode::LeaseConflict);
-    };
     let (status, code) = terminal_status(effective_stop(run, now), body.exit_code);
     let (attempt_status, run_status) = statuses(status);
     let evidence = body.finished_at.millis();
@@ -138,78 +125,61 @@ pub(super) fn complete(
         .into_iter()
         .max()
         .unwrap_or(now);
-    let facts = facts_at(lease, version);
-    let next_lease = Lease { state: LeaseState::Completed, facts: facts.clone(), ..lease.clone() };
-    let next_attempt = Attempt {
-        status: attempt_status,
-        lease: Some(facts),
-        callback_sequence: Some(body.callback_sequence),
-        callback_digest: Some(digest),
-        exit_code: body.exit_code,
-        signal: body.signal,
-        worker_finished_at: Some(evidence),
-        artifact: body.artifact.clone(),
-        end: Some(EndKind::Completion),
-        ended_at: Some(ended_at),
-        error_code: code.map(str::to_owned),
-        ..attempt.clone()
+    let ending = Ending {
+        attempt: Attempt {
+            status: attempt_status,
+            callback_sequence: Some(body.callback_sequence),
+            callback_digest: Some(digest),
+            exit_code: body.exit_code,
+            signal: body.signal,
+            worker_finished_at: Some(evidence),
+            artifact: body.artifact.clone(),
+            end: Some(EndKind::Completion),
+            ended_at: Some(ended_at),
+            error_code: code.map(str::to_owned),
+            ..attempt.clone()
+        },
+        run: Run {
+            status: run_status,
+            finished_at: Some(ended_at),
+            error_code: code.map(str::to_owned),
+            ..run.clone()
+        },
+        kind: COMPLETION_EVENT.to_owned(),
+        payload: completion_payload(body, status, code),
+        at: ended_at,
     };
-    let next_run =
-        Run { status: run_status, finished_at: Some(ended_at), error_code: code.map(str::to_owned), ..run.clone() };
-    let attempt_ev = event(
-        ids,
-        &run.id,
-        Some(&attempt.id),
-        COMPLETION_EVENT,
-        transition(attempt.status, attempt_status),
-        completion_payload(body, status, code, version.get()),
-        ended_at,
-    );
-    let run_ev = event(
-        ids,
-        &run.id,
-        Some(&attempt.id),
-        &format!("run.{run_status}"),
-        run_transition(run.status, run_status),
-        json!({ "attemptId": attempt.id, "errorCode": code }),
-        ended_at,
-    );
     let reply = CompletionReply { result: Outcome::Completed, status };
-    Decision::apply(
-        Reply::Completed(reply),
-        vec![Write::Lease(next_lease), Write::Attempt(next_attempt), Write::Run(next_run), attempt_ev, run_ev],
-    )
-    .waking()
+    Ok(Decision::apply(Reply::Completed(reply), terminate(&held, ending, ids)?).waking())
 }
 
 /// `already_completed` only for the exact same completion: lease completed at exactly
 /// expected + 1 by a completion, the same terminal facts, and a stored completion event
 /// with exactly the payload this request would have written.
-fn replay(held: &Held<'_>, body: &Completion, rows: &Rows) -> Decision {
+fn replay(held: &Held<'_>, body: &Completion, rows: &Rows) -> Result<Decision, ErrorCode> {
     let (attempt, lease) = (held.attempt, held.lease);
     let at_next = body.expected_lease_version.next() == Some(lease.facts.version);
     if lease.state != LeaseState::Completed || !at_next || attempt.end != Some(EndKind::Completion) {
-        return Decision::refuse(ErrorCode::AlreadyTerminal);
+        return Err(ErrorCode::AlreadyTerminal);
     }
-    let Some(status) = terminal_of(attempt.status) else {
-        return Decision::refuse(ErrorCode::AlreadyTerminal);
-    };
+    let status = terminal_of(attempt.status).ok_or(ErrorCode::AlreadyTerminal)?;
     let facts_match = attempt.exit_code == body.exit_code
         && attempt.signal == body.signal
         && attempt.callback_sequence == Some(body.callback_sequence)
         && attempt.callback_digest.as_ref().is_some_and(|d| body.callback_token.matches(d))
         && attempt.artifact == body.artifact
         && attempt.worker_finished_at == Some(body.finished_at.millis());
-    let expected = completion_payload(body, status, attempt.error_code.as_deref(), lease.facts.version.get());
+    let mut expected = completion_payload(body, status, attempt.error_code.as_deref());
+    expected["leaseVersion"] = json!(lease.facts.version);
     let event_matches = rows.completion_event.as_ref().is_some_and(|e| {
         e.kind == COMPLETION_EVENT
             && matches!(e.from_status.as_deref(), Some("starting" | "running"))
             && e.payload == expected
     });
     if facts_match && event_matches {
-        Decision::answer(Reply::Completed(CompletionReply { result: Outcome::AlreadyCompleted, status }))
+        Ok(Decision::answer(Reply::Completed(CompletionReply { result: Outcome::AlreadyCompleted, status })))
     } else {
-        Decision::refuse(ErrorCode::ReplayMismatch)
+        Err(ErrorCode::ReplayMismatch)
     }
 }
 

@@ -332,12 +332,18 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::Heartbeat(w, s, body) => session::heartbeat(w, s, body, rows, now, timings),
         Command::PollOffers(w, s, body) => delivery::poll(w, s, body, rows, now, timings, ids),
         Command::Claim(w, s, o, body) => delivery::claim(w, s, o, body, rows, now, timings, ids),
-        Command::Starting(p, fence) => start::starting(p, fence, rows, now, ids),
-        Command::Running(p, body) => start::running(p, body, rows, now, ids),
-        Command::StartFailure(p, body) => start::start_failure(p, body, rows, now, ids),
-        Command::Renew(p, fence) => start::renew(p, fence, rows, now),
-        Command::AdmitArtifact(p, _, header) => finish::admit_artifact(p, header, rows, now),
-        Command::Complete(p, body, stored) => finish::complete(p, body, stored.as_ref(), rows, now, ids),
+        Command::Starting(p, fence) => start::starting(p, fence, rows, now, ids).unwrap_or_else(Decision::refuse),
+        Command::Running(p, body) => start::running(p, body, rows, now, ids).unwrap_or_else(Decision::refuse),
+        Command::StartFailure(p, body) => {
+            start::start_failure(p, body, rows, now, ids).unwrap_or_else(Decision::refuse)
+        }
+        Command::Renew(p, fence) => start::renew(p, fence, rows, now).unwrap_or_else(Decision::refuse),
+        Command::AdmitArtifact(p, _, header) => {
+            finish::admit_artifact(p, header, rows, now).unwrap_or_else(Decision::refuse)
+        }
+        Command::Complete(p, body, stored) => {
+            finish::complete(p, body, stored.as_ref(), rows, now, ids).unwrap_or_else(Decision::refuse)
+        }
         Command::Submit(s) => operator::submit(s, now, ids),
         Command::Cancel(_) => operator::cancel(rows, now, ids),
         Command::Sweep => sweep::sweep(&rows.lapsed, now, ids),

@@ -10,9 +10,9 @@ use ql_wire::route::AttemptPath;
 use ql_wire::time::Timestamp;
 use ql_wire::{ErrorCode, Fence, Outcome};
 
-use super::fence::{effective_stop, identify, live, Held, SessionNeed};
+use super::fence::{effective_stop, identify, live, live_ack, Held, SessionNeed};
 use super::{event, Decision, IdGen, Reply, Rows, Write};
-use crate::model::{Attempt, AttemptStatus, EndKind, Lease, LeaseState, Millis, Run, RunStatus};
+use crate::model::{Attempt, AttemptStatus, EndKind, Lease, LeaseFacts, LeaseState, Millis, Run, RunStatus};
 
 /// Error code of a start failure with no stop intent.
 pub const EXECUTOR_START_FAILED: &str = "EXECUTOR_START_FAILED";
@@ -25,21 +25,18 @@ fn ack(outcome: Outcome) -> Reply {
     Reply::Ack(AckReply { result: outcome })
 }
 
-pub(super) fn starting(path: &AttemptPath, fence: &Fence, rows: &Rows, now: Millis, ids: &mut IdGen) -> Decision {
-    let held = match identify(path, fence, rows, now, SessionNeed::Live) {
-        Ok(h) => h,
-        Err(code) => return Decision::refuse(code),
-    };
+pub(super) fn starting(
+    path: &AttemptPath,
+    fence: &Fence,
+    rows: &Rows,
+    now: Millis,
+    ids: &mut IdGen,
+) -> Result<Decision, ErrorCode> {
+    let held = live_ack(path, fence, rows, now)?;
     let (run, attempt) = (held.run, held.attempt);
-    if attempt.status.is_terminal() || run.status.is_terminal() {
-        return Decision::refuse(ErrorCode::AlreadyTerminal);
-    }
-    if let Err(code) = live(&held, fence, now, true) {
-        return Decision::refuse(code);
-    }
     match (attempt.status, run.status) {
-        (AttemptStatus::Starting, RunStatus::Dispatching) => Decision::answer(ack(Outcome::AlreadyStarting)),
-        (AttemptStatus::Running, RunStatus::Running) => Decision::answer(ack(Outcome::AlreadyRunning)),
+        (AttemptStatus::Starting, RunStatus::Dispatching) => Ok(Decision::answer(ack(Outcome::AlreadyStarting))),
+        (AttemptStatus::Running, RunStatus::Running) => Ok(Decision::answer(ack(Outcome::AlreadyRunning))),
         (AttemptStatus::Claimed, RunStatus::Dispatching) => {
             let next = Attempt { status: AttemptStatus::Starting, ..attempt.clone() };
             let payload = json!({ "leaseVersion": held.lease.facts.version });
@@ -52,25 +49,22 @@ pub(super) fn starting(path: &AttemptPath, fence: &Fence, rows: &Rows, now: Mill
                 payload,
                 now,
             );
-            Decision::apply(ack(Outcome::Started), vec![Write::Attempt(next), ev])
+            Ok(Decision::apply(ack(Outcome::Started), vec![Write::Attempt(next), ev]))
         }
-        _ => Decision::refuse(ErrorCode::StateConflict),
+        _ => Err(ErrorCode::StateConflict),
     }
 }
 
-pub(super) fn running(path: &AttemptPath, body: &Running, rows: &Rows, now: Millis, ids: &mut IdGen) -> Decision {
+pub(super) fn running(
+    path: &AttemptPath,
+    body: &Running,
+    rows: &Rows,
+    now: Millis,
+    ids: &mut IdGen,
+) -> Result<Decision, ErrorCode> {
     let fence = body.fence();
-    let held = match identify(path, &fence, rows, now, SessionNeed::Live) {
-        Ok(h) => h,
-        Err(code) => return Decision::refuse(code),
-    };
+    let held = live_ack(path, &fence, rows, now)?;
     let (run, attempt) = (held.run, held.attempt);
-    if attempt.status.is_terminal() || run.status.is_terminal() {
-        return Decision::refuse(ErrorCode::AlreadyTerminal);
-    }
-    if let Err(code) = live(&held, &fence, now, true) {
-        return Decision::refuse(code);
-    }
     match (attempt.status, run.status) {
         (AttemptStatus::Running, RunStatus::Running) => {
             let same = attempt.executor_handle.as_ref() == Some(&body.executor_handle)
@@ -78,9 +72,9 @@ pub(super) fn running(path: &AttemptPath, body: &Running, rows: &Rows, now: Mill
                 && attempt.callback_sequence == Some(body.callback_sequence)
                 && attempt.callback_digest.as_ref().is_some_and(|d| d.ct_eq(&body.callback_token_digest));
             if same {
-                Decision::answer(ack(Outcome::AlreadyRunning))
+                Ok(Decision::answer(ack(Outcome::AlreadyRunning)))
             } else {
-                Decision::refuse(ErrorCode::ReplayMismatch)
+                Err(ErrorCode::ReplayMismatch)
             }
         }
         (AttemptStatus::Starting, RunStatus::Dispatching) => {
@@ -117,12 +111,12 @@ pub(super) fn running(path: &AttemptPath, body: &Running, rows: &Rows, now: Mill
                 json!({ "attemptId": attempt.id }),
                 now,
             );
-            Decision::apply(
+            Ok(Decision::apply(
                 ack(Outcome::Running),
                 vec![Write::Attempt(next_attempt), Write::Run(next_run), attempt_ev, run_ev],
-            )
+            ))
         }
-        _ => Decision::refuse(ErrorCode::StateConflict),
+        _ => Err(ErrorCode::StateConflict),
     }
 }
 
@@ -145,125 +139,128 @@ pub(super) fn start_failure(
     rows: &Rows,
     now: Millis,
     ids: &mut IdGen,
-) -> Decision {
+) -> Result<Decision, ErrorCode> {
     let fence = body.fence();
-    let held = match identify(path, &fence, rows, now, SessionNeed::Live) {
-        Ok(h) => h,
-        Err(code) => return Decision::refuse(code),
-    };
-    let (run, attempt, lease) = (held.run, held.attempt, held.lease);
+    let held = identify(path, &fence, rows, now, SessionNeed::Live)?;
+    let (run, attempt) = (held.run, held.attempt);
     if attempt.status.is_terminal() || run.status.is_terminal() {
         return replay_start_failure(&held, &fence);
     }
     if (attempt.status, run.status) != (AttemptStatus::Starting, RunStatus::Dispatching) {
-        return Decision::refuse(ErrorCode::StateConflict);
+        return Err(ErrorCode::StateConflict);
     }
-    if let Err(code) = live(&held, &fence, now, false) {
-        return Decision::refuse(code);
-    }
-    let Some(version) = lease.facts.version.next() else {
-        return Decision::refuse(ErrorCode::LeaseConflict);
-    };
+    live(&held, &fence, now, false)?;
     let (attempt_status, run_status, outcome, code) = start_failure_mapping(effective_stop(run, now));
     let summary = body.reason.to_string();
-    let facts = facts_at(lease, version);
     // Advancing the callback sequence closes the door on any late completion receipt.
     let callback_sequence = Some(attempt.callback_sequence.and_then(Counter::next).unwrap_or(Counter::ONE));
-    let next_lease = Lease { state: LeaseState::Completed, facts: facts.clone(), ..lease.clone() };
-    let next_attempt = Attempt {
-        status: attempt_status,
-        lease: Some(facts),
-        callback_sequence,
-        end: Some(EndKind::StartFailure),
-        ended_at: Some(now),
-        error_code: Some(code.to_owned()),
-        summary: Some(summary.clone()),
-        ..attempt.clone()
+    let ending = Ending {
+        attempt: Attempt {
+            status: attempt_status,
+            callback_sequence,
+            end: Some(EndKind::StartFailure),
+            ended_at: Some(now),
+            error_code: Some(code.to_owned()),
+            summary: Some(summary.clone()),
+            ..attempt.clone()
+        },
+        run: Run {
+            status: run_status,
+            finished_at: Some(now),
+            error_code: Some(code.to_owned()),
+            summary: Some(summary.clone()),
+            ..run.clone()
+        },
+        kind: format!("attempt.{attempt_status}"),
+        payload: json!({ "errorCode": code, "summary": summary }),
+        at: now,
     };
-    let next_run = Run {
-        status: run_status,
-        finished_at: Some(now),
-        error_code: Some(code.to_owned()),
-        summary: Some(summary.clone()),
-        ..run.clone()
-    };
-    let payload = json!({ "errorCode": code, "summary": summary, "leaseVersion": version });
-    let attempt_ev = event(
-        ids,
-        &run.id,
-        Some(&attempt.id),
-        &format!("attempt.{attempt_status}"),
-        transition(attempt.status, attempt_status),
-        payload,
-        now,
-    );
-    let run_ev = event(
-        ids,
-        &run.id,
-        Some(&attempt.id),
-        &format!("run.{run_status}"),
-        run_transition(run.status, run_status),
-        json!({ "attemptId": attempt.id, "errorCode": code }),
-        now,
-    );
-    Decision::apply(
-        ack(outcome),
-        vec![Write::Lease(next_lease), Write::Attempt(next_attempt), Write::Run(next_run), attempt_ev, run_ev],
-    )
+    Ok(Decision::apply(ack(outcome), terminate(&held, ending, ids)?))
 }
 
 /// A repeat after a lost response: the lease completed at exactly expected + 1 by a start
 /// failure whose terminal mapping is the recorded one. Identity was proven by `identify`.
-fn replay_start_failure(held: &Held<'_>, fence: &Fence) -> Decision {
+fn replay_start_failure(held: &Held<'_>, fence: &Fence) -> Result<Decision, ErrorCode> {
     let (run, attempt, lease) = (held.run, held.attempt, held.lease);
     let at_next = fence.expected_lease_version.next() == Some(lease.facts.version);
     if lease.state != LeaseState::Completed || !at_next || attempt.end != Some(EndKind::StartFailure) {
-        return Decision::refuse(ErrorCode::AlreadyTerminal);
+        return Err(ErrorCode::AlreadyTerminal);
     }
-    let mapped =
-        [None, Some(StopIntent::Cancel), Some(StopIntent::Timeout)].into_iter().map(start_failure_mapping).find(
-            |(a, r, _, code)| *a == attempt.status && *r == run.status && attempt.error_code.as_deref() == Some(*code),
-        );
-    match mapped {
-        Some((.., outcome, _)) => Decision::answer(ack(outcome)),
-        None => Decision::refuse(ErrorCode::ReplayMismatch),
-    }
+    [None, Some(StopIntent::Cancel), Some(StopIntent::Timeout)]
+        .into_iter()
+        .map(start_failure_mapping)
+        .find(|(a, r, _, code)| {
+            *a == attempt.status && *r == run.status && attempt.error_code.as_deref() == Some(*code)
+        })
+        .map(|(.., outcome, _)| Decision::answer(ack(outcome)))
+        .ok_or(ErrorCode::ReplayMismatch)
 }
 
-pub(super) fn renew(path: &AttemptPath, fence: &Fence, rows: &Rows, now: Millis) -> Decision {
-    let held = match identify(path, fence, rows, now, SessionNeed::Live) {
-        Ok(h) => h,
-        Err(code) => return Decision::refuse(code),
-    };
+pub(super) fn renew(path: &AttemptPath, fence: &Fence, rows: &Rows, now: Millis) -> Result<Decision, ErrorCode> {
+    let held = identify(path, fence, rows, now, SessionNeed::Live)?;
     let (run, attempt, lease) = (held.run, held.attempt, held.lease);
-    if let Err(code) = live(&held, fence, now, true) {
-        return Decision::refuse(code);
-    }
+    live(&held, fence, now, true)?;
     if !matches!(attempt.status, AttemptStatus::Claimed | AttemptStatus::Starting | AttemptStatus::Running) {
-        return Decision::refuse(ErrorCode::StateConflict);
+        return Err(ErrorCode::StateConflict);
     }
-    let Some(version) = lease.facts.version.next() else {
-        return Decision::refuse(ErrorCode::LeaseConflict);
-    };
+    let version = lease.facts.version.next().ok_or(ErrorCode::LeaseConflict)?;
     let expires_at = now + lease.ttl_ms as i64;
-    let facts = crate::model::LeaseFacts { version, expires_at, ..lease.facts.clone() };
+    let facts = LeaseFacts { version, expires_at, ..lease.facts.clone() };
     let reply = Renewed {
         lease_version: version,
-        lease_expires_at: Timestamp::from_millis(expires_at).unwrap_or(Timestamp::from_millis(0).expect("epoch")),
+        lease_expires_at: Timestamp::from_millis(expires_at).map_err(|_| ErrorCode::StateConflict)?,
         stop: effective_stop(run, now),
     };
-    Decision::apply(
+    Ok(Decision::apply(
         Reply::Renewed(reply),
         vec![
             Write::Lease(Lease { facts: facts.clone(), ..lease.clone() }),
             Write::Attempt(Attempt { lease: Some(facts), ..attempt.clone() }),
         ],
-    )
+    ))
 }
 
-/// The lease facts at a new version (terminal steps keep the expiry).
-pub(super) fn facts_at(lease: &Lease, version: Counter) -> crate::model::LeaseFacts {
-    crate::model::LeaseFacts { version, ..lease.facts.clone() }
+/// How a fenced terminal step ends an attempt and its run.
+pub(super) struct Ending {
+    /// The attempt's terminal row (its lease projection is filled in by [`terminate`]).
+    pub(super) attempt: Attempt,
+    /// The run's terminal row.
+    pub(super) run: Run,
+    /// The attempt event's type.
+    pub(super) kind: String,
+    /// The attempt event's payload (the new lease version is added to it).
+    pub(super) payload: serde_json::Value,
+    /// Terminal time.
+    pub(super) at: Millis,
+}
+
+/// The writes of a terminal step (start-failure or completion), one transaction's worth:
+/// the lease completed at version + 1, the attempt and its projection, the run, and one
+/// event for each of attempt and run.
+pub(super) fn terminate(held: &Held<'_>, ending: Ending, ids: &mut IdGen) -> Result<Vec<Write>, ErrorCode> {
+    let (run, attempt, lease) = (held.run, held.attempt, held.lease);
+    let version = lease.facts.version.next().ok_or(ErrorCode::LeaseConflict)?;
+    let facts = LeaseFacts { version, ..lease.facts.clone() };
+    let Ending { attempt: next_attempt, run: next_run, kind, mut payload, at } = ending;
+    payload["leaseVersion"] = json!(version);
+    let attempt_ev =
+        event(ids, &run.id, Some(&attempt.id), &kind, transition(attempt.status, next_attempt.status), payload, at);
+    let run_ev = event(
+        ids,
+        &run.id,
+        Some(&attempt.id),
+        &format!("run.{}", next_run.status),
+        run_transition(run.status, next_run.status),
+        json!({ "attemptId": attempt.id, "errorCode": next_run.error_code }),
+        at,
+    );
+    Ok(vec![
+        Write::Lease(Lease { state: LeaseState::Completed, facts: facts.clone(), ..lease.clone() }),
+        Write::Attempt(Attempt { lease: Some(facts), ..next_attempt }),
+        Write::Run(next_run),
+        attempt_ev,
+        run_ev,
+    ])
 }
 
 pub(super) fn transition(from: AttemptStatus, to: AttemptStatus) -> (Option<&'static str>, Option<&'static str>) {
