@@ -8,7 +8,11 @@
 //! `bench/control.sh`, which starts the server and reports its memory too.
 //!
 //! Usage: `ack_bench --dir STATE --url https://127.0.0.1:PORT --clients N --cycles K`
-//! `[--renewals R] [--upload-mib M --uploads U]`
+//! `[--renewals R] [--upload-mib M --uploads U] [--database postgres://...]`
+//!
+//! `--database` names the PostgreSQL database the server runs on (as the runtime role),
+//! so the runs are submitted there; without it, the state directory's SQLite file.
+//! `bench/pg_acks.sh` runs it against PostgreSQL beside `pgbench`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,11 +39,20 @@ struct Args {
     renewals: usize,
     upload_mib: u64,
     uploads: usize,
+    database: Option<String>,
 }
 
 fn args() -> Args {
-    let mut a =
-        Args { dir: "".into(), url: String::new(), clients: 1, cycles: 20, renewals: 5, upload_mib: 0, uploads: 0 };
+    let mut a = Args {
+        dir: "".into(),
+        url: String::new(),
+        clients: 1,
+        cycles: 20,
+        renewals: 5,
+        upload_mib: 0,
+        uploads: 0,
+        database: None,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
@@ -51,6 +64,7 @@ fn args() -> Args {
             "--renewals" => a.renewals = value.parse().expect("--renewals"),
             "--upload-mib" => a.upload_mib = value.parse().expect("--upload-mib"),
             "--uploads" => a.uploads = value.parse().expect("--uploads"),
+            "--database" => a.database = Some(value),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -236,7 +250,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 fn main() {
     let a = args();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let (store, _) = admin::open_store(&a.dir).expect("state dir");
+    let (store, _) = rt.block_on(admin::open_authority(&a.dir, a.database.as_deref())).expect("the authority");
     let submit = |label: String| SubmitArgs {
         project: "default".into(),
         argv: vec!["true".into()],

@@ -43,6 +43,7 @@ mod rows;
 mod schema;
 
 use std::future::Future;
+use std::pin::Pin;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -243,10 +244,8 @@ impl PgStore {
     async fn execute_once(&self, cmd: &Command) -> Result<Result<Reply, ErrorCode>, Error> {
         let mut conn = self.inner.pool.get().await?;
         let offset = self.offset();
-        let mut tx = Tx::begin(&mut conn).await?;
-        let rows = load::load(&mut tx, &cmd.keys(), offset).await?;
-        // DB time from a statement issued after every lock is held.
-        let now = tx.now(offset).await?;
+        let mut tx = Tx { conn: &mut conn };
+        let (rows, now) = load::load(&mut tx, &cmd.keys(), offset).await?;
         let decision = core::decide(cmd, &rows, now, &self.inner.timings, &mut IdGen::random());
         let reply = match decision.reply {
             Ok(reply) => reply,
@@ -257,13 +256,18 @@ impl PgStore {
                 return Ok(Err(code));
             }
         };
-        for write in &decision.writes {
-            apply(&mut tx, write).await?;
-        }
+        // The writes, the notification and COMMIT in one pipeline. If any statement
+        // fails, PostgreSQL refuses every later one in the aborted transaction and turns
+        // the COMMIT into a rollback; the failure surfaces from the pipeline, and the
+        // connection is discarded.
+        let params = decision.writes.iter().map(write_params).collect::<Result<Vec<_>, _>>()?;
+        let mut batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> =
+            decision.writes.iter().zip(&params).map(|(w, p)| (write_sql(w), refs(p))).collect();
         if decision.wake {
-            tx.exec("SELECT pg_notify($1, '')", &[&CHANNEL]).await?;
+            batch.push(("SELECT pg_notify($1, '')", vec![&CHANNEL]));
         }
-        tx.finish("COMMIT").await?;
+        batch.push(("COMMIT", vec![]));
+        tx.pipeline(&batch).await?;
         if self.inner.kill_after_commit.as_ref().is_some_and(|hook| hook(cmd)) {
             // The connection dies after COMMIT and before the reply: the caller must see
             // `unavailable`, and its replay must find the committed facts.
@@ -304,13 +308,7 @@ fn refs(params: &[Box<dyn ToSql + Sync + Send>]) -> Vec<&(dyn ToSql + Sync)> {
     params.iter().map(|p| p.as_ref() as &(dyn ToSql + Sync)).collect()
 }
 
-impl<'a> Tx<'a> {
-    async fn begin(conn: &'a mut pool::Conn) -> Result<Self, Error> {
-        let mut tx = Self { conn };
-        tx.exec_simple("BEGIN").await?;
-        Ok(tx)
-    }
-
+impl Tx<'_> {
     async fn exec_simple(&mut self, sql: &str) -> Result<(), Error> {
         self.conn.client().batch_execute(sql).await.map_err(Error::Pg)
     }
@@ -337,6 +335,22 @@ impl<'a> Tx<'a> {
         self.conn.client().execute(&stmt, params).await.map_err(Error::Pg)
     }
 
+    /// Runs `batch` as one pipeline: every statement is sent before any answer is
+    /// awaited, and the server executes them strictly in order. Returns each one's rows;
+    /// the first error fails the whole batch.
+    pub(crate) async fn pipeline(
+        &mut self,
+        batch: &[(&str, Vec<&(dyn ToSql + Sync)>)],
+    ) -> Result<Vec<Vec<Row>>, Error> {
+        let mut stmts = Vec::with_capacity(batch.len());
+        for (sql, _) in batch {
+            stmts.push(self.conn.prepare(sql).await?);
+        }
+        let client = self.conn.client();
+        let futures: Vec<_> = stmts.iter().zip(batch).map(|(stmt, (_, params))| client.query(stmt, params)).collect();
+        in_order(futures).await.into_iter().map(|r| r.map_err(Error::Pg)).collect()
+    }
+
     /// DB time (see [`schema::DB_NOW`]).
     pub(crate) async fn now(&mut self, offset: i64) -> Result<i64, Error> {
         let row = self.one(schema::DB_NOW, &[&offset]).await?;
@@ -344,16 +358,28 @@ impl<'a> Tx<'a> {
     }
 }
 
-async fn apply(tx: &mut Tx<'_>, write: &Write) -> Result<(), Error> {
-    let (sql, params): (&str, _) = match write {
-        Write::Session(s) => (&rows::SESSION_UPSERT, rows::session_params(s)?),
-        Write::Run(r) => (&rows::RUN_UPSERT, rows::run_params(r)?),
-        Write::Attempt(a) => (&rows::ATTEMPT_UPSERT, rows::attempt_params(a)?),
-        Write::Offer(o) => (&rows::OFFER_UPSERT, rows::offer_params(o)?),
-        Write::Lease(l) => (&rows::LEASE_UPSERT, rows::lease_params(l)?),
-        Write::Event(e) => (rows::EVENT_INSERT, rows::event_params(e)?),
-    };
-    tx.exec(sql, &refs(&params)).await.map(drop)
+/// The statement that applies one write.
+fn write_sql(write: &Write) -> &'static str {
+    match write {
+        Write::Session(_) => &rows::SESSION_UPSERT,
+        Write::Run(_) => &rows::RUN_UPSERT,
+        Write::Attempt(_) => &rows::ATTEMPT_UPSERT,
+        Write::Offer(_) => &rows::OFFER_UPSERT,
+        Write::Lease(_) => &rows::LEASE_UPSERT,
+        Write::Event(_) => rows::EVENT_INSERT,
+    }
+}
+
+/// Its parameters.
+fn write_params(write: &Write) -> Result<rows::Params, Error> {
+    match write {
+        Write::Session(s) => rows::session_params(s),
+        Write::Run(r) => rows::run_params(r),
+        Write::Attempt(a) => rows::attempt_params(a),
+        Write::Offer(o) => rows::offer_params(o),
+        Write::Lease(l) => rows::lease_params(l),
+        Write::Event(e) => rows::event_params(e),
+    }
 }
 
 /// The LISTEN connection: bumps `changes` on every notification, reconnects when it
@@ -399,6 +425,35 @@ async fn listen(config: Config, changes: Arc<watch::Sender<u64>>, ready: tokio::
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
+}
+
+/// Awaits every future, polling them in order each time: the first poll of a
+/// tokio-postgres query sends its request, so the requests leave in this order. (A
+/// general-purpose join may poll in another order, which would break the lock order.)
+async fn in_order<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut pending: Vec<Option<Pin<Box<F>>>> = futures.into_iter().map(|f| Some(Box::pin(f))).collect();
+    let mut done: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut waiting = false;
+        for (slot, out) in pending.iter_mut().zip(done.iter_mut()) {
+            if let Some(f) = slot {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        *out = Some(v);
+                        *slot = None;
+                    }
+                    std::task::Poll::Pending => waiting = true,
+                }
+            }
+        }
+        if waiting {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    done.into_iter().map(|v| v.expect("every future finished")).collect()
 }
 
 fn limit(n: usize) -> i64 {

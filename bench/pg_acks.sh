@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# ql-control on PostgreSQL: ACK transactions per second with 8 and 64 concurrent mTLS
+# clients (examples/ack_bench.rs, one keep-alive connection each, every fenced command
+# one short transaction), side by side with `pgbench -N` at the same client count on the
+# same server, their ratio, and the SQLite store's figure on the same machine.
+#
+#   bench/pg_acks.sh            # prints the figures and the commands behind them
+#
+# The PostgreSQL server is a throwaway cluster (scripts/pg) started --durable: fsync and
+# synchronous_commit on, as a deployment would run it (SQLite runs synchronous=FULL).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release --locked --quiet -p ql-control --bin ql-control --example ack_bench
+bin=target/release/ql-control
+bench=target/release/examples/ack_bench
+work=$(mktemp -d /tmp/ql-pg-bench.XXXXXX)
+cleanup() {
+  kill -TERM ${pg_server:-} ${sqlite_server:-} 2>/dev/null || true
+  wait 2>/dev/null || true
+  scripts/pg stop "$work/cluster"
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+eval "$(scripts/pg start "$work/cluster" --durable)"
+pgbin=$(cat "$work/cluster/bindir")
+"$bin" migrate --database "$QL_PG_OWNER_URL" >/dev/null
+
+# ack_bench enrols its workers as bench-<i> in DIR/bench-workers, and enrolment never
+# overwrites a file: start each round from a fresh directory, with the CA certificate
+# written first (its clients enrol concurrently).
+fresh_workers() {
+  rm -rf "$1/bench-workers"
+  "$bin" enroll bench-warmup --dir "$1" --out "$1/bench-workers" >/dev/null
+}
+
+start_server() { # DIR [--database URL] -> prints the pid
+  "$bin" serve --dir "$1" --listen 127.0.0.1:0 "${@:2}" >"$1/serve.out" 2>"$1/serve.err" &
+  local pid=$!
+  for _ in $(seq 100); do grep -q '^listening on ' "$1/serve.out" 2>/dev/null && break; sleep 0.1; done
+  echo "$pid"
+}
+
+"$bin" init --dir "$work/pg-state" --host 127.0.0.1 >/dev/null
+"$bin" init --dir "$work/sqlite-state" --host 127.0.0.1 >/dev/null
+pg_server=$(start_server "$work/pg-state" --database "$QL_PG_URL")
+pg_url=$(sed -n 's/^listening on //p' "$work/pg-state/serve.out")
+
+# pgbench's own database, owned by the superuser, beside ours on the same server.
+"$pgbin/psql" -X -q -h "$QL_PG_SOCKET" -U postgres -d postgres -c "CREATE DATABASE pgbench"
+"$pgbin/pgbench" -q -i -s 10 -h "$QL_PG_SOCKET" -U postgres pgbench >/dev/null 2>&1
+
+echo "# $(uname -m), $(nproc) cores; PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') (fsync on),"
+echo "# server: $bin serve --database (one replica, pool of 16 connections)"
+declare -A ack tps
+for clients in 8 64; do
+  cycles=$(( clients == 64 ? 4 : 25 ))
+  echo "\$ $bench --clients $clients --cycles $cycles --renewals 5 --database \$QL_PG_URL"
+  fresh_workers "$work/pg-state"
+  line=$("$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals 5 \
+    --database "$QL_PG_URL")
+  echo "$line"
+  ack[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
+  echo "\$ pgbench -N -c $clients -j 2 -T 10 pgbench"
+  out=$("$pgbin/pgbench" -N -c "$clients" -j 2 -T 10 -h "$QL_PG_SOCKET" -U postgres pgbench 2>&1)
+  tps[$clients]=$(echo "$out" | sed -n 's/^tps = \([0-9.]*\).*/\1/p' | head -1)
+  echo "pgbench -N: ${tps[$clients]} tps"
+done
+kill -TERM "$pg_server"; wait "$pg_server" 2>/dev/null || true; pg_server=
+
+sqlite_server=$(start_server "$work/sqlite-state")
+sqlite_url=$(sed -n 's/^listening on //p' "$work/sqlite-state/serve.out")
+declare -A lite
+for clients in 8 64; do
+  cycles=$(( clients == 64 ? 4 : 25 ))
+  echo "\$ $bench --clients $clients --cycles $cycles --renewals 5   # SQLite"
+  fresh_workers "$work/sqlite-state"
+  line=$("$bench" --dir "$work/sqlite-state" --url "$sqlite_url" --clients "$clients" --cycles "$cycles" --renewals 5)
+  echo "$line"
+  lite[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
+done
+
+echo
+echo "clients  PostgreSQL ACK/s  pgbench -N tps  ratio  SQLite ACK/s"
+for clients in 8 64; do
+  awk -v c="$clients" -v a="${ack[$clients]}" -v t="${tps[$clients]}" -v s="${lite[$clients]}" \
+    'BEGIN { printf "%7d  %16.0f  %14.0f  %5.2f  %12.0f\n", c, a, t, a / t, s }'
+done
