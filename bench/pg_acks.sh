@@ -2,7 +2,9 @@
 # ql-control on PostgreSQL: ACK transactions per second with 8 and 64 concurrent mTLS
 # clients (examples/ack_bench.rs, one keep-alive connection each, every fenced command
 # one short transaction), side by side with `pgbench -N` at the same client count on the
-# same server, their ratio, and the SQLite store's figure on the same machine.
+# same server, their ratio, and the SQLite store's figure on the same machine. Also the
+# store-level rate (tests/pg_throughput.rs: the same ACK cycle through the store, no
+# HTTP or TLS), which isolates the database transaction from the transport.
 #
 #   bench/pg_acks.sh            # prints the figures and the commands behind them
 #
@@ -11,6 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --quiet -p ql-control --bin ql-control --example ack_bench
+cargo test --release --locked --quiet -p ql-control --test pg_throughput --no-run
 bin=target/release/ql-control
 bench=target/release/examples/ack_bench
 work=$(mktemp -d /tmp/ql-pg-bench.XXXXXX)
@@ -52,7 +55,7 @@ pg_url=$(sed -n 's/^listening on //p' "$work/pg-state/serve.out")
 
 echo "# $(uname -m), $(nproc) cores; PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') (fsync on),"
 echo "# server: $bin serve --database (one replica, pool of 16 connections)"
-declare -A ack tps
+declare -A ack tps direct
 for clients in 8 64; do
   cycles=$(( clients == 64 ? 4 : 25 ))
   echo "\$ $bench --clients $clients --cycles $cycles --renewals 5 --database \$QL_PG_URL"
@@ -61,6 +64,11 @@ for clients in 8 64; do
     --database "$QL_PG_URL")
   echo "$line"
   ack[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
+  echo "\$ QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --test pg_throughput"
+  line=$(QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --locked --quiet -p ql-control \
+    --test pg_throughput -- --nocapture 2>/dev/null | grep '^store-level')
+  echo "$line"
+  direct[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
   echo "\$ pgbench -N -c $clients -j 2 -T 10 pgbench"
   out=$("$pgbin/pgbench" -N -c "$clients" -j 2 -T 10 -h "$QL_PG_SOCKET" -U postgres pgbench 2>&1)
   tps[$clients]=$(echo "$out" | sed -n 's/^tps = \([0-9.]*\).*/\1/p' | head -1)
@@ -81,8 +89,9 @@ for clients in 8 64; do
 done
 
 echo
-echo "clients  PostgreSQL ACK/s  pgbench -N tps  ratio  SQLite ACK/s"
+echo "clients  PostgreSQL ACK/s (mTLS)  ratio  store-level ACK/s  ratio  pgbench -N tps  SQLite ACK/s (mTLS)"
 for clients in 8 64; do
-  awk -v c="$clients" -v a="${ack[$clients]}" -v t="${tps[$clients]}" -v s="${lite[$clients]}" \
-    'BEGIN { printf "%7d  %16.0f  %14.0f  %5.2f  %12.0f\n", c, a, t, a / t, s }'
+  awk -v c="$clients" -v a="${ack[$clients]}" -v d="${direct[$clients]}" -v t="${tps[$clients]}" \
+    -v s="${lite[$clients]}" \
+    'BEGIN { printf "%7d  %23.0f  %5.2f  %17.0f  %5.2f  %14.0f  %19.0f\n", c, a, a / t, d, d / t, t, s }'
 done
