@@ -42,6 +42,7 @@ mod pool;
 mod rows;
 mod schema;
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::str::FromStr;
@@ -57,7 +58,7 @@ use ql_wire::ids::RunId;
 use ql_wire::ErrorCode;
 
 use super::{RunDetail, Snapshot, Store, StoreError};
-use crate::core::{self, Command, IdGen, Reply, Timings, Write};
+use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
 use crate::model::{AuditRecord, Run, Session};
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
@@ -261,13 +262,21 @@ impl PgStore {
         // the COMMIT into a rollback; the failure surfaces from the pipeline, and the
         // connection is discarded.
         let params = decision.writes.iter().map(write_params).collect::<Result<Vec<_>, _>>()?;
+        let loaded = Loaded::of(&rows);
+        let sqls: Vec<(&str, bool)> = decision.writes.iter().map(|w| loaded.sql(w)).collect();
         let mut batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> =
-            decision.writes.iter().zip(&params).map(|(w, p)| (write_sql(w), refs(p))).collect();
+            sqls.iter().zip(&params).map(|((sql, _), p)| (*sql, refs(p))).collect();
         if decision.wake {
             batch.push(("SELECT pg_notify($1, '')", vec![&CHANNEL]));
         }
         batch.push(("COMMIT", vec![]));
-        tx.pipeline(&batch).await?;
+        let answers = tx.pipeline(&batch).await?;
+        // An UPDATE of a loaded row that found none would be a lost write. It cannot
+        // happen (the row was locked and nothing deletes), but if it did the COMMIT has
+        // already run: fail loudly rather than answer as if it had been written.
+        if sqls.iter().zip(&answers).any(|((_, update), rows)| *update && rows.len() != 1) {
+            return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));
+        }
         if self.inner.kill_after_commit.as_ref().is_some_and(|hook| hook(cmd)) {
             // The connection dies after COMMIT and before the reply: the caller must see
             // `unavailable`, and its replay must find the committed facts.
@@ -358,15 +367,51 @@ impl Tx<'_> {
     }
 }
 
-/// The statement that applies one write.
-fn write_sql(write: &Write) -> &'static str {
-    match write {
-        Write::Session(_) => &rows::SESSION_UPSERT,
-        Write::Run(_) => &rows::RUN_UPSERT,
-        Write::Attempt(_) => &rows::ATTEMPT_UPSERT,
-        Write::Offer(_) => &rows::OFFER_UPSERT,
-        Write::Lease(_) => &rows::LEASE_UPSERT,
-        Write::Event(_) => rows::EVENT_INSERT,
+/// The keys of every row a command loaded, by table: those rows exist and are locked in
+/// this transaction, so writing one is a plain UPDATE.
+#[derive(Default)]
+struct Loaded<'a> {
+    sessions: HashSet<&'a str>,
+    runs: HashSet<&'a str>,
+    attempts: HashSet<&'a str>,
+    offers: HashSet<&'a str>,
+    leases: HashSet<&'a str>,
+}
+
+impl<'a> Loaded<'a> {
+    fn of(r: &'a Rows) -> Self {
+        let mut l = Self::default();
+        let lapsed = &r.lapsed;
+        l.sessions.extend(r.session.iter().chain(&r.worker_sessions).chain(&lapsed.sessions).map(|s| s.id.as_str()));
+        l.runs.extend(r.run.iter().chain(&r.queued).chain(&lapsed.overdue).map(|x| x.id.as_str()));
+        l.runs.extend(lapsed.offers.iter().map(|(_, x, _)| x.id.as_str()));
+        l.runs.extend(lapsed.leases.iter().map(|(_, x, _)| x.id.as_str()));
+        l.attempts.extend(r.attempt.iter().map(|a| a.id.as_str()));
+        l.attempts.extend(lapsed.offers.iter().map(|(_, _, a)| a.id.as_str()));
+        l.attempts.extend(lapsed.leases.iter().map(|(_, _, a)| a.id.as_str()));
+        l.offers.extend(r.offer.iter().chain(&r.open_offers).map(|o| o.id.as_str()));
+        l.offers.extend(lapsed.offers.iter().map(|(o, _, _)| o.id.as_str()));
+        l.leases.extend(r.lease.iter().map(|x| x.attempt.as_str()));
+        l.leases.extend(lapsed.leases.iter().map(|(x, _, _)| x.attempt.as_str()));
+        l
+    }
+
+    /// The statement that applies one write, and whether it is an UPDATE that must
+    /// report its row.
+    fn sql(&self, write: &Write) -> (&'static str, bool) {
+        let (update, upsert, known): (&'static str, &'static str, bool) = match write {
+            Write::Session(x) => (&rows::SESSION_UPDATE, &rows::SESSION_UPSERT, self.sessions.contains(x.id.as_str())),
+            Write::Run(x) => (&rows::RUN_UPDATE, &rows::RUN_UPSERT, self.runs.contains(x.id.as_str())),
+            Write::Attempt(x) => (&rows::ATTEMPT_UPDATE, &rows::ATTEMPT_UPSERT, self.attempts.contains(x.id.as_str())),
+            Write::Offer(x) => (&rows::OFFER_UPDATE, &rows::OFFER_UPSERT, self.offers.contains(x.id.as_str())),
+            Write::Lease(x) => (&rows::LEASE_UPDATE, &rows::LEASE_UPSERT, self.leases.contains(x.attempt.as_str())),
+            Write::Event(_) => return (rows::EVENT_INSERT, false),
+        };
+        if known {
+            (update, true)
+        } else {
+            (upsert, false)
+        }
     }
 }
 

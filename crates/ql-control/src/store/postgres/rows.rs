@@ -125,6 +125,31 @@ fn select_list(cols: &str) -> String {
         .join(", ")
 }
 
+/// Builds `UPDATE ... SET` of every non-key column `WHERE key = $1 RETURNING 1`, with
+/// the parameters in the same order as the upsert's (the key is every table's first
+/// column). The store uses it for rows it loaded under a lock in this transaction: a
+/// plain update skips the upsert's speculative insertion, and `RETURNING` lets the store
+/// prove the row was there.
+fn update_sql(table: &str, key: &str, cols: &str) -> String {
+    let names: Vec<&str> = cols.split(',').map(str::trim).collect();
+    assert_eq!(names[0], key, "the key is the first column");
+    let sets: Vec<String> = names
+        .iter()
+        .enumerate()
+        .skip(1)
+        .map(
+            |(i, c)| {
+                if JSONB.contains(c) {
+                    format!("{c} = ${}::text::jsonb", i + 1)
+                } else {
+                    format!("{c} = ${}", i + 1)
+                }
+            },
+        )
+        .collect();
+    format!("UPDATE {table} SET {} WHERE {key} = $1 RETURNING 1", sets.join(", "))
+}
+
 /// Builds `INSERT ... ON CONFLICT (key) DO UPDATE SET` for every non-key column.
 fn upsert_sql(table: &str, key: &str, cols: &str) -> String {
     let names: Vec<&str> = cols.split(',').map(str::trim).collect();
@@ -157,6 +182,8 @@ const SESSION_COLS_RAW: &str =
 pub(super) static SESSION_COLS: LazyLock<String> = LazyLock::new(|| select_list(SESSION_COLS_RAW));
 /// The upsert of `sessions`.
 pub(super) static SESSION_UPSERT: LazyLock<String> = LazyLock::new(|| upsert_sql("sessions", "id", SESSION_COLS_RAW));
+/// The update of `sessions` (see [`update_sql`]).
+pub(super) static SESSION_UPDATE: LazyLock<String> = LazyLock::new(|| update_sql("sessions", "id", SESSION_COLS_RAW));
 
 pub(super) fn session(row: &Row) -> Result<Session> {
     Ok(Session {
@@ -199,6 +226,8 @@ const RUN_COLS_RAW: &str = "id, project, spec, labels, status, stop, retry_budge
 pub(super) static RUN_COLS: LazyLock<String> = LazyLock::new(|| select_list(RUN_COLS_RAW));
 /// The upsert of `runs`.
 pub(super) static RUN_UPSERT: LazyLock<String> = LazyLock::new(|| upsert_sql("runs", "id", RUN_COLS_RAW));
+/// The update of `runs` (see [`update_sql`]).
+pub(super) static RUN_UPDATE: LazyLock<String> = LazyLock::new(|| update_sql("runs", "id", RUN_COLS_RAW));
 
 pub(super) fn run(row: &Row) -> Result<Run> {
     Ok(Run {
@@ -255,6 +284,8 @@ const ATTEMPT_COLS_RAW: &str = "id, run_id, number, executor_type, status, offer
 pub(super) static ATTEMPT_COLS: LazyLock<String> = LazyLock::new(|| select_list(ATTEMPT_COLS_RAW));
 /// The upsert of `attempts`.
 pub(super) static ATTEMPT_UPSERT: LazyLock<String> = LazyLock::new(|| upsert_sql("attempts", "id", ATTEMPT_COLS_RAW));
+/// The update of `attempts` (see [`update_sql`]).
+pub(super) static ATTEMPT_UPDATE: LazyLock<String> = LazyLock::new(|| update_sql("attempts", "id", ATTEMPT_COLS_RAW));
 
 fn attempt_lease(row: &Row) -> Result<Option<LeaseFacts>> {
     let Some(worker) = opt_text(row, "lease_worker")? else {
@@ -345,6 +376,8 @@ const OFFER_COLS_RAW: &str = "id, run_id, attempt_id, worker, session_id, sessio
 pub(super) static OFFER_COLS: LazyLock<String> = LazyLock::new(|| select_list(OFFER_COLS_RAW));
 /// The upsert of `offers`.
 pub(super) static OFFER_UPSERT: LazyLock<String> = LazyLock::new(|| upsert_sql("offers", "id", OFFER_COLS_RAW));
+/// The update of `offers` (see [`update_sql`]).
+pub(super) static OFFER_UPDATE: LazyLock<String> = LazyLock::new(|| update_sql("offers", "id", OFFER_COLS_RAW));
 
 pub(super) fn offer(row: &Row) -> Result<Offer> {
     let claim = match opt_text(row, "claim_token_digest")? {
@@ -396,6 +429,8 @@ const LEASE_COLS_RAW: &str = "attempt_id, run_id, state, worker, session_id, ses
 pub(super) static LEASE_COLS: LazyLock<String> = LazyLock::new(|| select_list(LEASE_COLS_RAW));
 /// The upsert of `leases`.
 pub(super) static LEASE_UPSERT: LazyLock<String> = LazyLock::new(|| upsert_sql("leases", "attempt_id", LEASE_COLS_RAW));
+/// The update of `leases` (see [`update_sql`]).
+pub(super) static LEASE_UPDATE: LazyLock<String> = LazyLock::new(|| update_sql("leases", "attempt_id", LEASE_COLS_RAW));
 
 pub(super) fn lease(row: &Row) -> Result<Lease> {
     Ok(Lease {
