@@ -14,6 +14,12 @@
 //!
 //! Transactions run at READ COMMITTED: every row a decision rewrites was read under a row
 //! lock, which PostgreSQL returns at its latest committed version, so no update is lost.
+//! Rows the command loaded are written with a plain UPDATE, new ones with an upsert.
+//!
+//! Round trips: a fenced command sends its whole load (BEGIN, locks, loads, DB time) as
+//! one pipeline and its writes, NOTIFY and COMMIT as a second. The server executes a
+//! connection's statements strictly in order, so pipelining changes neither the lock
+//! order nor when DB time is stamped ([`load`] explains).
 //!
 //! # Roles
 //!
