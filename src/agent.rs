@@ -169,6 +169,7 @@ impl<R: Read> Read for Hashing<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         self.hasher.update(&buf[..n]);
+        crate::fault::count("upload-body", n as u64);
         Ok(n)
     }
 }
@@ -287,7 +288,10 @@ impl Agent {
     /// on facts that are not durable would break every promise of the protocol.
     fn commit(&mut self, record: &Record) -> Result<(), Fatal> {
         match self.journal.commit(&mut self.state, record) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                crate::fault::journaled(record);
+                Ok(())
+            }
             Err(CommitError::Compaction(e)) => {
                 warn!("journal compaction failed (the record is kept; will retry): {e}");
                 Ok(())
@@ -715,6 +719,7 @@ impl Agent {
                 let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
                 match exec::Job::spawn(spec, run_dir, self.cfg.group_poll) {
                     Ok(mut process) => {
+                        crate::fault::hit("spawned");
                         let record = Record::Spawned {
                             job: key.clone(),
                             executor_handle: process.executor_handle().clone(),
@@ -871,6 +876,7 @@ impl Agent {
         let prefix = ql_wire::frame::encode_prefix(&header).map_err(|e| Fatal(format!("artifact header: {e}")))?;
         let mut content = Hashing { inner: file, hasher: Sha256::new() };
         let route = Route::Artifact(attempt_path(&self.cfg, key, job), artifact_id);
+        let started = Instant::now();
         match self.client.upload(&route, &prefix[..], &mut content, len) {
             Ok(reply) if matches!(reply.result, Outcome::Stored | Outcome::AlreadyStored) => {
                 self.call_ok();
@@ -879,7 +885,12 @@ impl Agent {
                 if r.length != len || r.sha256 != sent || r.truncated != header.truncated {
                     warn!("{who}: the stored log's receipt differs from what was sent; completing with the server's");
                 }
-                info!("{who}: log stored ({} bytes{})", r.length, if r.truncated { ", truncated" } else { "" });
+                info!(
+                    "{who}: log stored ({} bytes{}) in {} ms",
+                    r.length,
+                    if r.truncated { ", truncated" } else { "" },
+                    started.elapsed().as_millis()
+                );
                 self.commit(&Record::ArtifactStored { job: key.clone(), receipt: reply.receipt })?;
                 Ok(Turn::Moved)
             }

@@ -220,6 +220,9 @@ impl Client {
             .build()
             .header("Content-Type", JSON_MEDIA_TYPE)
             .send(&json[..]);
+        if response.is_ok() {
+            crate::fault::answered(route);
+        }
         answer(response, Resp::CAP)
     }
 
@@ -243,6 +246,9 @@ impl Client {
             .header("Content-Length", total.to_string())
             .header("Expect", "100-continue")
             .send(ureq::SendBody::from_reader(&mut reader));
+        if response.is_ok() {
+            crate::fault::answered(route);
+        }
         answer(response, ArtifactReply::CAP)
     }
 }

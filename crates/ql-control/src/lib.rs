@@ -12,6 +12,7 @@ pub mod admin;
 pub mod blob;
 pub mod config;
 pub mod core;
+pub mod fault;
 pub mod http;
 pub mod model;
 pub mod pki;

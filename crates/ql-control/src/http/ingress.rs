@@ -43,6 +43,7 @@ use ql_wire::{Body, ErrorBody, ErrorCode, Fence, Outcome};
 use super::{framing, IngressConfig, IngressStats};
 use crate::blob::{ArtifactKey, BlobStore, PutOutcome, Upload as _};
 use crate::core::{Command, Reply};
+use crate::fault::{self, Fault, Reset};
 use crate::model::AuditRecord;
 use crate::store::{Store, StoreError};
 
@@ -62,6 +63,8 @@ pub(super) struct Service<S, B> {
     /// Set when an answer left request bytes unread: the connection then ends with a
     /// lingering close.
     pub(super) unread: Arc<AtomicBool>,
+    /// Lets a fault point reset the connection (test builds only; see [`crate::fault`]).
+    pub(super) reset: Reset,
 }
 
 type Answered = Pin<Box<dyn Future<Output = Result<Response<Full<Bytes>>, Infallible>> + Send>>;
@@ -77,9 +80,10 @@ impl<S: Store, B: BlobStore> hyper::service::Service<Request<Incoming>> for Serv
         let shared = self.shared.clone();
         let principal = self.principal.clone();
         let unread = self.unread.clone();
+        let reset = self.reset.clone();
         Box::pin(async move {
             shared.stats.requests.fetch_add(1, Ordering::Relaxed);
-            let answer = handle(&shared, principal, req).await;
+            let answer = handle(&shared, principal, req, &reset).await;
             if answer.close {
                 unread.store(true, Ordering::Relaxed);
             }
@@ -131,6 +135,7 @@ async fn handle<S: Store, B: BlobStore>(
     shared: &Shared<S, B>,
     principal: Option<WorkerId>,
     req: Request<Incoming>,
+    reset: &Reset,
 ) -> Answer {
     // A query string is never part of a route; `Route::parse` sees the path alone.
     let route = match req.uri().query() {
@@ -161,9 +166,24 @@ async fn handle<S: Store, B: BlobStore>(
         Err(code) => return Answer::refuse_and_close(code),
     };
     let body = req.into_body();
+    let fault = fault::on_request(route.name());
     match route {
-        Route::Artifact(path, artifact) => put_artifact(shared, path, artifact, length, body).await,
-        route => json_route(shared, route, length, body).await,
+        Route::Artifact(path, artifact) => put_artifact(shared, path, artifact, length, body, (fault, reset)).await,
+        route => json_route(shared, route, length, body, (fault, reset)).await,
+    }
+}
+
+/// The fault to inject into one request and the handle to reset its connection (test
+/// builds only; see [`crate::fault`]: without the feature, there is never a fault).
+type Injected<'a> = (Option<Fault>, &'a Reset);
+
+/// Acts out a fault that strikes after the command ran: its transaction has committed.
+async fn after_commit((fault, reset): Injected<'_>) {
+    match fault {
+        Some(Fault::Drop) => reset.fire().await,
+        Some(Fault::Crash) => fault::crash(),
+        Some(Fault::Delay(delay)) => tokio::time::sleep(delay).await,
+        Some(Fault::Refuse | Fault::Reset) | None => {}
     }
 }
 
@@ -220,14 +240,22 @@ async fn json_route<S: Store, B: BlobStore>(
     route: Route,
     length: u64,
     mut body: Incoming,
+    injected: Injected<'_>,
 ) -> Answer {
     let bytes = match read_exact(&mut body, length, shared.cfg.body_idle_timeout).await {
         Ok(bytes) => bytes,
         Err(code) => return Answer::refuse_and_close(code),
     };
-    match json_command(shared, route, &bytes).await {
-        Ok(answer) | Err(answer) => answer,
+    match injected.0 {
+        Some(Fault::Refuse) => return Answer::refuse(ErrorCode::Unavailable),
+        Some(Fault::Reset) => injected.1.fire().await,
+        _ => {}
     }
+    let answer = match json_command(shared, route, &bytes).await {
+        Ok(answer) | Err(answer) => answer,
+    };
+    after_commit(injected).await;
+    answer
 }
 
 async fn json_command<S: Store, B: BlobStore>(
@@ -352,7 +380,11 @@ async fn put_artifact<S: Store, B: BlobStore>(
     artifact: ArtifactId,
     length: u64,
     mut body: Incoming,
+    injected: Injected<'_>,
 ) -> Answer {
+    if injected.0 == Some(Fault::Refuse) {
+        return Answer::refuse_and_close(ErrorCode::Unavailable);
+    }
     let idle = shared.cfg.body_idle_timeout;
     let mut decoder = match FrameDecoder::new(length) {
         Ok(decoder) => decoder,
@@ -397,6 +429,7 @@ async fn put_artifact<S: Store, B: BlobStore>(
     };
 
     // 3. The content, frame by frame. Any failure drops `upload`, which discards it.
+    let mut stored = 0u64;
     loop {
         let mut input: &[u8] = &pending;
         loop {
@@ -404,6 +437,10 @@ async fn put_artifact<S: Store, B: BlobStore>(
                 Ok(Some(Item::Content(content))) => {
                     if upload.write(content).await.is_err() {
                         return Answer::refuse_and_close(ErrorCode::Unavailable);
+                    }
+                    stored += content.len() as u64;
+                    if injected.0 == Some(Fault::Reset) && stored >= fault::RESET_UPLOAD_AFTER {
+                        injected.1.fire().await;
                     }
                 }
                 Ok(None) => break,
@@ -421,7 +458,9 @@ async fn put_artifact<S: Store, B: BlobStore>(
     }
 
     // The body was read to its end, so the connection stays usable whatever the outcome.
-    match upload.finish().await {
+    let finished = upload.finish().await;
+    after_commit(injected).await;
+    match finished {
         Ok(PutOutcome::Stored(receipt)) => {
             Answer::ok(StatusCode::OK, &ArtifactReply { result: Outcome::Stored, receipt })
         }

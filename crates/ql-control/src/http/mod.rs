@@ -291,7 +291,8 @@ async fn connection<S: Store, B: BlobStore>(
     }
 
     let unread = Arc::new(AtomicBool::new(false));
-    let service = Service { shared: shared.clone(), principal, unread: unread.clone() };
+    let reset = crate::fault::Reset::default();
+    let service = Service { shared: shared.clone(), principal, unread: unread.clone(), reset: reset.clone() };
     let mut conn = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(cfg.header_read_timeout)
@@ -299,6 +300,7 @@ async fn connection<S: Store, B: BlobStore>(
         .half_close(false)
         .serve_connection(TokioIo::new(stream), service);
     let mut draining = false;
+    let mut reset_asked = false;
     loop {
         tokio::select! {
             _ = std::future::poll_fn(|cx| conn.poll_without_shutdown(cx)) => break,
@@ -306,9 +308,19 @@ async fn connection<S: Store, B: BlobStore>(
                 draining = true;
                 std::pin::Pin::new(&mut conn).graceful_shutdown();
             }
+            // A fault point (test builds only) asked for a reset: drop the request in
+            // flight and send RST, no answer and no close_notify.
+            () = reset.requested(), if crate::fault::ENABLED => {
+                reset_asked = true;
+                break;
+            }
         }
     }
     let stream = conn.into_parts().io.into_inner();
+    if reset_asked {
+        let _ = stream.into_inner().0.set_zero_linger();
+        return;
+    }
     close(stream, unread.load(Ordering::Relaxed), cfg.linger_timeout).await;
 }
 
