@@ -8,14 +8,21 @@
 //! statements prepared once. Reads for operators run on the same thread inside a read
 //! transaction, so they see one consistent state.
 //!
-//! # One command, one transaction
+//! # One command, one atomic unit; many commands, one fsync
 //!
-//! [`Store::execute`] runs `BEGIN IMMEDIATE` (taking the file's write lock up front, so
-//! no other process can interleave), loads the command's [`Keys`](crate::core::Keys),
-//! reads DB time *after* loading, calls [`core::decide`], writes the decision's rows and
-//! events in order, and commits. A refusal rolls back (it carries no writes), and any SQL
-//! error rolls back and becomes a [`StoreError`]: state and events change together or
-//! not at all.
+//! Each command runs inside its own `SAVEPOINT`: it loads the command's
+//! [`Keys`](crate::core::Keys), reads DB time *after* loading, calls [`core::decide`], and
+//! writes the decision's rows and events in order. A refusal carries no writes; any SQL
+//! error rolls back to the savepoint and becomes a [`StoreError`]: a command's state and
+//! events change together or not at all.
+//!
+//! The writer takes every job already queued (up to [`BATCH_MAX`]) into one
+//! `BEGIN IMMEDIATE` transaction (taking the file's write lock up front, so no other
+//! process can interleave) and commits them together: group commit. With
+//! `synchronous=FULL` the fsync of a commit dominates a command's cost, so concurrent
+//! agents share one. No answer leaves before its commit is durable; if the commit fails,
+//! every command of the batch answers [`StoreError`] (503, safe to repeat) and nothing of
+//! the batch is kept.
 //!
 //! # Settings
 //!
@@ -46,7 +53,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use rusqlite::{Connection, TransactionBehavior};
+use rusqlite::Connection;
 use tokio::sync::{oneshot, watch};
 
 use ql_wire::ids::RunId;
@@ -103,7 +110,22 @@ struct Inner {
     changes: Arc<watch::Sender<u64>>,
 }
 
-type Job = Box<dyn FnOnce(&mut Writer) + Send>;
+/// Most jobs committed together.
+pub const BATCH_MAX: usize = 64;
+
+/// A unit of work for the writer: given the writer inside the batch transaction (or the
+/// reason there is none), it does its work and returns how to answer once the batch's
+/// fate is known.
+type Job = Box<dyn FnOnce(Result<&mut Writer, &StoreError>) -> Answer + Send>;
+
+/// Sends a job's answer once the batch's commit succeeded (`Ok`) or failed.
+type Deliver = Box<dyn FnOnce(Result<(), &StoreError>) + Send>;
+
+/// Whether the job's work should be kept, and how to deliver its answer after the commit.
+struct Answer {
+    keep: bool,
+    deliver: Deliver,
+}
 
 /// What the writer thread owns.
 struct Writer {
@@ -112,6 +134,8 @@ struct Writer {
     clock_offset: Arc<AtomicI64>,
     changes: Arc<watch::Sender<u64>>,
     data_version: Option<i64>,
+    /// A decision of the open batch asked to wake long-polls; done after the commit.
+    wake_pending: bool,
 }
 
 fn sql(e: rusqlite::Error) -> StoreError {
@@ -154,6 +178,7 @@ impl SqliteStore {
             clock_offset: options.clock_offset,
             changes: changes.clone(),
             data_version: None,
+            wake_pending: false,
         };
         writer.watch_foreign_commits();
         let tick = options.watch_tick.max(Duration::from_millis(1));
@@ -175,9 +200,21 @@ impl SqliteStore {
         f: impl FnOnce(&mut Writer) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (tx, rx) = oneshot::channel();
-        let job: Job = Box::new(move |w| {
-            // The caller may have given up (a dropped request); the work is done anyway.
-            let _ = tx.send(f(w));
+        let job: Job = Box::new(move |writer| {
+            let result = match writer {
+                Ok(w) => f(w),
+                Err(e) => Err(StoreError(e.0.clone())),
+            };
+            Answer {
+                keep: result.is_ok(),
+                deliver: Box::new(move |committed| {
+                    // The caller may have given up (a dropped request); the work is done anyway.
+                    let _ = tx.send(match committed {
+                        Ok(()) => result,
+                        Err(e) => Err(StoreError(e.0.clone())),
+                    });
+                }),
+            }
         });
         self.inner.jobs.send(job).map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
@@ -189,13 +226,15 @@ impl Writer {
         let mut checked = Instant::now();
         loop {
             match queue.recv_timeout(tick) {
-                Ok(job) => {
-                    // A panic in a decision is a bug, but it must not take the authority
-                    // down: the transaction rolls back as it unwinds, the caller gets a
-                    // StoreError from its dropped oneshot, and the thread serves on.
-                    if catch_unwind(AssertUnwindSafe(|| job(&mut self))).is_err() && !self.conn.is_autocommit() {
-                        let _ = self.conn.execute_batch("ROLLBACK");
+                Ok(first) => {
+                    let mut batch = vec![first];
+                    while batch.len() < BATCH_MAX {
+                        match queue.try_recv() {
+                            Ok(job) => batch.push(job),
+                            Err(_) => break,
+                        }
                     }
+                    self.run_batch(batch);
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => return,
@@ -204,6 +243,50 @@ impl Writer {
                 self.watch_foreign_commits();
                 checked = Instant::now();
             }
+        }
+    }
+
+    /// Runs `batch` in one transaction, each job under its own savepoint, then answers.
+    fn run_batch(&mut self, batch: Vec<Job>) {
+        if let Err(e) = self.conn.execute_batch("BEGIN IMMEDIATE").map_err(sql) {
+            for job in batch {
+                (job(Err(&e)).deliver)(Err(&e));
+            }
+            return;
+        }
+        let mut answers = Vec::with_capacity(batch.len());
+        for job in batch {
+            if let Err(e) = self.conn.execute_batch("SAVEPOINT job").map_err(sql) {
+                answers.push(job(Err(&e)));
+                continue;
+            }
+            // A panic in a decision is a bug, but it must not take the authority down: its
+            // savepoint rolls back, its caller gets a StoreError from the dropped oneshot,
+            // and the batch goes on.
+            let answer = catch_unwind(AssertUnwindSafe(|| job(Ok(&mut *self)))).ok();
+            let keep = answer.as_ref().is_some_and(|a| a.keep);
+            let end = if keep { "RELEASE job" } else { "ROLLBACK TO job; RELEASE job" };
+            if let Err(e) = self.conn.execute_batch(end).map_err(sql) {
+                // The savepoint stack is in an unknown state: give the whole batch up.
+                let _ = self.conn.execute_batch("ROLLBACK");
+                self.wake_pending = false;
+                for a in answers.into_iter().chain(answer) {
+                    (a.deliver)(Err(&e));
+                }
+                return;
+            }
+            answers.extend(answer);
+        }
+        let committed = self.conn.execute_batch("COMMIT").map_err(sql);
+        if committed.is_err() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        if committed.is_ok() && std::mem::take(&mut self.wake_pending) {
+            self.wake();
+        }
+        self.wake_pending = false;
+        for a in answers {
+            (a.deliver)(committed.as_ref().map(|_| ()));
         }
     }
 
@@ -227,28 +310,23 @@ impl Writer {
         self.clock_offset.load(Ordering::SeqCst)
     }
 
+    /// Runs one command inside the batch transaction (its savepoint is the caller's).
     fn execute(&mut self, cmd: &Command) -> Result<Result<Reply, ErrorCode>, StoreError> {
         let offset = self.offset();
-        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(sql)?;
-        let rows = load::load(&tx, &cmd.keys(), || schema::db_now(&tx, offset)).map_err(sql)?;
+        let conn = &self.conn;
+        let rows = load::load(conn, &cmd.keys(), || schema::db_now(conn, offset)).map_err(sql)?;
         // DB time after every row is loaded (and, with BEGIN IMMEDIATE, after the lock).
-        let now = schema::db_now(&tx, offset).map_err(sql)?;
+        let now = schema::db_now(conn, offset).map_err(sql)?;
         let decision = core::decide(cmd, &rows, now, &self.timings, &mut IdGen::random());
+        // A refusal carries no writes by contract; nothing is applied.
         let reply = match decision.reply {
             Ok(reply) => reply,
-            Err(code) => {
-                // A refusal carries no writes by contract; nothing is applied either way.
-                tx.rollback().map_err(sql)?;
-                return Ok(Err(code));
-            }
+            Err(code) => return Ok(Err(code)),
         };
         for write in &decision.writes {
-            apply(&tx, write).map_err(sql)?;
+            apply(conn, write).map_err(sql)?;
         }
-        tx.commit().map_err(sql)?;
-        if decision.wake {
-            self.wake();
-        }
+        self.wake_pending |= decision.wake;
         Ok(Ok(reply))
     }
 }
@@ -277,45 +355,41 @@ fn limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-fn snapshot(conn: &mut Connection) -> rusqlite::Result<Snapshot> {
-    // One read transaction: the six tables as of one commit.
-    let tx = conn.transaction()?;
+fn snapshot(tx: &Connection) -> rusqlite::Result<Snapshot> {
+    // Inside the batch's transaction: the six tables as of one state.
     let snap = Snapshot {
-        sessions: all(&tx, &format!("SELECT {SESSION_COLS} FROM sessions ORDER BY id"), [], rows::session)?,
-        runs: all(&tx, &format!("SELECT {RUN_COLS} FROM runs ORDER BY id"), [], rows::run)?,
-        attempts: all(&tx, &format!("SELECT {ATTEMPT_COLS} FROM attempts ORDER BY id"), [], rows::attempt)?,
-        offers: all(&tx, &format!("SELECT {OFFER_COLS} FROM offers ORDER BY id"), [], rows::offer)?,
-        leases: all(&tx, &format!("SELECT {LEASE_COLS} FROM leases ORDER BY attempt_id"), [], rows::lease)?,
-        events: all(&tx, &format!("SELECT {EVENT_COLS} FROM events ORDER BY seq"), [], rows::event)?,
+        sessions: all(tx, &format!("SELECT {SESSION_COLS} FROM sessions ORDER BY id"), [], rows::session)?,
+        runs: all(tx, &format!("SELECT {RUN_COLS} FROM runs ORDER BY id"), [], rows::run)?,
+        attempts: all(tx, &format!("SELECT {ATTEMPT_COLS} FROM attempts ORDER BY id"), [], rows::attempt)?,
+        offers: all(tx, &format!("SELECT {OFFER_COLS} FROM offers ORDER BY id"), [], rows::offer)?,
+        leases: all(tx, &format!("SELECT {LEASE_COLS} FROM leases ORDER BY attempt_id"), [], rows::lease)?,
+        events: all(tx, &format!("SELECT {EVENT_COLS} FROM events ORDER BY seq"), [], rows::event)?,
     };
-    tx.commit()?;
     Ok(snap)
 }
 
-fn run_detail(conn: &mut Connection, id: &RunId) -> rusqlite::Result<Option<RunDetail>> {
-    let tx = conn.transaction()?;
-    let Some(run) = load::run(&tx, id)? else {
+fn run_detail(tx: &Connection, id: &RunId) -> rusqlite::Result<Option<RunDetail>> {
+    let Some(run) = load::run(tx, id)? else {
         return Ok(None);
     };
     let attempts = all(
-        &tx,
+        tx,
         &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE run_id = ?1 ORDER BY number"),
         [id.as_str()],
         rows::attempt,
     )?;
     let leases = all(
-        &tx,
+        tx,
         &format!("SELECT {LEASE_COLS} FROM leases WHERE run_id = ?1 ORDER BY lease_generation, attempt_id"),
         [id.as_str()],
         rows::lease,
     )?;
     let events = all(
-        &tx,
+        tx,
         &format!("SELECT {EVENT_COLS} FROM events WHERE run_id = ?1 ORDER BY seq"),
         [id.as_str()],
         rows::event,
     )?;
-    tx.commit()?;
     Ok(Some(RunDetail { run, attempts, leases, events }))
 }
 
@@ -349,7 +423,7 @@ impl Store for SqliteStore {
 
     async fn run_detail(&self, run: &RunId) -> Result<Option<RunDetail>, StoreError> {
         let run = run.clone();
-        self.call(move |w| run_detail(&mut w.conn, &run).map_err(sql)).await
+        self.call(move |w| run_detail(&w.conn, &run).map_err(sql)).await
     }
 
     async fn sessions(&self, n: usize) -> Result<Vec<Session>, StoreError> {
@@ -361,7 +435,7 @@ impl Store for SqliteStore {
     }
 
     async fn snapshot(&self) -> Result<Snapshot, StoreError> {
-        self.call(|w| snapshot(&mut w.conn).map_err(sql)).await
+        self.call(|w| snapshot(&w.conn).map_err(sql)).await
     }
 
     fn changes(&self) -> watch::Receiver<u64> {

@@ -192,7 +192,7 @@ fn full_event() -> Event {
 }
 
 fn write_all(c: &mut Connection, writes: &[Write]) -> rusqlite::Result<()> {
-    let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
     for w in writes {
         apply(&tx, w)?;
     }
@@ -215,7 +215,7 @@ fn every_field_round_trips_through_its_row() {
     let dir = TempDir::new("roundtrip");
     let mut c = conn(&dir);
     write_all(&mut c, &world()).unwrap();
-    let snap = snapshot(&mut c).unwrap();
+    let snap = snapshot(&c).unwrap();
     assert_eq!(snap.sessions, vec![full_session()]);
     assert_eq!(snap.runs, vec![full_run()]);
     assert_eq!(snap.attempts, vec![full_attempt()]);
@@ -269,7 +269,7 @@ fn empty_optional_fields_round_trip_as_null() {
         Write::Event(event.clone()),
     ];
     write_all(&mut c, &writes).unwrap();
-    let snap = snapshot(&mut c).unwrap();
+    let snap = snapshot(&c).unwrap();
     assert_eq!((snap.sessions, snap.runs, snap.attempts), (vec![session], vec![run], vec![attempt]));
     assert_eq!((snap.offers, snap.events), (vec![offer], vec![event]));
 }
@@ -283,7 +283,7 @@ fn upsert_updates_in_place_without_breaking_references() {
     let run = Run { status: RunStatus::Cancelled, ..full_run() };
     let attempt = Attempt { status: AttemptStatus::Lost, lease: None, ..full_attempt() };
     write_all(&mut c, &[Write::Run(run.clone()), Write::Attempt(attempt.clone())]).unwrap();
-    let snap = snapshot(&mut c).unwrap();
+    let snap = snapshot(&c).unwrap();
     assert_eq!((snap.runs, snap.attempts), (vec![run], vec![attempt]));
     assert_eq!(snap.events.len(), 1);
 }
@@ -302,7 +302,7 @@ fn an_event_type_is_never_appended_twice_for_an_attempt() {
     let twice = Event { id: EventId::parse("evt_4").unwrap(), ..run_level };
     assert!(write_all(&mut c, &[Write::Event(twice)]).is_err());
     assert!(c.execute("UPDATE events SET kind = 'x'", []).is_err(), "events are append-only");
-    assert_eq!(snapshot(&mut c).unwrap().events.len(), 2);
+    assert_eq!(snapshot(&c).unwrap().events.len(), 2);
 }
 
 #[test]
@@ -391,4 +391,81 @@ async fn audit_records_get_db_time_and_keep_their_order() {
     assert_eq!(audits[1].principal, None);
     assert!(audits[1].at - audits[0].at >= 3_600_000);
     assert!(audits[0].at > 1_600_000_000_000);
+}
+
+/// A job for [`Writer::run_batch`] that runs `work` and reports its result on `out`.
+fn job<T: Send + 'static>(
+    work: impl FnOnce(&mut Writer) -> Result<T, StoreError> + Send + 'static,
+    out: std::sync::mpsc::Sender<Result<T, String>>,
+) -> Job {
+    Box::new(move |w| {
+        let result = w.map_err(|e| StoreError(e.0.clone())).and_then(work);
+        let keep = result.is_ok();
+        Answer {
+            keep,
+            deliver: Box::new(move |committed| {
+                let _ = out.send(committed.map_err(|e| e.0.clone()).and(result.map_err(|e| e.0)));
+            }),
+        }
+    })
+}
+
+fn writer(dir: &TempDir) -> Writer {
+    Writer {
+        conn: conn(dir),
+        timings: Timings::default(),
+        clock_offset: Arc::new(AtomicI64::new(0)),
+        changes: Arc::new(watch::channel(0).0),
+        data_version: None,
+        wake_pending: false,
+    }
+}
+
+fn audit_rows(w: &Writer) -> i64 {
+    w.conn.query_row("SELECT count(*) FROM audit", [], |r| r.get(0)).unwrap()
+}
+
+#[test]
+fn a_failing_job_rolls_back_alone_and_the_rest_of_its_batch_commits() {
+    let dir = TempDir::new("batch");
+    let mut w = writer(&dir);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let record = |route: &str| AuditRecord { at: 1, principal: None, route: route.into(), outcome: "admitted".into() };
+    let (a, b) = (record("a"), record("b"));
+    let ok = |r: AuditRecord| move |w: &mut Writer| rows::append_audit(&w.conn, &r).map_err(sql);
+    let failing = |w: &mut Writer| -> Result<(), StoreError> {
+        rows::append_audit(&w.conn, &AuditRecord { at: 1, principal: None, route: "c".into(), outcome: "x".into() })
+            .map_err(sql)?;
+        Err(StoreError("the decision failed after writing".into()))
+    };
+    w.run_batch(vec![job(ok(a), tx.clone()), job(failing, tx.clone()), job(ok(b), tx.clone())]);
+    let answers: Vec<Result<(), String>> = rx.try_iter().collect();
+    assert_eq!(answers.len(), 3);
+    assert!(answers[0].is_ok() && answers[2].is_ok());
+    assert!(answers[1].as_ref().unwrap_err().contains("failed after writing"));
+    let routes: Vec<String> = all(&w.conn, "SELECT route FROM audit ORDER BY seq", [], |r| r.get(0)).unwrap();
+    assert_eq!(routes, ["a", "b"], "only the failing job's write is gone");
+    assert!(w.conn.is_autocommit(), "the batch transaction is closed");
+}
+
+#[test]
+fn when_the_batch_cannot_begin_every_job_answers_the_error_and_nothing_runs() {
+    let dir = TempDir::new("batch-busy");
+    let mut w = writer(&dir);
+    // Another connection holds the write lock past the busy timeout.
+    let other = conn(&dir);
+    other.busy_timeout(Duration::from_millis(1)).unwrap();
+    w.conn.busy_timeout(Duration::from_millis(1)).unwrap();
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let write = |w: &mut Writer| {
+        rows::append_audit(&w.conn, &AuditRecord { at: 1, principal: None, route: "a".into(), outcome: "x".into() })
+            .map_err(sql)
+    };
+    w.run_batch(vec![job(write, tx.clone()), job(write, tx)]);
+    let answers: Vec<Result<(), String>> = rx.try_iter().collect();
+    assert_eq!(answers.len(), 2);
+    assert!(answers.iter().all(|a| a.as_ref().unwrap_err().contains("sqlite")), "{answers:?}");
+    other.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(audit_rows(&w), 0);
 }
