@@ -38,7 +38,13 @@
 //! **Restart.** Jobs in the journal continue from their step. A process that was running
 //! when the agent died is found by its executor handle: still alive, it is stopped (its
 //! output pipe died with the old agent) and recorded as killed; gone, it is recorded with
-//! no exit status. Either way its log is uploaded and it is completed.
+//! no exit status (and members it left behind are stopped). Either way its log is uploaded
+//! and it is completed. A process the old agent set out to start (`spawning`) but did not
+//! record is looked for by the attempt id in its environment and recovered the same way;
+//! if none is found and its run directory was never made, it is started; otherwise it is
+//! reported as a start failure, never started twice. A renewal may have been in flight when
+//! the agent died, so a resumed job's lease version is in doubt: a `lease_conflict` earns
+//! one repeat with the next version.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -189,7 +195,7 @@ impl Agent {
         let signals = Signals::new([Signal::Term, Signal::Int])
             .map_err(|e| Fatal(format!("cannot install the SIGTERM handler: {e}")))?;
         let (ended_tx, ended_rx) = channel::unbounded();
-        let rts = state.jobs.keys().map(|k| (k.clone(), Runtime::default())).collect();
+        let rts = state.jobs.keys().map(|k| (k.clone(), Runtime::resumed())).collect();
         // Seeded from the OS's per-process hash keys: enough to spread retries of many
         // agents apart, with no extra dependency.
         let random = {
@@ -654,11 +660,13 @@ impl Agent {
             Step::Wait(until) => Ok(Turn::Idle(until)),
             Step::Claim(body) => {
                 let route = Route::Claim(self.cfg.worker_id.clone(), key.session_id.clone(), job.offer_id.clone());
+                self.rt(key).claim_sent_at.get_or_insert(now);
                 match self.client.call::<_, Claimed>(&route, &body) {
                     Ok(claimed) => {
                         self.call_ok();
                         self.commit(&core::claimed(key, &claimed))?;
-                        self.rt(key).lease_fresh_at = Some(now);
+                        let rt = self.rt(key);
+                        rt.lease_fresh_at = core::claimed_fresh_at(rt);
                         info!(
                             "{who}: claimed (lease ttl {} ms, timeout {} ms, log limit {} bytes)",
                             claimed.lease_ttl_ms, claimed.spec.timeout_ms, claimed.spec.log_limit_bytes
@@ -697,6 +705,11 @@ impl Agent {
                                 self.rt(key).renew_doubt = next;
                                 Ok(self.job_call_failed(key, &who, "lease renewal", e))
                             }
+                            None if !core::renewal_refused_ends_job(&job) => {
+                                warn!("{who}: lease renewal: {e}; reporting the ended process without renewals");
+                                self.rt(key).lease_fresh_at = None;
+                                Ok(Turn::Moved)
+                            }
                             None => Ok(self.end_job(key, &who, "lease renewal", &e)),
                         }
                     }
@@ -707,6 +720,7 @@ impl Agent {
                 match self.client.call::<Fence, AckReply>(&route, &fence) {
                     Ok(AckReply { result: Outcome::Started | Outcome::AlreadyStarting | Outcome::AlreadyRunning }) => {
                         self.call_ok();
+                        self.settle_version(key, &job)?;
                         self.commit(&Record::StartingAcked { job: key.clone() })?;
                         Ok(Turn::Moved)
                     }
@@ -715,6 +729,9 @@ impl Agent {
                 }
             }
             Step::Spawn => {
+                if !job.spawning {
+                    self.commit(&Record::Spawning { job: key.clone() })?;
+                }
                 let spec = &job.lease.as_ref().expect("a claimed job").spec;
                 let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
                 match exec::Job::spawn(spec, run_dir, self.cfg.group_poll) {
@@ -761,6 +778,7 @@ impl Agent {
                 match self.client.call::<_, AckReply>(&route, &body) {
                     Ok(AckReply { result: Outcome::Running | Outcome::AlreadyRunning }) => {
                         self.call_ok();
+                        self.settle_version(key, &job)?;
                         self.commit(&Record::RunningAcked { job: key.clone() })?;
                         info!("{who}: running");
                         Ok(Turn::Moved)
@@ -774,6 +792,7 @@ impl Agent {
                 match self.client.call::<_, AckReply>(&route, &body) {
                     Ok(AckReply { result: result @ (Outcome::Failed | Outcome::Cancelled | Outcome::TimedOut) }) => {
                         self.call_ok();
+                        self.settle_version(key, &job)?;
                         info!("{who}: start failure reported ({}); the run is {}", body.reason, outcome_word(result));
                         self.rt(key).finished = true;
                         Ok(Turn::Moved)
@@ -781,6 +800,30 @@ impl Agent {
                     Ok(other) => Ok(self.unexpected(key, &who, "start-failure", other.result)),
                     Err(e) => Ok(self.job_call_failed(key, &who, "start-failure", e)),
                 }
+            }
+            Step::Adopt => {
+                let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
+                let attempt = key.attempt_id.as_str();
+                let found = exec::find_unrecorded(attempt, self.cfg.stop_grace, self.cfg.group_poll).await;
+                match found {
+                    Ok(exec::Found::Leader { handle, pid }) => {
+                        info!("{who}: found the process the previous agent started but did not record ({handle})");
+                        self.commit(&Record::Spawned { job: key.clone(), executor_handle: handle, pid, pgid: pid })?;
+                    }
+                    Ok(exec::Found::Nothing) if !run_dir.spool.exists() => {
+                        info!("{who}: the previous agent stopped before it started the process");
+                        self.rt(key).unstarted = true;
+                    }
+                    other => {
+                        if let Err(e) = other {
+                            warn!("{who}: could not look for its process: {e}");
+                        }
+                        warn!("{who}: the previous agent stopped while starting the process; it is not started again");
+                        let reason = Reason::summarise(core::START_INTERRUPTED);
+                        self.commit(&Record::SpawnFailed { job: key.clone(), reason })?;
+                    }
+                }
+                Ok(Turn::Moved)
             }
             Step::Recover => {
                 let spawn = job.spawn.as_ref().expect("a spawned job");
@@ -792,6 +835,12 @@ impl Agent {
                     Some(9)
                 } else {
                     info!("{who}: its process ended while the agent was down");
+                    let (attempt, grace, poll) = (key.attempt_id.as_str(), self.cfg.stop_grace, self.cfg.group_poll);
+                    match exec::stop_leftovers(attempt, spawn.pgid, grace, poll).await {
+                        Ok(true) => info!("{who}: stopped what its process left running"),
+                        Ok(false) => {}
+                        Err(e) => warn!("{who}: could not stop what its process left running: {e}"),
+                    }
                     None
                 };
                 let (log_len, truncated) = self.spool_facts(key, &job);
@@ -819,6 +868,7 @@ impl Agent {
                 match self.client.call::<_, CompletionReply>(&route, &body) {
                     Ok(CompletionReply { result: Outcome::Completed | Outcome::AlreadyCompleted, status }) => {
                         self.call_ok();
+                        self.settle_version(key, &job)?;
                         info!(
                             "{who}: completed: {}",
                             serde_json::to_string(&status).unwrap_or_default().trim_matches('"')
@@ -845,6 +895,16 @@ impl Agent {
 
     fn rt(&mut self, key: &JobKey) -> &mut Runtime {
         self.rts.entry(key.clone()).or_default()
+    }
+
+    /// A fenced command succeeded: its version is the server's. When that was the next
+    /// version (a renewal whose answer was lost did apply), it is recorded first.
+    fn settle_version(&mut self, key: &JobKey, job: &Job) -> Result<(), Fatal> {
+        if let Some(record) = core::settled(key, job, self.rt(key).renew_doubt) {
+            self.commit(&record)?;
+        }
+        self.rt(key).renew_doubt = RenewDoubt::Sure;
+        Ok(())
     }
 
     fn upload(
@@ -880,6 +940,7 @@ impl Agent {
         match self.client.upload(&route, &prefix[..], &mut content, len) {
             Ok(reply) if matches!(reply.result, Outcome::Stored | Outcome::AlreadyStored) => {
                 self.call_ok();
+                self.settle_version(key, job)?;
                 let sent = Digest::from_raw(&content.hasher.finalize().into());
                 let r = &reply.receipt;
                 if r.length != len || r.sha256 != sent || r.truncated != header.truncated {
@@ -934,6 +995,13 @@ impl Agent {
                 warn!("{who}: {what}: {err}; will repeat");
                 self.block(None);
                 Turn::Blocked
+            }
+            CallError::Refused { code, .. } if core::retry_next_version(self.rt(key).renew_doubt, *code) => {
+                warn!(
+                    "{who}: {what}: {err} while a renewal's outcome is unknown; repeating with the next lease version"
+                );
+                self.rt(key).renew_doubt = RenewDoubt::TryNext;
+                Turn::Moved
             }
             CallError::Refused { code, retry_after, .. } => match core::disposition(*code) {
                 Disposition::Retry => {

@@ -24,14 +24,22 @@
 //!   allows it), skipping `Running`;
 //! - the agent restarted while the process ran: `Recover` (find it by its handle, stop it,
 //!   record how it ended), then `Upload` and `Complete`;
+//! - the agent restarted after it set out to start the process (`spawning`) but before it
+//!   recorded the start: `Adopt` (find the process by the attempt id in its environment and
+//!   record it, so `Recover` follows; or learn that it never started, and `Spawn`; or, when
+//!   that cannot be known, record a spawn failure rather than start it a second time);
 //! - the server ended the job (a 409 or 404) or holds its result: `Stop` whatever still
 //!   runs, then `Drop`.
 //!
 //! The renewal cadence is a third of the server's `leaseTtlMs` after the last claim or
-//! renewal that succeeded, measured from when its request was sent. A renewal whose answer
-//! was lost may still have advanced the lease version; [`renew_failed`] and [`RenewDoubt`]
-//! resolve that (repeat with the same version, then with the next one) before any other
-//! fenced command is sent.
+//! renewal that succeeded, measured from when its request was sent — for a claim, from its
+//! first sending, since a lost answer may hide an earlier success ([`claimed_fresh_at`]).
+//! Renewals go on after the process ended, while the log is uploaded and the completion
+//! sent, as long as the lease's age is known. A renewal whose answer was lost may still
+//! have advanced the lease version, and so may one in flight when the agent died;
+//! [`RenewDoubt`] tracks that: every fenced command is sent with the journal's version
+//! first, and a `lease_conflict` then earns one repeat with the next version
+//! ([`renew_failed`], [`retry_next_version`]).
 
 use std::time::{Duration, Instant};
 
@@ -54,6 +62,9 @@ pub(crate) const LOG_ARTIFACT_ID: &str = "log";
 pub(crate) const STOPPED_BEFORE_START: &str = "stopped before start";
 /// The start-failure reason when a drain ran out before the process was started.
 pub(crate) const SHUT_DOWN_BEFORE_START: &str = "agent shut down before start";
+/// The start-failure reason when the agent died while starting the process and cannot tell
+/// whether it ran: reported rather than run a second time.
+pub(crate) const START_INTERRUPTED: &str = "the agent stopped while starting the process; not started again";
 
 /// Whether this agent holds the job's process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,10 +83,12 @@ pub(crate) enum Process {
 pub(crate) enum RenewDoubt {
     /// The lease version in the journal is the server's.
     Sure,
-    /// A renewal's answer was lost: the server may have advanced the version. Repeat it.
+    /// A renewal's answer was lost, or the agent restarted (a renewal may have been in
+    /// flight when it died): the server may have advanced the version. Commands go out
+    /// with the journal's version.
     AnswerLost,
-    /// The repeat met `lease_conflict`, so the lost renewal most likely applied: renew
-    /// with the next version.
+    /// A command with the journal's version met `lease_conflict`, so the lost renewal most
+    /// likely applied: commands go out with the next version.
     TryNext,
 }
 
@@ -98,6 +111,14 @@ pub(crate) struct Runtime {
     /// The server holds the job's terminal facts, or ended the job: forget it once nothing
     /// of it runs.
     pub(crate) finished: bool,
+    /// The job was in the journal when the agent started: its claim may predate the
+    /// restart.
+    pub(crate) resumed: bool,
+    /// When this agent first sent the job's claim.
+    pub(crate) claim_sent_at: Option<Instant>,
+    /// The journal's `spawning` intent was never acted on (no run directory was made): the
+    /// process may be started.
+    pub(crate) unstarted: bool,
 }
 
 impl Default for Runtime {
@@ -109,7 +130,18 @@ impl Default for Runtime {
             renew_doubt: RenewDoubt::Sure,
             log_lost: false,
             finished: false,
+            resumed: false,
+            claim_sent_at: None,
+            unstarted: false,
         }
+    }
+}
+
+impl Runtime {
+    /// The runtime facts of a job found in the journal at start: the lease's age and its
+    /// version are unknown.
+    pub(crate) fn resumed() -> Self {
+        Self { renew_doubt: RenewDoubt::AnswerLost, resumed: true, ..Self::default() }
     }
 }
 
@@ -144,8 +176,12 @@ pub(crate) enum Step {
     Renew(Fence),
     /// Send `starting`.
     Starting(Fence),
-    /// Start the process (local).
+    /// Start the process (local): record the `spawning` intent (unless it is on record),
+    /// then fork.
     Spawn,
+    /// The journal says the process was about to be started but not whether it was: look
+    /// for it (local). See [`Record::Spawning`].
+    Adopt,
     /// Record a spawn failure without spawning (local).
     SkipSpawn(Reason),
     /// Record a fresh callback token, sequence 1, log artifact [`LOG_ARTIFACT_ID`] (local).
@@ -203,6 +239,7 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
             (Process::Running, ..) => Step::Stop(StopCause::Ended),
             (Process::Stopping, ..) => Step::Wait(None),
             (Process::Absent, Some(_), None) => Step::Recover,
+            (Process::Absent, None, _) if unsettled_spawn(job, rt) => Step::Adopt,
             _ => Step::Drop,
         };
     }
@@ -214,16 +251,17 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
             lease_token: job.lease_token.clone(),
         });
     };
-    let fence = fence(job, lease, lease.version);
+    let fence = fence(job, lease, version_in_doubt(lease, rt.renew_doubt));
     let renew_at = renew_at(lease, rt);
     let in_doubt = rt.renew_doubt != RenewDoubt::Sure;
     let renew_due = in_doubt || renew_at.is_none_or(|t| now.at >= t);
-    let renew = || Step::Renew(renew_fence(job, lease, rt.renew_doubt));
+    let renew = || Step::Renew(fence.clone());
 
     if let Some(exit) = &job.exit {
-        // Upload and completion need not renew (the process is done), but they must not
-        // present a version the server may have moved past.
-        if in_doubt {
+        // The lease must outlive the upload and the completion: keep renewing while its
+        // age is known. After a restart it is not (and the session may be gone, which a
+        // completion does not need): report at once.
+        if renew_due && rt.lease_fresh_at.is_some() {
             return renew();
         }
         let Some(callback) = &job.callback else {
@@ -247,9 +285,6 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
         ));
     }
     if let Some(reason) = &job.spawn_failure {
-        if in_doubt {
-            return renew();
-        }
         // This agent records a spawn failure only after `starting`; a journal from elsewhere
         // may not have, and start-failure needs it.
         if !job.starting_acked {
@@ -263,6 +298,9 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
         }
         if !job.starting_acked {
             return Step::Starting(fence);
+        }
+        if unsettled_spawn(job, rt) {
+            return Step::Adopt;
         }
         if job.stop.is_some() {
             return Step::SkipSpawn(Reason::summarise(STOPPED_BEFORE_START));
@@ -315,6 +353,11 @@ fn stop_cause(job: &Job, rt: &Runtime, now: Now) -> Option<StopCause> {
     None
 }
 
+/// Whether a `spawning` intent on record has no known outcome yet.
+fn unsettled_spawn(job: &Job, rt: &Runtime) -> bool {
+    job.spawning && job.spawn.is_none() && job.spawn_failure.is_none() && !rt.unstarted
+}
+
 fn earliest<const N: usize>(times: [Option<Instant>; N]) -> Option<Instant> {
     times.into_iter().flatten().min()
 }
@@ -330,13 +373,33 @@ fn fence(job: &Job, lease: &Lease, version: Counter) -> Fence {
     }
 }
 
-fn renew_fence(job: &Job, lease: &Lease, doubt: RenewDoubt) -> Fence {
-    let version = match doubt {
+/// The version fenced commands present: the journal's, or its next one once a command
+/// with it met `lease_conflict` while a renewal's answer was in doubt.
+pub(crate) fn version_in_doubt(lease: &Lease, doubt: RenewDoubt) -> Counter {
+    match doubt {
         RenewDoubt::Sure | RenewDoubt::AnswerLost => lease.version,
         // At the counter's end there is no next version; the server refuses either way.
         RenewDoubt::TryNext => lease.version.next().unwrap_or(lease.version),
-    };
-    fence(job, lease, version)
+    }
+}
+
+/// When the lease of a claim that just succeeded was last fresh: when this agent first
+/// sent the claim (a send whose answer was lost may have made the lease), or unknown — so
+/// renewed first — for a job found in the journal, whose claim may predate the restart.
+pub(crate) fn claimed_fresh_at(rt: &Runtime) -> Option<Instant> {
+    if rt.resumed {
+        None
+    } else {
+        rt.claim_sent_at
+    }
+}
+
+/// The record that settles the version after a fenced command succeeded with the next one
+/// ([`RenewDoubt::TryNext`]): the lost renewal did apply.
+pub(crate) fn settled(key: &JobKey, job: &Job, doubt: RenewDoubt) -> Option<Record> {
+    let lease = job.lease.as_ref()?;
+    let version = version_in_doubt(lease, doubt);
+    (version > lease.version).then(|| Record::Renewed { job: key.clone(), lease_version: version })
 }
 
 /// The record that makes a claim's answer durable.
@@ -437,6 +500,20 @@ pub(crate) fn disposition(code: ErrorCode) -> Disposition {
         | ErrorCode::PayloadTooLarge
         | ErrorCode::UnsupportedMediaType => Disposition::EndJob,
     }
+}
+
+/// Whether a fenced command other than a renewal that was refused with `code` deserves one
+/// repeat with the next lease version: a renewal whose answer was lost, or that was in
+/// flight when the agent died, may have moved the version on.
+pub(crate) fn retry_next_version(doubt: RenewDoubt, code: ErrorCode) -> bool {
+    doubt == RenewDoubt::AnswerLost && code == ErrorCode::LeaseConflict
+}
+
+/// What a renewal refusal that ends the lease's renewals means for the job: it ends, unless
+/// its process already ended — then its report (upload and completion, which need no live
+/// session) still goes out, unrenewed, and their own refusal ends it.
+pub(crate) fn renewal_refused_ends_job(job: &Job) -> bool {
+    job.exit.is_none()
 }
 
 /// The renewal doubt after a renewal failed with `code` (`None`: the answer was lost in

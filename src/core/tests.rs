@@ -93,6 +93,7 @@ fn kind(step: &Step) -> &'static str {
         Step::Renew(_) => "renew",
         Step::Starting(_) => "starting",
         Step::Spawn => "spawn",
+        Step::Adopt => "adopt",
         Step::SkipSpawn(_) => "skip-spawn",
         Step::MintCallback => "mint",
         Step::Running(_) => "running",
@@ -334,12 +335,11 @@ fn a_finished_job_stops_what_runs_and_is_dropped() {
 }
 
 #[test]
-fn a_renewal_in_doubt_is_settled_before_any_other_fenced_command() {
+fn a_renewal_in_doubt_is_settled_by_renewing_while_the_lease_is_kept() {
     let base = t0();
     let (_, job) = after(6);
     let ended = with(&job, &[exited_record(Some(0), None)]);
-    let failed = with(&after(3).1, &[Record::SpawnFailed { job: k(), reason: Reason::summarise("x") }]);
-    for j in [&after(2).1, &after(3).1, &after(5).1, &job, &ended, &failed] {
+    for j in [&after(2).1, &after(3).1, &after(5).1, &job, &ended] {
         let lost = Runtime { renew_doubt: RenewDoubt::AnswerLost, ..running(base) };
         let step = next(&k(), j, &lost, at(base, 0));
         assert!(matches!(step, Step::Renew(ref f) if f.expected_lease_version == c(1)), "{step:?}");
@@ -347,6 +347,110 @@ fn a_renewal_in_doubt_is_settled_before_any_other_fenced_command() {
         let step = next(&k(), j, &next_one, at(base, 0));
         assert!(matches!(step, Step::Renew(ref f) if f.expected_lease_version == c(2)), "{step:?}");
     }
+}
+
+/// Found by the fault matrix (`agent sent:lease.renew@1`): the agent died after a renewal
+/// was applied but before its answer was journaled. The restarted agent presented the
+/// journal's version, met `lease_conflict`, and dropped a job whose result it held: the run
+/// was lost to lease expiry. Now a resumed job is in doubt, and a conflict earns one repeat
+/// with the next version, which is then recorded.
+#[test]
+fn a_restarted_job_settles_a_renewal_lost_in_the_crash_with_the_next_version() {
+    let base = t0();
+    let (_, job) = after(6);
+    let ended = with(&job, &[exited_record(Some(0), None)]);
+    let failed = with(&after(3).1, &[Record::SpawnFailed { job: k(), reason: Reason::summarise("x") }]);
+    let resumed = Runtime::resumed();
+    assert_eq!(resumed.renew_doubt, RenewDoubt::AnswerLost);
+    // No renewal first: the session may be gone, and these need none.
+    let Step::Upload(h) = next(&k(), &ended, &resumed, at(base, 0)) else { panic!() };
+    assert_eq!(h.expected_lease_version, c(1));
+    let Step::StartFailure(b) = next(&k(), &failed, &resumed, at(base, 0)) else { panic!() };
+    assert_eq!(b.expected_lease_version, c(1));
+    assert!(retry_next_version(RenewDoubt::AnswerLost, ErrorCode::LeaseConflict));
+    assert!(!retry_next_version(RenewDoubt::TryNext, ErrorCode::LeaseConflict), "one repeat only");
+    assert!(!retry_next_version(RenewDoubt::Sure, ErrorCode::LeaseConflict));
+    assert!(!retry_next_version(RenewDoubt::AnswerLost, ErrorCode::SessionConflict));
+    let next_one = Runtime { renew_doubt: RenewDoubt::TryNext, ..resumed };
+    let Step::Upload(h) = next(&k(), &ended, &next_one, at(base, 0)) else { panic!() };
+    assert_eq!(h.expected_lease_version, c(2));
+    let Step::StartFailure(b) = next(&k(), &failed, &next_one, at(base, 0)) else { panic!() };
+    assert_eq!(b.expected_lease_version, c(2));
+    // Once a command went through with the next version, the journal learns it.
+    assert_eq!(settled(&k(), &ended, RenewDoubt::TryNext), Some(Record::Renewed { job: k(), lease_version: c(2) }));
+    assert_eq!(settled(&k(), &ended, RenewDoubt::AnswerLost), None);
+    assert_eq!(settled(&k(), &ended, RenewDoubt::Sure), None);
+    // A running job resumed renews first, with the journal's version.
+    let step = next(&k(), &job, &Runtime { process: Process::Running, ..resumed }, at(base, 0));
+    assert!(matches!(step, Step::Renew(ref f) if f.expected_lease_version == c(1)), "{step:?}");
+}
+
+/// Found by the fault matrix (`control delay:artifact.put`, `control drop:artifact.put`):
+/// once the process had ended the agent stopped renewing, so an upload or a completion that
+/// had to be repeated met an expired lease and the run was lost. Now the lease is renewed
+/// while the report goes out, as long as its age is known.
+#[test]
+fn an_ended_process_keeps_its_lease_alive_while_it_is_reported() {
+    let base = t0();
+    let (_, job) = after(6);
+    let ended = with(&job, &[exited_record(Some(0), None)]);
+    let third = TTL_MS / 3;
+    let kept = fresh(base);
+    assert!(matches!(next(&k(), &ended, &kept, at(base, third - 1)), Step::Upload(_)));
+    assert!(matches!(next(&k(), &ended, &kept, at(base, third)), Step::Renew(_)));
+    let stored = with(&ended, &[fixtures::stored(&k())]);
+    assert!(matches!(next(&k(), &stored, &kept, at(base, third)), Step::Renew(_)));
+    assert!(matches!(next(&k(), &stored, &kept, at(base, 0)), Step::Complete(_)));
+    // Age unknown (a restart, or renewals refused): report at once.
+    let unknown = Runtime { lease_fresh_at: None, ..kept };
+    assert!(matches!(next(&k(), &ended, &unknown, at(base, third)), Step::Upload(_)));
+    // A refused renewal ends a running job, not the report of an ended one.
+    assert!(renewal_refused_ends_job(&job));
+    assert!(!renewal_refused_ends_job(&ended));
+}
+
+/// Found by the fault matrix (`control delay:offer.claim`): the claim's answer came late,
+/// the repeat got the same lease, and the agent counted the lease's age from the repeat;
+/// the lease had been made by the first sending and lapsed before the first renewal.
+#[test]
+fn a_repeated_claim_counts_the_lease_from_its_first_sending() {
+    let base = t0();
+    let rt = Runtime { claim_sent_at: Some(base), ..Runtime::default() };
+    assert_eq!(claimed_fresh_at(&rt), Some(base));
+    let (_, job) = after(2);
+    let claimed = Runtime { lease_fresh_at: claimed_fresh_at(&rt), ..rt };
+    assert!(matches!(next(&k(), &job, &claimed, at(base, TTL_MS / 3)), Step::Renew(_)));
+    // A job found in the journal may have been claimed before the restart.
+    let resumed = Runtime { claim_sent_at: Some(base), ..Runtime::resumed() };
+    assert_eq!(claimed_fresh_at(&resumed), None);
+}
+
+/// Found by the fault matrix (`agent spawned`): the agent died between the fork and the
+/// `spawned` record, and the restarted agent started the job a second time. Now a
+/// `spawning` intent precedes the fork, and a restart that finds it unsettled looks for the
+/// process instead of starting another.
+#[test]
+fn an_unsettled_spawning_intent_is_adopted_never_spawned_again() {
+    let base = t0();
+    let intent = with(&after(3).1, &[Record::Spawning { job: k() }]);
+    // (Renewed since the restart, so the renewal does not come first.)
+    let resumed = Runtime { lease_fresh_at: Some(base), renew_doubt: RenewDoubt::Sure, ..Runtime::resumed() };
+    assert_eq!(next(&k(), &intent, &resumed, at(base, 0)), Step::Adopt);
+    // Even with a stop intent or a drain: a process may run and must be found first.
+    let stopped = with(&intent, &[Record::StopSeen { job: k(), intent: StopIntent::Cancel }]);
+    assert_eq!(next(&k(), &stopped, &resumed, at(base, 0)), Step::Adopt);
+    let finished = Runtime { finished: true, ..resumed };
+    assert_eq!(next(&k(), &intent, &finished, at(base, 0)), Step::Adopt);
+    // Found: recorded, then recovered like any orphan.
+    let found = with(&intent, &[fixtures::spawned(&k())]);
+    assert_eq!(next(&k(), &found, &resumed, at(base, 0)), Step::MintCallback);
+    // Never started (no run directory): start it now.
+    let unstarted = Runtime { unstarted: true, ..resumed };
+    assert_eq!(next(&k(), &intent, &unstarted, at(base, 0)), Step::Spawn);
+    assert_eq!(next(&k(), &intent, &Runtime { finished: true, ..unstarted }, at(base, 0)), Step::Drop);
+    // Unknown: reported as a start failure, never run twice.
+    let failed = with(&intent, &[Record::SpawnFailed { job: k(), reason: Reason::summarise(START_INTERRUPTED) }]);
+    assert!(matches!(next(&k(), &failed, &resumed, at(base, 0)), Step::StartFailure(_)));
 }
 
 #[test]
@@ -508,7 +612,7 @@ impl Sim {
         for i in 0..400 {
             if s.restart_after == Some(i) {
                 // The agent dies: memory is lost; a running process becomes an orphan.
-                self.rt = Runtime::default();
+                self.rt = Runtime::resumed();
                 self.trace.push("RESTART");
             }
             if let Some(d) = s.drain_at {
@@ -574,7 +678,11 @@ impl Sim {
                 assert_eq!(f.expected_lease_version.get(), self.server_version);
                 self.commit(Record::StartingAcked { job: key });
             }
+            Step::Adopt => panic!("the simulated agent always records its spawn: {:?}", self.trace),
             Step::Spawn => {
+                if !job.spawning {
+                    self.commit(Record::Spawning { job: key.clone() });
+                }
                 if s.spawn_fails {
                     self.commit(Record::SpawnFailed { job: key, reason: Reason::summarise("no such program") });
                 } else {
@@ -763,4 +871,53 @@ fn every_path_ends_in_one_terminal_command_and_a_drop() {
         }
     }
     assert_eq!(walks, 2 * 3 * 4 * 17 * 3 * 2);
+}
+
+/// The agent's recovery path at every byte offset of a recorded life (the journal's own
+/// test covers the file; this one what the restarted agent then does): the state is that
+/// of the complete records before the cut, never part of a torn one, and the first step
+/// never starts a process the journal says may have started, nor presents a version the
+/// journal does not hold.
+#[test]
+fn truncation_at_every_offset_resumes_from_the_complete_prefix_and_never_spawns_twice() {
+    // A RAM disk where there is one: thousands of fsyncs cost nothing there.
+    let shm = std::path::Path::new("/dev/shm");
+    let root = if shm.is_dir() { shm.to_owned() } else { std::env::temp_dir() };
+    let dir = root.join(format!("ql-core-every-offset-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (mut journal, mut state) = crate::journal::Journal::open(&dir.join("full")).unwrap();
+    let mut records = vec![fixtures::session("s1", 1)];
+    records.extend(fixtures::lifecycle(&k()));
+    let mut ends = Vec::new();
+    for r in &records {
+        journal.commit(&mut state, r).unwrap();
+        ends.push(journal.len());
+    }
+    let bytes = std::fs::read(dir.join("full").join("journal")).unwrap();
+    assert_eq!(bytes.len() as u64, *ends.last().unwrap());
+    let base = t0();
+    for cut in 0..=bytes.len() {
+        let here = dir.join(format!("cut-{cut}"));
+        std::fs::create_dir_all(&here).unwrap();
+        std::fs::write(here.join("journal"), &bytes[..cut]).unwrap();
+        let (_, recovered) = crate::journal::Journal::open(&here).unwrap_or_else(|e| panic!("offset {cut}: {e}"));
+        let complete = ends.iter().filter(|&&end| end <= cut as u64).count();
+        assert_eq!(recovered, replay(&records[..complete]), "offset {cut}");
+        if let Some(job) = recovered.jobs.get(&k()) {
+            let step = next(&k(), job, &Runtime::resumed(), at(base, 0));
+            let may_have_started = job.spawning || job.spawn.is_some();
+            assert!(!(may_have_started && step == Step::Spawn), "offset {cut}: {step:?} after {job:?}");
+            let unsettled = job.spawning && job.spawn.is_none() && job.spawn_failure.is_none();
+            assert!(!unsettled || matches!(step, Step::Renew(_) | Step::Adopt), "offset {cut}: {step:?}");
+            let version = match &step {
+                Step::Renew(f) | Step::Starting(f) => Some(f.expected_lease_version),
+                Step::Upload(h) => Some(h.expected_lease_version),
+                Step::Complete(b) => Some(b.expected_lease_version),
+                _ => None,
+            };
+            assert_eq!(version, version.and(job.lease.as_ref().map(|l| l.version)), "offset {cut}");
+        }
+        std::fs::remove_dir_all(&here).unwrap();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -149,6 +149,81 @@ pub(crate) async fn stop_orphan(handle: &ExecutorHandle, grace: Duration, poll: 
     Ok(true)
 }
 
+/// The environment variable that carries a job's attempt id into every process of it.
+pub(crate) const ATTEMPT_VAR: &str = "QL_ATTEMPT_ID";
+
+/// Live processes whose environment carries `ATTEMPT_VAR=<attempt>`, with their stat. A
+/// process's environment is read from `/proc/<pid>/environ` (as it was at exec), which only
+/// its own user (or root) can read: the agent's jobs run as the agent's user.
+pub(crate) fn marked(attempt: &str) -> io::Result<Vec<(u32, Stat)>> {
+    let needle = format!("{ATTEMPT_VAR}={attempt}");
+    let mut found = Vec::new();
+    for entry in fs::read_dir("/proc")? {
+        let entry = entry?;
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        // Processes exit, and others' are unreadable: either way, not ours to find.
+        let Ok(environ) = fs::read(format!("/proc/{pid}/environ")) else { continue };
+        if !environ.split(|&b| b == 0).any(|var| var == needle.as_bytes()) {
+            continue;
+        }
+        if let Ok(stat) = read_stat(pid) {
+            if stat.is_live() {
+                found.push((pid, stat));
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// What [`find_unrecorded`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// The job's process runs: it leads its group (pid = pgid).
+    Leader {
+        /// Its handle.
+        handle: ExecutorHandle,
+        /// Its pid, and its group's id.
+        pid: u32,
+    },
+    /// The leader is gone; members it left behind were stopped.
+    Stopped,
+    /// No process of the job runs.
+    Nothing,
+}
+
+/// Looks for the processes of `attempt` that an earlier agent started but did not record
+/// (it died between the fork and the record). A leader found is left running for the
+/// caller to adopt; members without their leader are stopped (TERM, `grace`, KILL).
+pub(crate) async fn find_unrecorded(attempt: &str, grace: Duration, poll: Duration) -> io::Result<Found> {
+    let found = marked(attempt)?;
+    if let Some((pid, stat)) = found.iter().find(|(pid, stat)| stat.pgrp == *pid as i32) {
+        return Ok(Found::Leader { handle: executor_handle(*pid, stat.starttime), pid: *pid });
+    }
+    if found.is_empty() {
+        return Ok(Found::Nothing);
+    }
+    let mut groups: Vec<i32> = found.iter().map(|(_, s)| s.pgrp).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    for pgid in groups {
+        // Live members keep the group's id theirs: signalling it reaches only them.
+        terminate_group(pgid as u32, grace, poll).await?;
+    }
+    Ok(Found::Stopped)
+}
+
+/// Stops what is left of a recorded job whose leader is gone: the live members of group
+/// `pgid` that carry the job's `attempt`. Returns whether there were any.
+pub(crate) async fn stop_leftovers(attempt: &str, pgid: u32, grace: Duration, poll: Duration) -> io::Result<bool> {
+    let left = marked(attempt)?.into_iter().any(|(_, s)| s.pgrp == pgid as i32);
+    if left {
+        terminate_group(pgid, grace, poll).await?;
+    }
+    Ok(left)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,13 @@
 //! ```
 //!
 //! The script and the spool sit beside the working directory, not in it, so the job
-//! cannot clobber its own log by writing files.
+//! cannot clobber its own log by writing files. The run directory is fsynced before the
+//! fork: a spool that is missing after a crash proves the process was never started.
+//!
+//! Every process of a job carries its attempt id in its environment ([`ATTEMPT_VAR`],
+//! set after the spec's variables so a spec cannot change it). That is how a restarted
+//! agent finds a process it started but had no time to record ([`find_unrecorded`]), and
+//! the members a job left behind when its leader is gone ([`stop_leftovers`]).
 //!
 //! Driving: everything happens while [`Job::wait`] or [`Job::stop`] is being polled; both
 //! may be dropped at an await point and called again (a timeout is `wait` raced against an
@@ -38,7 +44,7 @@
 
 mod group;
 
-pub(crate) use group::{group_alive, is_alive, stop_orphan};
+pub(crate) use group::{find_unrecorded, group_alive, is_alive, stop_leftovers, stop_orphan, Found, ATTEMPT_VAR};
 
 use rustix::pipe::{pipe_with, PipeFlags};
 use rustix::process::Signal;
@@ -75,6 +81,8 @@ pub(crate) struct RunDir {
     pub(crate) work: PathBuf,
     /// The log spool.
     pub(crate) spool: PathBuf,
+    /// The attempt the run belongs to (its processes carry it in [`ATTEMPT_VAR`]).
+    pub(crate) attempt: AttemptId,
 }
 
 impl RunDir {
@@ -82,7 +90,7 @@ impl RunDir {
     /// charset (`[A-Za-z0-9_-]`) makes it a safe file name.
     pub(crate) fn new(state_dir: &Path, attempt: &AttemptId) -> Self {
         let root = state_dir.join("runs").join(attempt.as_str());
-        Self { work: root.join("work"), spool: root.join("output.log"), root }
+        Self { work: root.join("work"), spool: root.join("output.log"), root, attempt: attempt.clone() }
     }
 
     /// Where a script for `interpreter` is written.
@@ -235,6 +243,11 @@ impl Job {
             .mode(0o600)
             .open(&run_dir.spool)
             .map_err(SpawnError::RunDir)?;
+        // The spool's name is durable before the fork (see the module doc).
+        sync_dir(&run_dir.root).map_err(SpawnError::RunDir)?;
+        if let Some(runs) = run_dir.root.parent() {
+            sync_dir(runs).map_err(SpawnError::RunDir)?;
+        }
 
         let (reader, writer) = pipe_with(PipeFlags::CLOEXEC).map_err(|e| SpawnError::Pipe(e.into()))?;
         let writer_too = writer.try_clone().map_err(SpawnError::Pipe)?;
@@ -254,6 +267,7 @@ impl Job {
         for (name, value) in &spec.env {
             std_cmd.env(name.as_str(), value);
         }
+        std_cmd.env(ATTEMPT_VAR, run_dir.attempt.as_str());
         // async-process has no process_group, so it is set on the std Command; converting
         // resets stdio, so stdio is set after the conversion.
         let mut cmd = Command::from(std_cmd);
@@ -429,6 +443,10 @@ async fn reap(child: &mut Child, status: &mut Option<ExitStatus>) -> io::Result<
     let s = child.status().await?;
     *status = Some(s);
     Ok(s)
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 fn write_private(path: &Path, bytes: &[u8]) -> io::Result<()> {

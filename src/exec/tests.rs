@@ -360,8 +360,10 @@ fn the_spec_env_is_added_to_a_minimal_inherited_env() {
         assert_eq!(vars.get("QL_TEST_GREETING"), Some(&"hello world = 1"));
         assert_eq!(vars.get("HOME"), Some(&"/spec/home"), "the spec overrides what is inherited");
         assert!(vars.contains_key("PATH"));
+        assert_eq!(vars.get(ATTEMPT_VAR), Some(&"attempt-1"), "every job carries its attempt id");
         for name in vars.keys() {
-            assert!(INHERITED_ENV.contains(name) || *name == "QL_TEST_GREETING", "{name} leaked into the job");
+            let ours = INHERITED_ENV.contains(name) || [ATTEMPT_VAR, "QL_TEST_GREETING"].contains(name);
+            assert!(ours, "{name} leaked into the job");
         }
     });
 }
@@ -393,5 +395,55 @@ fn the_executor_handle_names_the_live_leader() {
         assert!(is_alive(&handle));
         job.stop(GRACE).await.unwrap();
         assert!(!is_alive(&handle));
+    });
+}
+
+/// A run directory whose attempt id no other test uses: the marker is global to the host.
+fn unique_run_dir(dir: &TestDir, tag: &str) -> RunDir {
+    RunDir::new(&dir.0, &AttemptId::parse(format!("att-{tag}-{}", std::process::id())).unwrap())
+}
+
+#[test]
+fn an_unrecorded_job_is_found_by_the_attempt_id_in_its_environment() {
+    let dir = TestDir::new("unrecorded");
+    block_on(async {
+        let run_dir = unique_run_dir(&dir, "unrecorded");
+        let attempt = run_dir.attempt.to_string();
+        assert_eq!(find_unrecorded(&attempt, GRACE, POLL).await.unwrap(), Found::Nothing);
+        let spec = argv(&["sh", "-c", "sleep 1000 & sleep 1000"]);
+        let mut job = Job::spawn(&spec, run_dir, POLL).unwrap();
+        let pgid = job.pgid();
+        until(&mut job, "the background sleep", || live_members(pgid).len() >= 2).await;
+        let found = find_unrecorded(&attempt, GRACE, POLL).await.unwrap();
+        assert_eq!(found, Found::Leader { handle: job.executor_handle().clone(), pid: job.pid() });
+        assert!(live_members(pgid).len() >= 2, "a leader found is left for the caller to adopt");
+        assert!(stop_orphan(job.executor_handle(), GRACE, POLL).await.unwrap());
+        assert_eq!(job.wait().await.unwrap().signal, Some(15));
+        assert_eq!(find_unrecorded(&attempt, GRACE, POLL).await.unwrap(), Found::Nothing);
+    });
+}
+
+#[test]
+fn members_left_without_their_leader_are_stopped() {
+    let dir = TestDir::new("leaderless");
+    block_on(async {
+        let run_dir = unique_run_dir(&dir, "leaderless");
+        let attempt = run_dir.attempt.to_string();
+        let spec = argv(&["sh", "-c", "sleep 1000 >/dev/null 2>&1 & echo started"]);
+        let mut job = Job::spawn(&spec, run_dir.clone(), POLL).unwrap();
+        let pgid = job.pgid();
+        assert_eq!(job.wait().await.unwrap().code, Some(0));
+        assert!(group_alive(pgid).unwrap(), "the background sleep outlives the leader");
+        // As after a restart: the recorded group's leader is gone, a member is left.
+        assert!(!stop_leftovers("some-other-attempt", pgid, GRACE, POLL).await.unwrap());
+        assert!(stop_leftovers(&attempt, pgid, GRACE, POLL).await.unwrap());
+        assert!(!group_alive(pgid).unwrap());
+        assert!(!stop_leftovers(&attempt, pgid, GRACE, POLL).await.unwrap());
+        // And when nothing was recorded at all.
+        let mut again = Job::spawn(&spec, run_dir, POLL).unwrap();
+        assert_eq!(again.wait().await.unwrap().code, Some(0));
+        assert!(group_alive(again.pgid()).unwrap());
+        assert_eq!(find_unrecorded(&attempt, GRACE, POLL).await.unwrap(), Found::Stopped);
+        assert!(!group_alive(again.pgid()).unwrap());
     });
 }

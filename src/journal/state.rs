@@ -86,6 +86,14 @@ pub(crate) enum Record {
         /// The job.
         job: JobKey,
     },
+    /// The process is about to be started: written before its run directory is made and
+    /// it is forked. A restart that finds this without `spawned` or `spawnFailed` cannot
+    /// know whether the process started, so it looks for it (by the attempt id in its
+    /// environment) instead of starting it again.
+    Spawning {
+        /// The job.
+        job: JobKey,
+    },
     /// The process was started.
     Spawned {
         /// The job.
@@ -240,6 +248,8 @@ pub(crate) struct Job {
     pub(crate) lease: Option<Lease>,
     /// Whether `starting` was accepted.
     pub(crate) starting_acked: bool,
+    /// Whether the agent set out to start the process (see [`Record::Spawning`]).
+    pub(crate) spawning: bool,
     /// Set once the process started.
     pub(crate) spawn: Option<Spawn>,
     /// Set when the process could not start.
@@ -307,6 +317,7 @@ impl Record {
             Self::Claimed { job, .. }
             | Self::Renewed { job, .. }
             | Self::StartingAcked { job }
+            | Self::Spawning { job }
             | Self::Spawned { job, .. }
             | Self::SpawnFailed { job, .. }
             | Self::CallbackMinted { job, .. }
@@ -353,6 +364,10 @@ impl JournalState {
                 require(claimed, Refused::TooEarly)?;
                 require(!job.starting_acked, Refused::Repeated)
             }
+            Record::Spawning { .. } => {
+                require(claimed, Refused::TooEarly)?;
+                require(!job.spawning && job.spawn.is_none() && job.spawn_failure.is_none(), Refused::Repeated)
+            }
             Record::Spawned { .. } | Record::SpawnFailed { .. } => {
                 require(claimed, Refused::TooEarly)?;
                 require(job.spawn.is_none() && job.spawn_failure.is_none(), Refused::Repeated)
@@ -397,6 +412,7 @@ impl JournalState {
                 lease_token: lease_token.clone(),
                 lease: None,
                 starting_acked: false,
+                spawning: false,
                 spawn: None,
                 spawn_failure: None,
                 callback: None,
@@ -429,6 +445,7 @@ impl JournalState {
                 job.lease.as_mut().expect("check saw the lease").version = *lease_version;
             }
             Record::StartingAcked { .. } => job.starting_acked = true,
+            Record::Spawning { .. } => job.spawning = true,
             Record::Spawned { executor_handle, pid, pgid, .. } => {
                 job.spawn = Some(Spawn { executor_handle: executor_handle.clone(), pid: *pid, pgid: *pgid });
             }
@@ -502,6 +519,9 @@ pub(crate) fn job_records(key: &JobKey, job: &Job) -> Vec<Record> {
     }
     if job.starting_acked {
         out.push(Record::StartingAcked { job: k() });
+    }
+    if job.spawning {
+        out.push(Record::Spawning { job: k() });
     }
     if let Some(s) = &job.spawn {
         out.push(Record::Spawned { job: k(), executor_handle: s.executor_handle.clone(), pid: s.pid, pgid: s.pgid });
@@ -648,6 +668,7 @@ pub(crate) mod fixtures {
             offered(k, 3),
             claimed(k),
             Record::StartingAcked { job: k.clone() },
+            Record::Spawning { job: k.clone() },
             spawned(k),
             minted(k, 9),
             Record::RunningAcked { job: k.clone() },
@@ -779,6 +800,7 @@ mod tests {
         for r in [
             claimed(&k),
             Record::StartingAcked { job: k.clone() },
+            Record::Spawning { job: k.clone() },
             spawned(&k),
             Record::SpawnFailed { job: k.clone(), reason: Reason::summarise("late") },
             minted(&k, 10),
@@ -788,6 +810,25 @@ mod tests {
         ] {
             expect(&mut state, &r, Err(Refused::Repeated));
         }
+    }
+
+    #[test]
+    fn the_spawning_intent_needs_the_claim_and_comes_once_before_the_outcome() {
+        let k = key("s1", "a1");
+        let spawning = Record::Spawning { job: k.clone() };
+        let mut state = replay(&[offered(&k, 3)]);
+        expect(&mut state, &spawning, Err(Refused::TooEarly));
+        let mut state = replay(&[offered(&k, 3), claimed(&k), Record::StartingAcked { job: k.clone() }]);
+        expect(&mut state, &spawning, Ok(()));
+        assert!(state.jobs[&k].spawning && state.jobs[&k].spawn.is_none());
+        expect(&mut state, &spawning, Err(Refused::Repeated));
+        // Either outcome may follow the intent; a journal written before intents existed
+        // (a spawn without one) stays readable.
+        let mut failed = state.clone();
+        expect(&mut failed, &Record::SpawnFailed { job: k.clone(), reason: Reason::summarise("gone") }, Ok(()));
+        expect(&mut state, &spawned(&k), Ok(()));
+        expect(&mut state, &spawning, Err(Refused::Repeated));
+        replay(&[offered(&k, 3), claimed(&k), spawned(&k)]);
     }
 
     #[test]
