@@ -1,0 +1,1045 @@
+//! The crash, power-loss and network-fault matrix (issue 5): every run converges, nothing
+//! twice.
+//!
+//! Built only with the `faults` feature (`required-features` in `Cargo.toml`), which compiles
+//! the fault points into `ql-agent` (`src/fault.rs`) and, for the `ql-control` this test
+//! builds, into the control plane (`crates/ql-control/src/fault.rs`). Run it with
+//! `scripts/fault-matrix`, which prints the table, or as part of `scripts/test`.
+//!
+//! Each cell is one scenario: a fresh control plane (a copy of one initialised state
+//! directory) and a fresh agent, one job with one outcome (success, failure (exit 3),
+//! cancel, timeout, or a program that cannot start), one fault. Agent faults SIGKILL the
+//! agent at a named point; control faults commit then drop the answer, delay it past the
+//! agent's timeout, crash after the commit, refuse with 503, or reset the connection in the
+//! middle of a request or an upload. Whatever died is restarted (the agent from the same
+//! state directory, ql-control from the same database on the same port) and then:
+//!
+//! - the run reaches exactly one terminal state, the expected one: the job's own outcome,
+//!   except that a job whose process was still running when the agent died ends `failed`
+//!   (its restarted agent stops the orphan and reports it killed: the exit status died with
+//!   the old agent); a process that finished before the crash completes from its durable
+//!   exit evidence, including from `starting` (ADR-0117);
+//! - each event type exists at most once per attempt;
+//! - the stored log is the spool's: the job prints 256 KiB of known lines, so the stored
+//!   log is exactly them when the process finished by itself, a prefix of them when it was
+//!   stopped, and `ql-control logs` checks its SHA-256 against the receipt; a run without a
+//!   log failed with a clear error code;
+//! - the job's process started at most once (it appends its pid to a file) and none of its
+//!   processes (found by a tag in their environment) is left running;
+//! - the agent's journal ends with no job in it, and no lease is left `leased`;
+//! - agents restarted at once converge by their own reports, never by lease expiry.
+//!
+//! Also: the starting-only window of ADR-0117 (the process finished while `running` was
+//! refused, then the agent died); recovery after an expired lease and after a replaced
+//! session (the job is stopped and nothing is sent on the stale lease); and torn journals:
+//! the agent is killed after each record of a run, then the journal is cut one byte short
+//! (the last record torn) or given one stray byte (a torn next record), and restarted. Every
+//! byte offset is covered in-process by the journal's and the core's own tests
+//! (`truncation_at_every_offset_*`); end to end, every record boundary and one byte either
+//! side of it.
+//!
+//! Timings are short on both sides (lease 1.5 s, heartbeat 0.3 s, call timeout 0.7 s) and
+//! scenarios run three at a time (`QL_MATRIX_THREADS`). `QL_MATRIX_ONLY=text` runs the cells
+//! whose row name contains `text`.
+
+mod common;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fs;
+use std::os::unix::process::ExitStatusExt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use common::{agent_config, build_control, init_control, read_journal, tagged_processes, Agent, Control, TempDir};
+
+/// The control plane's timings for every scenario.
+const TIMINGS: &[(&str, u64)] = &[
+    ("heartbeat_ms", 300),
+    ("session_ttl_ms", 3_000),
+    ("offer_ttl_ms", 2_000),
+    ("lease_ttl_ms", 1_500),
+    ("sweep_interval_ms", 100),
+    ("change_poll_ms", 20),
+    ("read_timeout_ms", 2_000),
+];
+
+/// The agent's settings for every scenario.
+const AGENT: &[(&str, &str)] = &[
+    ("poll_wait_ms", "1000"),
+    ("busy_poll_wait_ms", "100"),
+    ("stop_grace_ms", "300"),
+    ("group_poll_ms", "20"),
+    ("drain_timeout_ms", "2000"),
+    ("connect_timeout_ms", "1000"),
+    ("call_timeout_ms", "700"),
+    // Below two thirds of the lease: a blocked upload cannot outlast the lease.
+    ("upload_timeout_ms", "700"),
+    ("backoff_initial_ms", "30"),
+    ("backoff_max_ms", "300"),
+    ("log_level", "debug"),
+];
+
+/// How long a delayed answer is held back: past the call and the upload timeouts.
+const DELAY_MS: &str = "1800";
+/// The timeout of the timeout outcome's job: shorter than the lease, so a job orphaned by a
+/// crash reaches its deadline before its lease can lapse.
+const JOB_TIMEOUT_MS: u64 = 1_200;
+/// The environment variable that tags a scenario's job processes.
+const TAG: &str = "QL_MATRIX_TAG";
+/// How long one scenario may take.
+const CELL_DEADLINE: Duration = Duration::from_secs(45);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Outcome {
+    Success,
+    Failure,
+    Cancel,
+    Timeout,
+    StartFail,
+}
+
+const OUTCOMES: [Outcome; 5] =
+    [Outcome::Success, Outcome::Failure, Outcome::Cancel, Outcome::Timeout, Outcome::StartFail];
+
+impl Outcome {
+    fn column(self) -> &'static str {
+        match self {
+            Self::Success => "success",
+            Self::Failure => "failure",
+            Self::Cancel => "cancel",
+            Self::Timeout => "timeout",
+            Self::StartFail => "no program",
+        }
+    }
+}
+
+/// Where the process is when the fault strikes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// No process yet: it is started after the fault.
+    Before,
+    /// The process runs and has not ended.
+    During,
+    /// The process ended and its exit is on record.
+    After,
+}
+
+/// What the test does to the journal of the killed agent before restarting it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tear {
+    None,
+    /// Cut one byte: the last record is torn.
+    CutOne,
+    /// Add one stray byte: a torn next record.
+    AddOne,
+}
+
+/// Scenarios that need their own driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Special {
+    None,
+    /// The agent dies mid-run and comes back only after the lease was swept.
+    ExpiredLease,
+    /// The agent is frozen mid-run while another agent replaces its session.
+    ReplacedSession,
+}
+
+#[derive(Debug, Clone)]
+struct Row {
+    name: String,
+    agent: Option<String>,
+    control: Option<String>,
+    phase: Phase,
+    outcomes: Vec<Outcome>,
+    tear: Tear,
+    special: Special,
+    table: usize,
+    /// The process was started and no exit evidence survives: the restarted agent reports
+    /// it killed (or gone), so the job's own outcome is lost.
+    orphan: bool,
+    /// The job is let finish as soon as the agent died, and the agent is restarted only
+    /// once the job's leader is gone (what it left behind must still be stopped).
+    ends_while_down: bool,
+}
+
+impl Row {
+    fn new(name: &str, agent: Option<&str>, control: Option<&str>, phase: Phase, outcomes: &[Outcome]) -> Row {
+        Row {
+            name: name.to_owned(),
+            agent: agent.map(str::to_owned),
+            control: control.map(str::to_owned),
+            phase,
+            outcomes: outcomes.to_vec(),
+            tear: Tear::None,
+            special: Special::None,
+            table: 0,
+            orphan: agent.is_some() && phase == Phase::During,
+            ends_while_down: false,
+        }
+    }
+
+    /// Whether the job must stay alive until the control fault fired (renewal faults).
+    fn gate_after_fault(&self) -> bool {
+        self.agent.is_none() && self.control.as_deref().is_some_and(|c| c.contains("lease.renew"))
+    }
+
+    /// Whether the job's exit evidence is lost with the agent (see [`Row::orphan`]).
+    fn orphaned(&self) -> bool {
+        self.orphan
+    }
+}
+
+fn rows() -> Vec<Row> {
+    use Outcome::*;
+    use Phase::*;
+    let four = [Success, Failure, Cancel, Timeout];
+    let five = [Success, Failure, Cancel, Timeout, StartFail];
+    let mut rows = Vec::new();
+    // The agent, SIGKILLed after each journal record and after each answer arrived.
+    let agent: &[(&str, Phase, &[Outcome])] = &[
+        ("journal:session", Before, &five),
+        ("journal:offered", Before, &five),
+        ("sent:offer.claim", Before, &five),
+        ("journal:claimed", Before, &five),
+        ("sent:attempt.starting", Before, &five),
+        ("journal:startingAcked", Before, &five),
+        ("journal:spawning", Before, &five),
+        ("spawned", During, &four),
+        ("journal:spawned", During, &four),
+        ("journal:callbackMinted", During, &four),
+        ("sent:attempt.running", During, &four),
+        ("journal:runningAcked", During, &four),
+        ("sent:lease.renew@1", During, &four),
+        ("journal:renewed@1", During, &four),
+        ("sent:lease.renew@2", During, &four),
+        ("journal:renewed@2", During, &four),
+        // Only a cancel: a timeout is stopped by the agent's own timer, which runs out
+        // before a renewal can bring the intent.
+        ("journal:stopSeen", During, &[Cancel]),
+        ("journal:exited", After, &four),
+        ("upload-body@65536", After, &four),
+        ("sent:artifact.put", After, &four),
+        ("journal:artifactStored", After, &four),
+        ("sent:attempt.completion", After, &four),
+        ("journal:dropped", After, &four),
+        ("journal:spawnFailed", Before, &[StartFail]),
+        ("sent:attempt.start_failure", Before, &[StartFail]),
+    ];
+    for (point, phase, outcomes) in agent {
+        rows.push(Row::new(&format!("agent {point}"), Some(point), None, *phase, outcomes));
+    }
+    // The control plane and the network.
+    let before_spawn = ["session.open", "offers.poll", "offer.claim", "attempt.starting"];
+    let kinds: &[(&str, &str, &[&str])] = &[
+        (
+            "drop",
+            "",
+            &[
+                "session.open",
+                "offers.poll",
+                "offer.claim",
+                "attempt.starting",
+                "attempt.running",
+                "lease.renew",
+                "artifact.put",
+                "attempt.completion",
+                "attempt.start_failure",
+            ],
+        ),
+        (
+            "delay",
+            "",
+            &[
+                "offer.claim",
+                "attempt.starting",
+                "attempt.running",
+                "lease.renew",
+                "artifact.put",
+                "attempt.completion",
+                "attempt.start_failure",
+            ],
+        ),
+        (
+            "crash",
+            "",
+            &[
+                "session.open",
+                "offer.claim",
+                "attempt.starting",
+                "attempt.running",
+                "lease.renew",
+                "artifact.put",
+                "attempt.completion",
+                "attempt.start_failure",
+            ],
+        ),
+        (
+            "503",
+            "@3",
+            &[
+                "offers.poll",
+                "offer.claim",
+                "attempt.starting",
+                "attempt.running",
+                "lease.renew",
+                "artifact.put",
+                "attempt.completion",
+                "attempt.start_failure",
+            ],
+        ),
+        (
+            "reset",
+            "",
+            &[
+                "offer.claim",
+                "attempt.starting",
+                "attempt.running",
+                "lease.renew",
+                "artifact.put",
+                "attempt.completion",
+                "attempt.start_failure",
+            ],
+        ),
+    ];
+    for (kind, count, routes) in kinds {
+        for route in routes.iter() {
+            let spec = format!("{kind}:{route}{count}");
+            let outcomes: Vec<Outcome> = if *route == "attempt.start_failure" {
+                vec![StartFail]
+            } else if before_spawn.contains(route) {
+                five.to_vec()
+            } else {
+                four.to_vec()
+            };
+            let name = match (*kind, *route) {
+                ("reset", "artifact.put") => "control reset:artifact.put (mid-upload)".to_owned(),
+                ("reset", _) => format!("control {spec} (mid-request)"),
+                _ => format!("control {spec}"),
+            };
+            rows.push(Row::new(&name, None, Some(&spec), Phase::Before, &outcomes));
+        }
+    }
+    // The process ends while its agent is down, leaving a background child behind.
+    for point in ["journal:spawned", "journal:runningAcked"] {
+        let mut row = Row::new(&format!("agent {point}, job ends while down"), Some(point), None, During, &[Success]);
+        row.ends_while_down = true;
+        row.table = 1;
+        rows.push(row);
+    }
+    // ADR-0117's starting-only window: `running` is refused, the process finishes, its exit
+    // is journaled, the agent dies; the restarted agent completes from `starting`.
+    let mut starting_only = Row::new(
+        "starting-only window (running refused, agent killed after exit)",
+        Some("journal:exited"),
+        Some("503:attempt.running@1000000"),
+        Phase::After,
+        &[Success, Failure],
+    );
+    starting_only.table = 1;
+    rows.push(starting_only);
+    let mut expired =
+        Row::new("restart after the lease was swept", Some("journal:renewed@1"), None, During, &[Success]);
+    expired.special = Special::ExpiredLease;
+    expired.table = 1;
+    rows.push(expired);
+    let mut replaced = Row::new("session replaced while the agent was frozen", None, None, During, &[Success]);
+    replaced.special = Special::ReplacedSession;
+    replaced.table = 1;
+    rows.push(replaced);
+    // Torn journals: each record of a run, cut one byte short or followed by a stray byte.
+    let records: &[(&str, Phase)] = &[
+        ("session", Before),
+        ("offered", Before),
+        ("claimed", Before),
+        ("startingAcked", Before),
+        ("spawning", Before),
+        ("spawned", During),
+        ("callbackMinted", During),
+        ("runningAcked", During),
+        ("exited", After),
+        ("artifactStored", After),
+        ("dropped", After),
+    ];
+    for (kind, phase) in records {
+        for tear in [Tear::CutOne, Tear::AddOne] {
+            let what = if tear == Tear::CutOne { "cut 1 byte (torn)" } else { "+1 stray byte" };
+            let point = format!("journal:{kind}");
+            let mut row = Row::new(&format!("{point}, {what}"), Some(&point), None, *phase, &[Success]);
+            row.tear = tear;
+            row.table = 2;
+            // Cut short, a record leaves the state before it: a torn `spawned` leaves a
+            // process without its record, a torn `exited` a process without its exit.
+            if tear == Tear::CutOne {
+                row.orphan = ["spawned", "callbackMinted", "runningAcked", "exited"].contains(kind);
+            }
+            rows.push(row);
+        }
+    }
+    rows
+}
+
+/// What every scenario shares: the binaries and an initialised state directory to copy.
+struct Env {
+    control_bin: PathBuf,
+    agent_bin: PathBuf,
+    template: TempDir,
+}
+
+/// The job's log: 4096 lines of 64 bytes.
+fn expected_log() -> Vec<u8> {
+    (1..=4096).flat_map(|i| format!("{i:063}\n").into_bytes()).collect()
+}
+
+/// One scenario's world.
+struct Scenario<'a> {
+    env: &'a Env,
+    row: &'a Row,
+    outcome: Outcome,
+    root: TempDir,
+    tag: String,
+    control: Control,
+    listen: String,
+    agent: Option<Agent>,
+    agent_config: PathBuf,
+    state: PathBuf,
+    run: String,
+    fault_at: Option<Instant>,
+    notes: Vec<String>,
+}
+
+/// A converged cell: how long it took from the fault to the end, and how it ended.
+#[derive(Debug, Clone)]
+struct Converged {
+    seconds: f64,
+    swept: bool,
+}
+
+fn cp(from: &Path, to: &Path) {
+    let out = Command::new("cp").arg("-a").arg(from).arg(to).output().expect("cp runs");
+    assert!(out.status.success(), "cp: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+impl<'a> Scenario<'a> {
+    fn new(env: &'a Env, row: &'a Row, outcome: Outcome, n: usize) -> Scenario<'a> {
+        let root = TempDir::new(&format!("fm{n}"));
+        cp(&env.template.0.join("control"), &root.0.join("control"));
+        cp(&env.template.0.join("creds"), &root.0.join("creds"));
+        let mut control_env = vec![("QL_CONTROL_FAULT_DELAY_MS", DELAY_MS)];
+        if let Some(spec) = &row.control {
+            control_env.push(("QL_CONTROL_FAULT", spec));
+        }
+        let control = Control::serve(
+            &env.control_bin,
+            &root.0.join("control"),
+            "127.0.0.1:0",
+            &root.0.join("control.err"),
+            &control_env,
+        );
+        let listen = control.addr().to_owned();
+        let state = root.0.join("agent-state");
+        let agent_config = root.0.join("agent.conf");
+        fs::write(&agent_config, agent_config_text(&control.url, &root.0, &state)).unwrap();
+        let tag = format!("{}-{n}", std::process::id());
+        Scenario {
+            env,
+            row,
+            outcome,
+            root,
+            tag,
+            control,
+            listen,
+            agent: None,
+            agent_config,
+            state,
+            run: String::new(),
+            fault_at: None,
+            notes: Vec::new(),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.root.0.join(name)
+    }
+
+    fn start_agent(&mut self, fault: Option<&str>) {
+        let env: Vec<(&str, &str)> = fault.map(|f| ("QL_AGENT_FAULT", f)).into_iter().collect();
+        let agent = Agent::spawn_with(&self.env.agent_bin, &self.path("agent.err"), self.agent_config.clone(), &env);
+        self.agent = Some(agent);
+    }
+
+    fn agent_log(&self) -> String {
+        fs::read_to_string(self.path("agent.err")).unwrap_or_default()
+    }
+
+    fn context(&self) -> String {
+        let shown = if self.run.is_empty() { Value::Null } else { self.show() };
+        let tail = |text: String| {
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(60)..].join("\n")
+        };
+        format!(
+            "--- notes ---\n{}\n--- run ---\n{}\n--- journal ---\n{:?}\n--- agent log ---\n{}\n--- ql-control log ---\n{}",
+            self.notes.join("\n"),
+            serde_json::to_string_pretty(&shown).unwrap_or_default(),
+            read_journal(&self.state),
+            tail(self.agent_log()),
+            tail(self.control.log()),
+        )
+    }
+
+    fn show(&self) -> Value {
+        let out = self.control.cli(&["show", &self.run, "--json"]);
+        if !out.status.success() {
+            return Value::Null;
+        }
+        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+    }
+
+    /// Submits the job for the outcome.
+    fn submit(&mut self) {
+        let gate = self.path("gate");
+        let starts = self.path("starts");
+        let code = if self.outcome == Outcome::Failure { 3 } else { 0 };
+        let script = format!(
+            "echo $$ >> {starts}; sleep 600 >/dev/null 2>&1 & seq -f '%063g' 1 4096; \
+             while [ ! -e {gate} ]; do sleep 0.02; done; exit {code}",
+            starts = starts.display(),
+            gate = gate.display(),
+        );
+        let timeout = if self.outcome == Outcome::Timeout { JOB_TIMEOUT_MS } else { 60_000 };
+        let tag = format!("{TAG}={}", self.tag);
+        let timeout = timeout.to_string();
+        let mut args = vec!["--env", &tag, "--timeout-ms", &timeout, "--"];
+        if self.outcome == Outcome::StartFail {
+            args.push("/nonexistent/ql-matrix-program");
+        } else {
+            args.extend(["sh", "-c", &script]);
+        }
+        self.run = self.control.submit(&args);
+    }
+
+    fn open_gate(&self) {
+        let _ = fs::write(self.path("gate"), b"");
+    }
+
+    fn restart_control(&mut self) {
+        let control =
+            Control::serve(&self.env.control_bin, &self.control.dir, &self.listen, &self.path("control.err"), &[]);
+        self.control = control;
+    }
+
+    fn starts(&self) -> usize {
+        fs::read_to_string(self.path("starts")).unwrap_or_default().lines().count()
+    }
+
+    /// Tears the journal as the row asks.
+    fn tear(&mut self) {
+        let path = self.state.join("journal");
+        let mut bytes = fs::read(&path).unwrap();
+        match self.row.tear {
+            Tear::None => return,
+            Tear::CutOne => {
+                bytes.pop();
+            }
+            Tear::AddOne => bytes.push(0),
+        }
+        fs::write(&path, bytes).unwrap();
+        self.notes.push(format!("journal torn: {:?}", self.row.tear));
+    }
+}
+
+fn agent_config_text(url: &str, root: &Path, state: &Path) -> String {
+    agent_config(url, &root.join("creds"), state, AGENT)
+}
+
+fn max_lease_version(shown: &Value) -> u64 {
+    shown["leases"].as_array().into_iter().flatten().filter_map(|l| l["version"].as_u64()).max().unwrap_or(0)
+}
+
+fn events(shown: &Value) -> Vec<(String, String)> {
+    shown["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| (e["attemptId"].as_str().unwrap_or("-").to_owned(), e["type"].as_str().unwrap_or("").to_owned()))
+        .collect()
+}
+
+/// Runs one cell; `Err` says what broke.
+fn run_cell(env: &Env, row: &Row, outcome: Outcome, n: usize) -> Result<Converged, String> {
+    let mut s = Scenario::new(env, row, outcome, n);
+    let result = catch_unwind(AssertUnwindSafe(|| drive(&mut s)));
+    match result {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(format!("{e}\n{}", s.context())),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default();
+            Err(format!("panicked: {msg}\n{}", s.context()))
+        }
+    }
+}
+
+fn drive(s: &mut Scenario<'_>) -> Result<Converged, String> {
+    match s.row.special {
+        Special::None => drive_fault(s),
+        Special::ExpiredLease => drive_expired_lease(s),
+        Special::ReplacedSession => drive_replaced_session(s),
+    }
+}
+
+/// How the scenario's agent ended, if it did: `Ok(true)` when its fault point killed it.
+fn agent_ended(s: &mut Scenario<'_>) -> Result<bool, String> {
+    let Some(agent) = s.agent.as_mut() else { return Ok(false) };
+    let Some(status) = agent.proc.0.try_wait().map_err(|e| e.to_string())? else { return Ok(false) };
+    let log = s.agent_log();
+    if status.signal() == Some(9) && log.contains("reached: SIGKILL") {
+        s.agent = None;
+        return Ok(true);
+    }
+    Err(format!("the agent ended on its own ({status})"))
+}
+
+fn drive_fault(s: &mut Scenario<'_>) -> Result<Converged, String> {
+    let start = Instant::now();
+    let end = start + CELL_DEADLINE;
+    let row = s.row;
+    let outcome = s.outcome;
+    let gated = matches!(outcome, Outcome::Success | Outcome::Failure);
+    if gated && row.phase != Phase::During && !row.gate_after_fault() {
+        s.open_gate();
+    }
+    s.submit();
+    s.start_agent(row.agent.as_deref());
+    let mut agent_died = false;
+    let mut control_died = false;
+    let mut cancelled = false;
+    let mut control_fired = false;
+    let mut terminal: Option<Value> = None;
+    loop {
+        if Instant::now() > end {
+            return Err(match (s.fault_at, &terminal) {
+                (None, _) => "the fault point was never reached".into(),
+                (Some(_), None) => "the run did not end before the deadline".into(),
+                (Some(_), Some(_)) => "the journal still holds the job, or a process of it runs".into(),
+            });
+        }
+        let shown = s.show();
+        let status = shown["status"].as_str().unwrap_or("").to_owned();
+        // The agent.
+        if agent_ended(s)? {
+            agent_died = true;
+            s.fault_at.get_or_insert_with(Instant::now);
+            s.notes.push(format!("agent killed at its fault point after {:?} ({status})", start.elapsed()));
+            s.tear();
+            if row.ends_while_down {
+                s.open_gate();
+            }
+        }
+        let starts = s.starts();
+        if starts > 1 {
+            return Err(format!("the job's process was started {starts} times"));
+        }
+        // The control plane.
+        if let Some(st) = s.control.server.0.try_wait().map_err(|e| e.to_string())? {
+            if !s.control.log().contains("fired") {
+                return Err(format!("ql-control ended on its own ({st})"));
+            }
+            control_died = true;
+            s.fault_at.get_or_insert_with(Instant::now);
+            s.notes.push(format!("ql-control crashed at its fault point after {:?}; restarted", start.elapsed()));
+            s.restart_control();
+        }
+        if !control_fired && row.control.is_some() && s.control.log().contains(" fired") {
+            control_fired = true;
+            if row.agent.is_none() {
+                s.fault_at.get_or_insert_with(Instant::now);
+            }
+            if gated && row.gate_after_fault() {
+                s.open_gate();
+            }
+        }
+        // The cancel, once the job runs and renewed twice, or once something died.
+        if outcome == Outcome::Cancel
+            && !cancelled
+            && (agent_died
+                || control_died
+                || (status == "running" && max_lease_version(&shown) >= 3)
+                || common::is_terminal(&status))
+        {
+            if !common::is_terminal(&status) {
+                let out = s.control.cli(&["cancel", &s.run]);
+                if !out.status.success() {
+                    return Err(format!("cancel: {}", String::from_utf8_lossy(&out.stderr)));
+                }
+                s.notes.push(format!("cancelled after {:?} ({status})", start.elapsed()));
+            }
+            cancelled = true;
+        }
+        // Restart a killed agent: at once, except that a timeout job orphaned by the crash
+        // is restarted only once its deadline passed (else the restart kills it first),
+        // and a job let finish while its agent is down first finishes.
+        if s.agent.is_none() {
+            let wait_for_deadline = outcome == Outcome::Timeout && row.orphaned();
+            let overdue = events(&shown).iter().any(|(_, t)| t == "run.timeout_requested");
+            let leader = fs::read_to_string(s.path("starts")).unwrap_or_default();
+            let leader_gone = leader.split_whitespace().all(|p| p.parse().map_or(true, |p| !common::alive(p)));
+            let ready = (!wait_for_deadline || overdue || common::is_terminal(&status))
+                && (!row.ends_while_down || leader_gone);
+            if ready {
+                s.notes.push(format!("agent restarted after {:?}", start.elapsed()));
+                s.start_agent(None);
+            }
+        }
+        if terminal.is_none() && common::is_terminal(&status) {
+            terminal = Some(shown);
+        }
+        // Done: the run ended, every fault fired, the agent runs and forgot the job, and no
+        // process of the job is left.
+        let fired = (row.agent.is_none() || agent_died) && (row.control.is_none() || control_fired);
+        if terminal.is_some()
+            && fired
+            && s.agent.is_some()
+            && read_journal(&s.state).jobs.is_empty()
+            && tagged_processes(TAG, &s.tag).is_empty()
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(40));
+    }
+    let terminal = terminal.expect("checked above");
+    let fault_at = s.fault_at.ok_or("the fault point was never reached")?;
+    let seconds = fault_at.elapsed().as_secs_f64();
+    let shown = s.show();
+    if shown["status"] != terminal["status"] {
+        return Err(format!("the run changed after its end: {} then {}", terminal["status"], shown["status"]));
+    }
+    check(s, &shown)
+        .map(|swept| Converged { seconds, swept })
+        .map_err(|e| format!("{e}\n(agent died: {agent_died}, control died: {control_died})"))
+}
+
+/// The expected terminal status of a cell.
+fn expected(row: &Row, outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::Cancel => "cancelled",
+        Outcome::Timeout => "timed_out",
+        Outcome::Failure | Outcome::StartFail => "failed",
+        Outcome::Success if row.orphaned() => "failed",
+        Outcome::Success => "succeeded",
+    }
+}
+
+/// Checks the invariants on a converged run. `Ok(true)` when its attempt was lost to
+/// lease expiry (allowed only where the agent came back too late to report).
+fn check(s: &Scenario<'_>, shown: &Value) -> Result<bool, String> {
+    let row = s.row;
+    let status = shown["status"].as_str().unwrap_or("");
+    let want = expected(row, s.outcome);
+    if status != want {
+        return Err(format!("the run ended {status}, not {want}"));
+    }
+    // Events: one terminal run event; each type at most once per attempt.
+    let evs = events(shown);
+    let terminal_events =
+        evs.iter().filter(|(_, t)| common::TERMINAL.iter().any(|st| *t == format!("run.{st}"))).count();
+    if terminal_events != 1 {
+        return Err(format!("{terminal_events} terminal run events"));
+    }
+    let mut seen = BTreeMap::new();
+    for e in &evs {
+        *seen.entry(e.clone()).or_insert(0) += 1;
+    }
+    if let Some(((attempt, kind), n)) = seen.iter().find(|(_, n)| **n > 1) {
+        return Err(format!("event {kind} appended {n} times for attempt {attempt}"));
+    }
+    // Leases.
+    if let Some(l) = shown["leases"].as_array().into_iter().flatten().find(|l| l["state"] == "leased") {
+        return Err(format!("a lease is still leased: {l}"));
+    }
+    // How it ended.
+    let last = shown["attempts"].as_array().and_then(|a| a.last()).cloned().unwrap_or(Value::Null);
+    let swept = last["status"] == "lost";
+    let late_restart = s.outcome == Outcome::Timeout && row.orphaned();
+    if swept && !late_restart && row.special == Special::None {
+        return Err("the run ended by lease expiry although its agent came back at once".into());
+    }
+    // The process: started at most once, and as many times as the protocol says.
+    let starts = s.starts();
+    if starts > 1 {
+        return Err(format!("the job's process was started {starts} times"));
+    }
+    if s.outcome == Outcome::StartFail && starts != 0 {
+        return Err("a program that cannot start was started".into());
+    }
+    // The log.
+    let error_code = shown["errorCode"].as_str();
+    if last["artifact"].is_null() {
+        if status == "succeeded" || error_code.is_none() {
+            return Err("no log stored, and no error code says why".into());
+        }
+        if status == "succeeded" || (s.outcome == Outcome::Failure && !row.orphaned() && !swept) {
+            return Err("the job finished by itself but its log was not stored".into());
+        }
+    } else {
+        let out = s.control.cli(&["logs", &s.run]);
+        if !out.status.success() {
+            return Err(format!("logs: {}", String::from_utf8_lossy(&out.stderr)));
+        }
+        let log = out.stdout;
+        let full = expected_log();
+        let finished_by_itself = matches!(s.outcome, Outcome::Success | Outcome::Failure) && !row.orphaned();
+        if finished_by_itself && log != full {
+            return Err(format!("the stored log is {} bytes, not the job's {} bytes of output", log.len(), full.len()));
+        }
+        if !full.starts_with(&log) {
+            return Err("the stored log is not what the job printed".into());
+        }
+    }
+    if let Some(code) = last["exitCode"].as_i64() {
+        let want_code = if s.outcome == Outcome::Failure { 3 } else { 0 };
+        if !row.orphaned() && matches!(s.outcome, Outcome::Success | Outcome::Failure) && code != want_code {
+            return Err(format!("exit code {code}, not {want_code}"));
+        }
+    }
+    if s.outcome == Outcome::StartFail && error_code != Some("EXECUTOR_START_FAILED") {
+        return Err(format!("a program that cannot start ended with {error_code:?}"));
+    }
+    let log = s.agent_log();
+    for bad in ["panicked", "receipt differs"] {
+        if log.contains(bad) {
+            return Err(format!("the agent's log says `{bad}`"));
+        }
+    }
+    Ok(swept)
+}
+
+/// The agent dies mid-run and is restarted only after its lease was swept: it must stop
+/// the orphan and drop the job without acting on the stale lease.
+fn drive_expired_lease(s: &mut Scenario<'_>) -> Result<Converged, String> {
+    let end = Instant::now() + CELL_DEADLINE;
+    s.submit();
+    s.start_agent(s.row.agent.as_deref());
+    while !agent_ended(s)? {
+        if Instant::now() > end {
+            return Err("the agent never reached its fault point".into());
+        }
+        std::thread::sleep(Duration::from_millis(40));
+    }
+    s.fault_at = Some(Instant::now());
+    let before = loop {
+        let shown = s.show();
+        if shown["attempts"][0]["status"] == "lost" {
+            break shown;
+        }
+        if Instant::now() > end {
+            return Err("the lease was never swept".into());
+        }
+        std::thread::sleep(Duration::from_millis(40));
+    };
+    if tagged_processes(TAG, &s.tag).is_empty() {
+        return Err("the orphan should still run before the agent comes back".into());
+    }
+    s.start_agent(None);
+    loop {
+        if Instant::now() > end {
+            return Err("the restarted agent did not stop the orphan and drop the job".into());
+        }
+        if read_journal(&s.state).jobs.is_empty() && tagged_processes(TAG, &s.tag).is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(40));
+    }
+    let seconds = s.fault_at.unwrap().elapsed().as_secs_f64();
+    let after = s.show();
+    if events(&after) != events(&before) || after["attempts"] != before["attempts"] {
+        return Err("the restarted agent changed the run after its lease was swept".into());
+    }
+    if after["status"] != "failed" || after["errorCode"] != "LEASE_LOST" {
+        return Err(format!("the run ended {} {}, not failed LEASE_LOST", after["status"], after["errorCode"]));
+    }
+    if !s.agent_log().contains("lease_conflict") {
+        return Err("the restarted agent did not meet the swept lease".into());
+    }
+    Ok(Converged { seconds, swept: true })
+}
+
+/// The agent is frozen mid-run while a second agent of the same worker opens a session,
+/// replacing the first one's. Thawed, the first agent must stop its job (session_conflict)
+/// without completing it; the lease then lapses.
+fn drive_replaced_session(s: &mut Scenario<'_>) -> Result<Converged, String> {
+    let end = Instant::now() + CELL_DEADLINE;
+    s.submit();
+    s.start_agent(None);
+    loop {
+        let shown = s.show();
+        if shown["status"] == "running" && !tagged_processes(TAG, &s.tag).is_empty() {
+            break;
+        }
+        if Instant::now() > end {
+            return Err("the job never ran".into());
+        }
+        std::thread::sleep(Duration::from_millis(40));
+    }
+    let first = s.agent.take().unwrap();
+    common::signal(&first.proc.0, rustix::process::Signal::STOP);
+    s.fault_at = Some(Instant::now());
+    let other_state = s.path("other-state");
+    let other_config = s.path("other.conf");
+    fs::write(&other_config, agent_config_text(&s.control.url, &s.root.0, &other_state)).unwrap();
+    let other = Agent::spawn_with(&s.env.agent_bin, &s.path("other.err"), other_config, &[]);
+    loop {
+        if fs::read_to_string(s.path("other.err")).unwrap_or_default().contains("opened") {
+            break;
+        }
+        if Instant::now() > end {
+            return Err("the second agent never opened a session".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(other);
+    common::signal(&first.proc.0, rustix::process::Signal::CONT);
+    s.agent = Some(first);
+    loop {
+        if Instant::now() > end {
+            return Err("the thawed agent did not stop its job and drop it".into());
+        }
+        if read_journal(&s.state).jobs.is_empty() && tagged_processes(TAG, &s.tag).is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(40));
+    }
+    let shown = loop {
+        let shown = s.show();
+        if common::is_terminal(shown["status"].as_str().unwrap_or("")) {
+            break shown;
+        }
+        if Instant::now() > end {
+            return Err("the run never ended".into());
+        }
+        std::thread::sleep(Duration::from_millis(40));
+    };
+    let seconds = s.fault_at.unwrap().elapsed().as_secs_f64();
+    if events(&shown).iter().any(|(_, t)| t == "attempt.completed") {
+        return Err("the agent completed a run whose session was replaced".into());
+    }
+    if shown["status"] != "failed" || shown["errorCode"] != "LEASE_LOST" {
+        return Err(format!("the run ended {} {}, not failed LEASE_LOST", shown["status"], shown["errorCode"]));
+    }
+    if !s.agent_log().contains("session_conflict") {
+        return Err("the thawed agent never met session_conflict".into());
+    }
+    Ok(Converged { seconds, swept: true })
+}
+
+fn setup() -> Env {
+    let control_bin = build_control(&["faults"]);
+    // The agent binary this test was built with has the fault points; copy it so that a
+    // build without them cannot replace it underneath the scenarios.
+    let built = Path::new(env!("CARGO_BIN_EXE_ql-agent"));
+    let agent_bin = built.with_file_name("ql-agent-faults");
+    let tmp = built.with_file_name(format!("ql-agent-faults.tmp{}", std::process::id()));
+    fs::copy(built, &tmp).unwrap();
+    fs::rename(&tmp, &agent_bin).unwrap();
+    let template = TempDir::new("fm-template");
+    init_control(&control_bin, &template.0.join("control"), &template.0.join("creds"), TIMINGS);
+    Env { control_bin, agent_bin, template }
+}
+
+type Results = BTreeMap<(usize, Outcome), Result<Converged, String>>;
+
+fn print_table(title: &str, rows: &[(usize, &Row)], outcomes: &[Outcome], results: &Results) {
+    let width = rows.iter().map(|(_, r)| r.name.len()).max().unwrap_or(10).max(20);
+    println!("\n{title}\n");
+    let mut header = format!("| {:<width$} |", "fault point");
+    let mut rule = format!("|{}|", "-".repeat(width + 2));
+    for o in outcomes {
+        header.push_str(&format!(" {:<10} |", o.column()));
+        rule.push_str(&format!("{}|", "-".repeat(12)));
+    }
+    println!("{header}\n{rule}");
+    for (i, row) in rows {
+        let mut line = format!("| {:<width$} |", row.name);
+        for o in outcomes {
+            let cell = match results.get(&(*i, *o)) {
+                None => "n/a".to_owned(),
+                Some(Ok(c)) => format!("ok {:.1}s{}", c.seconds, if c.swept { "*" } else { "" }),
+                Some(Err(_)) => "FAIL".to_owned(),
+            };
+            line.push_str(&format!(" {cell:<10} |"));
+        }
+        println!("{line}");
+    }
+}
+
+#[test]
+fn every_fault_converges_with_nothing_twice() {
+    let env = setup();
+    let only = std::env::var("QL_MATRIX_ONLY").unwrap_or_default();
+    let rows = rows();
+    let mut queue = VecDeque::new();
+    for (i, row) in rows.iter().enumerate() {
+        if !row.name.contains(only.as_str()) {
+            continue;
+        }
+        for o in &row.outcomes {
+            queue.push_back((i, *o));
+        }
+    }
+    let cells = queue.len();
+    let threads: usize = std::env::var("QL_MATRIX_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let queue = Arc::new(Mutex::new(queue));
+    let results: Arc<Mutex<Results>> = Arc::default();
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            let (queue, results, rows, env) = (queue.clone(), results.clone(), &rows, &env);
+            scope.spawn(move || loop {
+                let Some((i, outcome)) = queue.lock().unwrap().pop_front() else { break };
+                let n = i * OUTCOMES.len() + outcome as usize;
+                let result = run_cell(env, &rows[i], outcome, n);
+                if let Err(e) = &result {
+                    eprintln!("FAIL {} × {}:\n{e}\n", rows[i].name, outcome.column());
+                }
+                results.lock().unwrap().insert((i, outcome), result);
+            });
+        }
+    });
+    let results = Arc::try_unwrap(results).ok().unwrap().into_inner().unwrap();
+    let elapsed = started.elapsed();
+    let titles = [
+        "Fault point × job outcome: `ok <seconds from the fault to convergence>`; `*` = by lease expiry",
+        "Recovery windows",
+        "Torn journals (the agent killed after the record, then the file torn)",
+    ];
+    for (t, title) in titles.iter().enumerate() {
+        let table: Vec<(usize, &Row)> =
+            rows.iter().enumerate().filter(|(i, r)| r.table == t && results.keys().any(|(j, _)| j == i)).collect();
+        if table.is_empty() {
+            continue;
+        }
+        let cols: Vec<Outcome> =
+            OUTCOMES.iter().copied().filter(|o| table.iter().any(|(i, _)| results.contains_key(&(*i, *o)))).collect();
+        print_table(title, &table, &cols, &results);
+    }
+    let failed: Vec<String> = results
+        .iter()
+        .filter(|(_, r)| r.is_err())
+        .map(|((i, o), _)| format!("{} × {}", rows[*i].name, o.column()))
+        .collect();
+    println!(
+        "\n{cells} scenarios, {} converged, {} failed, in {:.0} s with {threads} at a time",
+        cells - failed.len(),
+        failed.len(),
+        elapsed.as_secs_f64()
+    );
+    assert!(failed.is_empty(), "failed cells:\n{}", failed.join("\n"));
+}
