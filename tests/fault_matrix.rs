@@ -38,6 +38,10 @@
 //! (`truncation_at_every_offset_*`); end to end, every record boundary and one byte either
 //! side of it.
 //!
+//! The `ql-control` with fault points is built on first use (`cargo build -p ql-control
+//! --features faults`, same profile and target directory), or taken from
+//! `QL_CONTROL_FAULTS_BIN`.
+//!
 //! Timings are short on both sides (lease 1.5 s, heartbeat 0.3 s, call timeout 0.7 s) and
 //! scenarios run three at a time (`QL_MATRIX_THREADS`). `QL_MATRIX_ONLY=text` runs the cells
 //! whose row name contains `text`.
@@ -941,7 +945,11 @@ fn drive_replaced_session(s: &mut Scenario<'_>) -> Result<Converged, String> {
 }
 
 fn setup() -> Env {
-    let control_bin = build_control(&["faults"]);
+    // Built here with its fault points, like agent_e2e builds its ql-control, unless given.
+    let control_bin = match std::env::var_os("QL_CONTROL_FAULTS_BIN") {
+        Some(bin) => PathBuf::from(bin),
+        None => build_control(&["faults"]),
+    };
     // The agent binary this test was built with has the fault points; copy it so that a
     // build without them cannot replace it underneath the scenarios.
     let built = Path::new(env!("CARGO_BIN_EXE_ql-agent"));
