@@ -557,6 +557,17 @@ impl<'a> Scenario<'a> {
     }
 }
 
+impl Drop for Scenario<'_> {
+    /// Whatever a cell left running (it failed, say) does not outlive it.
+    fn drop(&mut self) {
+        for pid in tagged_processes(TAG, &self.tag) {
+            if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
+        }
+    }
+}
+
 fn agent_config_text(url: &str, root: &Path, state: &Path) -> String {
     agent_config(url, &root.join("creds"), state, AGENT)
 }
