@@ -53,13 +53,12 @@ use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_signal::{Signal, Signals};
-use sha2::{Digest as _, Sha256};
 use smol::channel::{self, Receiver, Sender};
 use smol::stream::StreamExt;
 use smol::{future, LocalExecutor, Timer};
 
 use ql_wire::ack::AckReply;
-use ql_wire::capability::{Digest, Token};
+use ql_wire::capability::Token;
 use ql_wire::completion::CompletionReply;
 use ql_wire::ids::{Counter, SessionId};
 use ql_wire::lease::Renewed;
@@ -70,7 +69,7 @@ use ql_wire::text::{AgentVersion, Arch, Reason};
 use ql_wire::time::Timestamp;
 use ql_wire::{ErrorCode, Fence, Outcome};
 
-use crate::client::{CallError, Client};
+use crate::client::{self, CallError, Client};
 use crate::config::Config;
 use crate::core::{self, Disposition, Ending, Now, Process, RenewDoubt, Runtime, Step, StopCause};
 use crate::exec::{self, RunDir};
@@ -168,7 +167,7 @@ fn attempt_path(cfg: &Config, key: &JobKey, job: &Job) -> AttemptPath {
 /// was actually sent.
 struct Hashing<R> {
     inner: R,
-    hasher: Sha256,
+    hasher: Box<dyn rustls::crypto::hash::Context>,
 }
 
 impl<R: Read> Read for Hashing<R> {
@@ -934,14 +933,14 @@ impl Agent {
             }
         };
         let prefix = ql_wire::frame::encode_prefix(&header).map_err(|e| Fatal(format!("artifact header: {e}")))?;
-        let mut content = Hashing { inner: file, hasher: Sha256::new() };
+        let mut content = Hashing { inner: file, hasher: client::sha256() };
         let route = Route::Artifact(attempt_path(&self.cfg, key, job), artifact_id);
         let started = Instant::now();
         match self.client.upload(&route, &prefix[..], &mut content, len) {
             Ok(reply) if matches!(reply.result, Outcome::Stored | Outcome::AlreadyStored) => {
                 self.call_ok();
                 self.settle_version(key, job)?;
-                let sent = Digest::from_raw(&content.hasher.finalize().into());
+                let sent = client::sha256_finish(content.hasher);
                 let r = &reply.receipt;
                 if r.length != len || r.sha256 != sent || r.truncated != header.truncated {
                     warn!("{who}: the stored log's receipt differs from what was sent; completing with the server's");
