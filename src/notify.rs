@@ -129,11 +129,13 @@ impl Notify {
     }
 
     /// Whether a service manager listens.
+    #[cfg(test)]
     pub(crate) fn is_on(&self) -> bool {
         self.to.is_some()
     }
 
     /// Sends failed so far.
+    #[cfg(test)]
     pub(crate) fn failures(&self) -> u32 {
         self.failures
     }
