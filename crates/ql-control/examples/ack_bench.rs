@@ -13,6 +13,12 @@
 //! `--database` names the PostgreSQL database the server runs on (as the runtime role),
 //! so the runs are submitted there; without it, the state directory's SQLite file.
 //! `bench/pg_acks.sh` runs it against PostgreSQL beside `pgbench`.
+//!
+//! `--frame-out FILE` (with `--upload-mib M`, `--uploads U`, `--clients 0`) only prepares
+//! uploads for another client: it holds one attempt at `running`, writes a valid artifact
+//! frame of M MiB to FILE and prints `cert`, `key` and `ca` lines (the worker's PEM files)
+//! and U `url` lines (distinct artifacts). `bench/agent.sh` sends the file with `curl` to
+//! compare the agent's upload throughput with curl's.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,6 +46,7 @@ struct Args {
     upload_mib: u64,
     uploads: usize,
     database: Option<String>,
+    frame_out: Option<std::path::PathBuf>,
 }
 
 fn args() -> Args {
@@ -52,6 +59,7 @@ fn args() -> Args {
         upload_mib: 0,
         uploads: 0,
         database: None,
+        frame_out: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -65,6 +73,7 @@ fn args() -> Args {
             "--upload-mib" => a.upload_mib = value.parse().expect("--upload-mib"),
             "--uploads" => a.uploads = value.parse().expect("--uploads"),
             "--database" => a.database = Some(value),
+            "--frame-out" => a.frame_out = Some(value.into()),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -72,6 +81,11 @@ fn args() -> Args {
 }
 
 fn agent(dir: &std::path::Path, worker: &WorkerId) -> ureq::Agent {
+    enrolled_agent(dir, worker).0
+}
+
+/// Enrols `worker` and returns a client presenting its certificate, and its PEM files.
+fn enrolled_agent(dir: &std::path::Path, worker: &WorkerId) -> (ureq::Agent, ql_control::pki::Enrolled) {
     let out = dir.join("bench-workers");
     let enrolled = ql_control::pki::enroll(dir, worker, &out).expect("enroll");
     let read = |p: &std::path::Path| std::fs::read(p).expect("read pem");
@@ -86,13 +100,14 @@ fn agent(dir: &std::path::Path, worker: &WorkerId) -> ureq::Agent {
         .root_certs(RootCerts::new_with_certs(&[ca]))
         .client_cert(Some(ClientCert::new_with_certs(&[cert], key)))
         .build();
-    ureq::Agent::config_builder()
+    let agent = ureq::Agent::config_builder()
         .tls_config(tls)
         .http_status_as_error(false)
         .max_idle_connections_per_host(1)
         .timeout_global(Some(Duration::from_secs(60)))
         .build()
-        .new_agent()
+        .new_agent();
+    (agent, enrolled)
 }
 
 fn post<Req: Body, Resp: Body>(agent: &ureq::Agent, url: &str, route: &Route, body: &Req) -> Resp {
@@ -183,15 +198,16 @@ fn client(a: &Args, index: usize) -> Vec<Duration> {
     times
 }
 
-/// Uploads `count` artifacts of `mib` MiB through one attempt held at `running`.
-fn uploads(a: &Args) {
-    let worker = WorkerId::parse("bench-upload").unwrap();
-    let agent = agent(&a.dir, &worker);
+/// A worker `bench-<label>` with one attempt of the run labelled `bench=<label>` held at
+/// `running`: its client, PEM files, attempt and fence.
+fn held_at_running(a: &Args, label: &str) -> (ureq::Agent, ql_control::pki::Enrolled, AttemptPath, Fence) {
+    let worker = WorkerId::parse(format!("bench-{label}")).unwrap();
+    let (agent, enrolled) = enrolled_agent(&a.dir, &worker);
     let url = a.url.as_str();
     let open = OpenSession {
         agent_version: "bench".parse().unwrap(),
         arch: std::env::consts::ARCH.parse().unwrap(),
-        labels: [("bench".parse().unwrap(), "upload".parse().unwrap())].into(),
+        labels: [("bench".parse().unwrap(), label.parse().unwrap())].into(),
         capacity: 1,
     };
     let session: SessionOpened = post(&agent, url, &Route::OpenSession(worker.clone()), &open);
@@ -216,6 +232,40 @@ fn uploads(a: &Args) {
         expected_lease_version: claimed.lease_version,
     };
     let _: AckReply = post(&agent, url, &Route::Attempt(path.clone(), AttemptCommand::Starting), &fence);
+    let running = Running::new(
+        fence.clone(),
+        "pid:1 start:1".parse().unwrap(),
+        None,
+        Counter::ONE,
+        Token::generate().unwrap().digest(),
+    );
+    let _: AckReply = post(&agent, url, &Route::Attempt(path.clone(), AttemptCommand::Running), &running);
+    (agent, enrolled, path, fence)
+}
+
+/// Writes one frame of `--upload-mib` MiB for an attempt held at `running` to `out`, and
+/// prints where and with what another client may send it `--uploads` times.
+fn frame_out(a: &Args, out: &std::path::Path) {
+    let (_, enrolled, path, fence) = held_at_running(a, "curl");
+    let len = a.upload_mib * 1024 * 1024;
+    let header = ArtifactHeader::new(fence, ArtifactSchema, len, false);
+    let mut file = std::io::BufWriter::new(std::fs::File::create(out).expect("frame file"));
+    std::io::Write::write_all(&mut file, &ql_wire::frame::encode_prefix(&header).unwrap()).unwrap();
+    std::io::copy(&mut std::io::Read::take(std::io::repeat(b'c'), len), &mut file).unwrap();
+    std::io::Write::flush(&mut file).unwrap();
+    println!("cert {}", enrolled.cert.display());
+    println!("key {}", enrolled.key.display());
+    println!("ca {}", enrolled.ca.display());
+    for i in 0..a.uploads {
+        let route = Route::Artifact(path.clone(), ArtifactId::parse(format!("curl{i}")).unwrap());
+        println!("url {}{}", a.url, route.path());
+    }
+}
+
+/// Uploads `count` artifacts of `mib` MiB through one attempt held at `running`.
+fn uploads(a: &Args) {
+    let (agent, _, path, fence) = held_at_running(a, "upload");
+    let url = a.url.as_str();
     let len = a.upload_mib * 1024 * 1024;
     for i in 0..a.uploads {
         let header = ArtifactHeader::new(fence.clone(), ArtifactSchema, len, false);
@@ -263,6 +313,13 @@ fn main() {
         for _ in 0..a.cycles {
             rt.block_on(admin::submit(&store, &submit(format!("bench={i}")))).expect("submit");
         }
+    }
+    if let Some(out) = &a.frame_out {
+        let mut up = submit("bench=curl".into());
+        up.log_limit = a.upload_mib * 1024 * 1024;
+        rt.block_on(admin::submit(&store, &up)).expect("submit the curl run");
+        frame_out(&a, out);
+        return;
     }
     if a.uploads > 0 {
         let mut up = submit("bench=upload".into());

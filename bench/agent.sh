@@ -1,0 +1,221 @@
+#!/usr/bin/env bash
+# ql-agent footprint (issue 4, "Footprint"): against a real ql-control over mTLS on
+# loopback, prints each figure with the command that produced it:
+#
+#   - the stripped release binary's size (the size profile of the root Cargo.toml);
+#   - RSS and threads of an agent connected for IDLE_SECS (default 60) seconds, and where
+#     its RSS is (per mapping, from /proc/<pid>/smaps);
+#   - peak RSS (VmHWM) of a fresh agent that ran one job printing 1 MiB, and of another
+#     that ran RUNS (default 5) jobs printing 64 MiB each: separate processes, so each peak
+#     is its own; the most threads seen while the jobs ran, and (with strace, which the
+#     1 MiB agent runs under) every thread the agent created in its life;
+#   - upload throughput: each 64 MiB log upload of the agent (timed by the agent's own
+#     `log stored (...) in N ms` line) followed by a `curl --data-binary` of a 64 MiB
+#     artifact frame to the same server (`ack_bench --frame-out` prepares the attempt);
+#     medians, compared on the time after the TLS handshake, since the agent's
+#     connection is already open when it uploads.
+#
+#   bench/agent.sh                        # about 1.5 minutes after the build
+#   IDLE_SECS=5 RUNS=1 bench/agent.sh     # a quick look
+#   TARGET=x86_64-unknown-linux-musl bench/agent.sh   # a static musl agent, as on routers
+#                                         # (rustup target add x86_64-unknown-linux-musl)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+IDLE_SECS=${IDLE_SECS:-60}
+RUNS=${RUNS:-5}
+MIB=$((1024 * 1024))
+
+if [ -n "${TARGET:-}" ]; then
+  # ring compiles C for the target; on an x86_64 host the host gcc does for x86_64 musl.
+  cc_var=CC_${TARGET//-/_}
+  if [[ $TARGET == x86_64-*-musl ]] && [ -z "${!cc_var:-}" ] && ! command -v musl-gcc >/dev/null; then
+    export "$cc_var=gcc"
+  fi
+  cargo build --release --locked --quiet -p ql-agent --bin ql-agent --target "$TARGET"
+  agent=target/$TARGET/release/ql-agent
+else
+  cargo build --release --locked --quiet -p ql-agent --bin ql-agent
+  agent=target/release/ql-agent
+fi
+cargo build --release --locked --quiet -p ql-control --bin ql-control --example ack_bench
+control=target/release/ql-control
+bench=target/release/examples/ack_bench
+command -v curl >/dev/null || { echo "bench/agent.sh: curl is needed for the throughput comparison" >&2; exit 1; }
+
+work=$(mktemp -d /tmp/ql-agent-bench.XXXXXX)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  if [ "${KEEP:-0}" = 1 ]; then echo "state kept in $work"; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+
+mib() { awk -v kb="$1" 'BEGIN { printf "%.2f MiB", kb / 1024 }'; }
+field() { awk -v f="$1:" '$1 == f { print $2 }' "/proc/$2/status"; }
+status_lines() {
+  echo "  \$ grep -E 'VmRSS|VmHWM|RssAnon|RssFile|Threads' /proc/$1/status"
+  grep -E 'VmRSS|VmHWM|RssAnon|RssFile|Threads' "/proc/$1/status" | sed 's/^/  /'
+}
+# Waits up to 30 s for a line matching $2 in file $1.
+await_line() {
+  for _ in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
+  echo "bench/agent.sh: timed out waiting for \`$2\` in $1:" >&2
+  cat "$1" >&2
+  exit 1
+}
+median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+
+"$control" init --dir "$work/control" --host 127.0.0.1 >/dev/null
+"$control" enroll bench-agent --dir "$work/control" --out "$work/creds" >/dev/null
+"$control" serve --dir "$work/control" --listen 127.0.0.1:0 >"$work/serve.out" 2>"$work/serve.err" &
+pids+=($!)
+await_line "$work/serve.out" '^listening on '
+url=$(sed -n 's/^listening on //p' "$work/serve.out")
+
+# Starts an agent, default settings, with a state directory $1 of its own, under the
+# wrapper command in the other arguments if any; sets $apid (the agent) and $wpid (what to
+# wait for).
+start_agent() {
+  local name=$1
+  shift
+  "$@" "$agent" run --server "$url" --worker-id bench-agent --cert "$work/creds/bench-agent.crt" \
+    --key "$work/creds/bench-agent.key" --ca "$work/creds/ca.crt" --state-dir "$work/$name" \
+    2>"$work/$name.err" &
+  wpid=$!
+  apid=$wpid
+  pids+=("$wpid")
+  if [ $# -gt 0 ]; then
+    apid=
+    for _ in $(seq 100); do
+      apid=$(tr -d ' ' 2>/dev/null <"/proc/$wpid/task/$wpid/children") && [ -n "$apid" ] && break
+      sleep 0.1
+    done
+  fi
+  await_line "$work/$name.err" 'session .* opened'
+}
+stop_agent() {
+  kill -TERM "$apid"
+  wait "$wpid" || true
+}
+# Keeps the most threads of process $1 in file $2 until the file is removed.
+sample_threads() {
+  local max=0 t
+  while [ -f "$2" ] && t=$(field Threads "$1" 2>/dev/null) && [ -n "$t" ]; do
+    if [ "$t" -gt "$max" ]; then max=$t; echo "$max" >"$2"; fi
+    sleep 0.02
+  done
+}
+# Submits a job printing $1 bytes and waits until its run has succeeded.
+run_job() {
+  local run status=
+  run=$("$control" submit --dir "$work/control" --log-limit "$1" -- head -c "$1" /dev/zero)
+  for _ in $(seq 1200); do
+    status=$("$control" show "$run" --dir "$work/control" --json | sed -n 's/^  "status": "\(.*\)",$/\1/p')
+    case "$status" in succeeded) return 0 ;; failed | cancelled | timed_out) break ;; esac
+    sleep 0.1
+  done
+  echo "bench/agent.sh: run $run ended ${status:-nowhere}" >&2
+  "$control" show "$run" --dir "$work/control" >&2
+  exit 1
+}
+upload_ms() { sed -n "s/.*log stored ($1 bytes) in \([0-9]*\) ms.*/\1/p" "$2"; }
+
+echo "# ql-agent footprint on $(uname -m), $(nproc) cores, Linux $(uname -r); load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "# agent: $agent ($(file -b "$agent" | cut -d, -f1-2 | sed 's/ LSB//')), default settings"
+echo "# ql-control: $control serve (SQLite) on $url"
+echo
+
+size=$(stat -c %s "$agent")
+echo "binary (stripped; profile.release: opt-level z, LTO, 1 codegen unit, panic abort):"
+echo "  \$ stat -c %s $agent"
+echo "  $size bytes = $(mib $((size / 1024)))"
+echo
+
+start_agent idle
+echo "idle: an agent connected for $IDLE_SECS s (session open, long-polling):"
+sleep "$IDLE_SECS"
+status_lines "$apid"
+echo "  \$ awk '...sum Rss per mapping...' /proc/$apid/smaps"
+awk '/^[0-9a-f]+-[0-9a-f]+ / { m = $6 == "" ? "[anonymous]" : $6 }
+  /^Rss:/ { rss[m] += $2 }
+  END { for (m in rss) if (rss[m] > 0) printf "  %6d kB  %s\n", rss[m], m }' "/proc/$apid/smaps" | sort -rn
+idle_rss=$(field VmRSS "$apid")
+idle_threads=$(field Threads "$apid")
+stop_agent
+echo
+
+declare -A peak most
+created=
+agent_ms=()
+curl_ms=()
+curl_lines=()
+for case in 1 64; do
+  bytes=$((case * MIB))
+  n=1
+  wrapper=()
+  if [ "$case" = 1 ] && command -v strace >/dev/null; then
+    # Only clone and clone3 stop the agent (seccomp-bpf), so it runs at about full speed.
+    wrapper=(strace -f -qq --seccomp-bpf -e 'trace=clone,clone3' -e signal=none -o "$work/clone.trace")
+  fi
+  start_agent "log$case" "${wrapper[@]}"
+  echo 1 >"$work/threads$case"
+  sample_threads "$apid" "$work/threads$case" &
+  if [ "$case" = 64 ]; then
+    n=$RUNS
+    "$bench" --dir "$work/control" --url "$url" --clients 0 --cycles 0 --uploads "$RUNS" --upload-mib 64 \
+      --frame-out "$work/frame" >"$work/frame.out"
+    pem() { sed -n "s/^$1 //p" "$work/frame.out"; }
+    mapfile -t targets < <(pem url)
+  fi
+  echo "peak: a fresh agent runs $n job(s) printing $case MiB (\`head -c $bytes /dev/zero\`, --log-limit $bytes):"
+  for i in $(seq 0 $((n - 1))); do
+    run_job "$bytes"
+    [ "$case" = 64 ] || continue
+    # The same bytes with curl, right after the agent's upload, to the same server.
+    cmd=(curl -sS --cacert "$(pem ca)" --cert "$(pem cert)" --key "$(pem key)" -X PUT
+      -H 'Content-Type: application/vnd.qinglong.worker-artifact' -H 'Expect: 100-continue'
+      --data-binary "@$work/frame" -o "$work/curl.body")
+    read -r code connected total < <("${cmd[@]}" -w '%{http_code} %{time_appconnect} %{time_total}\n' "${targets[$i]}")
+    [ "$code" = 200 ] || { echo "bench/agent.sh: curl got $code: $(cat "$work/curl.body")" >&2; exit 1; }
+    curl_ms+=("$(awk -v c="$connected" -v t="$total" 'BEGIN { printf "%d", (t - c) * 1000 }')")
+    curl_lines+=("  $code in $(awk -v t="$total" 'BEGIN { printf "%d", t * 1000 }') ms, ${curl_ms[-1]} ms after the handshake: $(cat "$work/curl.body")")
+  done
+  status_lines "$apid"
+  peak[$case]=$(field VmHWM "$apid")
+  most[$case]=$(cat "$work/threads$case")
+  rm "$work/threads$case"
+  echo "  most threads seen (Threads in /proc/$apid/status every 20 ms while the jobs ran): ${most[$case]}"
+  echo "  \$ grep 'log stored' $work/log$case.err"
+  grep 'log stored' "$work/log$case.err" | sed 's/^/  /'
+  stop_agent
+  if [ "${#wrapper[@]}" -gt 0 ]; then
+    created=$(grep -c 'CLONE_THREAD' "$work/clone.trace" || true)
+    echo "  \$ ${wrapper[*]} $agent run ...; grep -c CLONE_THREAD $work/clone.trace"
+    echo "  threads the agent created in its whole life (start, connect, the job, drain): $created"
+  fi
+  echo
+done
+mapfile -t agent_ms < <(upload_ms $((64 * MIB)) "$work/log64.err")
+
+echo "curl: after each of the agent's 64 MiB uploads, the same 64 MiB as an artifact frame of an"
+echo "attempt held at running (by ack_bench), to the same server:"
+echo "  \$ $bench --clients 0 --cycles 0 --uploads $RUNS --upload-mib 64 --frame-out $work/frame"
+echo "  \$ $(printf '%q ' "${cmd[@]}")-w '%{http_code} %{time_appconnect} %{time_total}' URL"
+printf '%s\n' "${curl_lines[@]}"
+echo
+
+agent_med=$(printf '%s\n' "${agent_ms[@]}" | median)
+curl_med=$(printf '%s\n' "${curl_ms[@]}" | median)
+rate() { awk -v ms="$1" 'BEGIN { printf "%.0f MiB/s", 64 / (ms / 1000) }'; }
+threads_most=$((most[1] > most[64] ? most[1] : most[64]))
+echo "# summary (targets for x86_64 from issue 4)"
+row() { printf '%-38s %-20s %s\n' "$@"; }
+row "binary, stripped" "$(mib $((size / 1024)))" "<= 1.50 MiB"
+row "RSS after ${IDLE_SECS} s connected" "$(mib "$idle_rss")" "<= 2.50 MiB"
+row "peak RSS, 1 MiB log" "$(mib "${peak[1]}")" "about the 64 MiB one"
+row "peak RSS, 64 MiB log" "$(mib "${peak[64]}")" "<= 3.50 MiB"
+row "threads: idle / most seen / created" "$idle_threads / $threads_most / ${created:-?}" "<= 2"
+row "64 MiB upload, agent (median of $RUNS)" "$agent_med ms" "$(rate "$agent_med")"
+row "64 MiB upload, curl (median of $RUNS)" "$curl_med ms" "$(rate "$curl_med"), after the handshake"
+row "agent / curl throughput" "$(awk -v a="$agent_med" -v c="$curl_med" 'BEGIN { printf "%.2fx", c / a }')" ">= 0.90x"
