@@ -74,6 +74,7 @@ use crate::config::Config;
 use crate::core::{self, Disposition, Ending, Now, Process, RenewDoubt, Runtime, Step, StopCause};
 use crate::exec::{self, RunDir};
 use crate::journal::{CommitError, CurrentSession, Job, JobKey, Journal, JournalState, Record};
+use crate::notify::Notify;
 
 /// Why the agent cannot go on: the journal cannot be written, or the OS refused something
 /// the agent cannot work without.
@@ -123,6 +124,8 @@ enum Turn {
 
 /// The running agent.
 pub(crate) struct Agent {
+    /// The service manager's notification channel (systemd `Type=notify`), if any.
+    notify: Notify,
     cfg: Config,
     client: Client,
     journal: Journal,
@@ -203,7 +206,13 @@ impl Agent {
             h.write_u32(std::process::id());
             h.finish()
         };
+        // systemd's Type=notify: READY, WATCHDOG and STOPPING; inert without NOTIFY_SOCKET.
+        let (notify, notify_error) = Notify::from_env(Instant::now());
+        if let Some(e) = notify_error {
+            warn!("{e}; not notifying the service manager");
+        }
         Ok(Agent {
+            notify,
             cfg,
             client,
             journal,
@@ -236,6 +245,8 @@ impl Agent {
         for (key, job) in &self.state.jobs {
             info!("{}: resuming from the journal", who(key, job));
         }
+        let status = format!("worker {} for {}", self.cfg.worker_id, self.cfg.server);
+        self.notify.ready(&status, Instant::now());
         loop {
             // Let the supervision tasks copy output that piled up during a blocking call.
             future::yield_now().await;
@@ -244,6 +255,7 @@ impl Agent {
                 self.on_ended(ended)?;
             }
             let now = Instant::now();
+            self.notify.tick(now);
             if self.drain_by.is_some() {
                 if self.state.jobs.is_empty() {
                     info!("drained; exiting");
@@ -269,6 +281,7 @@ impl Agent {
             let blocked = self.net.until.is_some_and(|u| now < u);
             let mut due = earliest(due, self.net.until.filter(|_| blocked));
             due = earliest(due, self.give_up_at);
+            due = earliest(due, self.notify.watchdog_due());
             if blocked || self.session.is_none() {
                 self.idle(due).await?;
                 continue;
@@ -323,6 +336,9 @@ impl Agent {
             let by = now + self.cfg.drain_timeout;
             self.drain_by = Some(by);
             self.give_up_at = Some(by + self.cfg.drain_timeout.max(self.cfg.call_timeout));
+            let need = (by + self.cfg.drain_timeout.max(self.cfg.call_timeout) + self.cfg.call_timeout)
+                .saturating_duration_since(now);
+            self.notify.stopping(&format!("draining {} job(s)", self.state.jobs.len()), Some(need));
             info!(
                 "shutdown requested: draining; {} job(s) get {} ms to finish",
                 self.state.jobs.len(),
@@ -516,6 +532,7 @@ impl Agent {
                     "session {} generation {} opened (heartbeat {} ms)",
                     opened.session_id, opened.generation, opened.heartbeat_ms
                 );
+                self.notify.status(&format!("session {} open as {}", opened.session_id, self.cfg.worker_id));
                 self.session = Some(Live {
                     id: opened.session_id,
                     generation: opened.generation,
