@@ -87,7 +87,15 @@ fn agent(dir: &std::path::Path, worker: &WorkerId) -> ureq::Agent {
 /// Enrols `worker` and returns a client presenting its certificate, and its PEM files.
 fn enrolled_agent(dir: &std::path::Path, worker: &WorkerId) -> (ureq::Agent, ql_control::pki::Enrolled) {
     let out = dir.join("bench-workers");
-    let enrolled = ql_control::pki::enroll(dir, worker, &out).expect("enroll");
+    // Later runs against the same state directory reuse the worker's first enrolment.
+    let enrolled = match ql_control::pki::enroll(dir, worker, &out) {
+        Err(ql_control::pki::PkiError::Exists(_)) => ql_control::pki::Enrolled {
+            cert: out.join(format!("{worker}.crt")),
+            key: out.join(format!("{worker}.key")),
+            ca: out.join("ca.crt"),
+        },
+        other => other.expect("enroll"),
+    };
     let read = |p: &std::path::Path| std::fs::read(p).expect("read pem");
     let ca = Certificate::from_pem(&read(&enrolled.ca)).expect("ca");
     let cert = Certificate::from_pem(&read(&enrolled.cert)).expect("cert");
