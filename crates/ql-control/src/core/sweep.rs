@@ -81,21 +81,9 @@ fn lose_lease(lease: &Lease, run: &Run, attempt: &Attempt, now: Millis, ids: &mu
         None if run.retries_used < run.retry_budget => requeued(run, run.retries_used + 1),
         None => ended(run, RunStatus::Failed, LEASE_LOST, now),
     };
-    vec![
-        Write::Lease(Lease { state: LeaseState::Expired, ..lease.clone() }),
-        event(
-            ids,
-            &run.id,
-            Some(&attempt.id),
-            "attempt.lost",
-            transition(attempt.status, lost.status),
-            json!({ "errorCode": LEASE_LOST }),
-            now,
-        ),
-        run_event(ids, run, &next_run, &attempt.id, now),
-        Write::Attempt(lost),
-        Write::Run(next_run),
-    ]
+    let mut writes = vec![Write::Lease(Lease { state: LeaseState::Expired, ..lease.clone() })];
+    writes.extend(lose(attempt, lost, run, next_run, LEASE_LOST, now, ids));
+    writes
 }
 
 /// An offer nobody claimed: the attempt is lost and the run goes back to the queue
@@ -109,18 +97,33 @@ fn lapse_offer(offer: &Offer, run: &Run, attempt: &Attempt, now: Millis, ids: &m
         ..attempt.clone()
     };
     let next_run = requeued(run, run.retries_used);
-    vec![
-        Write::Offer(Offer { state: OfferState::Expired, ..offer.clone() }),
+    let mut writes = vec![Write::Offer(Offer { state: OfferState::Expired, ..offer.clone() })];
+    writes.extend(lose(attempt, lost, run, next_run, OFFER_EXPIRED, now, ids));
+    writes
+}
+
+/// The writes shared by every loss: the `attempt.lost` event (from `was`), the run's event,
+/// then the two rows.
+fn lose(
+    was: &Attempt,
+    lost: Attempt,
+    run: &Run,
+    next_run: Run,
+    code: &str,
+    now: Millis,
+    ids: &mut IdGen,
+) -> [Write; 4] {
+    [
         event(
             ids,
             &run.id,
-            Some(&attempt.id),
+            Some(&was.id),
             "attempt.lost",
-            transition(attempt.status, lost.status),
-            json!({ "errorCode": OFFER_EXPIRED }),
+            transition(was.status, lost.status),
+            json!({ "errorCode": code }),
             now,
         ),
-        run_event(ids, run, &next_run, &attempt.id, now),
+        run_event(ids, run, &next_run, &was.id, now),
         Write::Attempt(lost),
         Write::Run(next_run),
     ]
