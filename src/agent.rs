@@ -57,6 +57,7 @@ use smol::channel::{self, Receiver, Sender};
 use smol::stream::StreamExt;
 use smol::{future, LocalExecutor, Timer};
 
+use ql_notify::Notify;
 use ql_wire::ack::AckReply;
 use ql_wire::capability::Token;
 use ql_wire::completion::CompletionReply;
@@ -74,7 +75,6 @@ use crate::config::Config;
 use crate::core::{self, Disposition, Ending, Now, Process, RenewDoubt, Runtime, Step, StopCause};
 use crate::exec::{self, RunDir};
 use crate::journal::{CommitError, CurrentSession, Job, JobKey, Journal, JournalState, Record};
-use crate::notify::Notify;
 
 /// Why the agent cannot go on: the journal cannot be written, or the OS refused something
 /// the agent cannot work without.

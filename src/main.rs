@@ -22,7 +22,6 @@ mod client;
 mod config;
 mod core;
 mod fault;
-mod notify;
 // The agent uses a subset of the journal's and the executor's API; the rest is exercised
 // by their own tests.
 #[allow(dead_code, unused_imports)]

@@ -7,11 +7,19 @@
 //! The sweeper runs here on a timer; it is idempotent and safe on every replica. On
 //! SIGTERM or Ctrl-C the ingress stops accepting, lets in-flight requests finish, and
 //! the process prints what it served (connections, requests) before it exits.
+//!
+//! Under systemd (`Type=notify`, see `packaging/systemd/ql-control.service`) it reports
+//! `READY=1` once it listens on an open store, pings the watchdog while the store answers
+//! (see [`watchdog_forever`]) and reports `STOPPING=1` when the graceful stop begins.
+//! Without `$NOTIFY_SOCKET` none of that happens.
 
 use std::path::Path;
 use std::sync::atomic::AtomicI64;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use ql_notify::Notify;
+use ql_wire::ids::RunId;
 
 use crate::config::{Config, Layout};
 use crate::core::{Command, Reply};
@@ -43,12 +51,54 @@ pub async fn sweep_forever<S: Store>(store: S, every: Duration) {
     }
 }
 
-async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
+/// The service manager's channel, shared by the serve flow and the watchdog task. Each
+/// use holds the lock for one datagram send, never across an await.
+type SharedNotify = Arc<Mutex<Notify>>;
+
+fn notifying<T>(notify: &SharedNotify, f: impl FnOnce(&mut Notify) -> T) -> T {
+    f(&mut notify.lock().unwrap_or_else(PoisonError::into_inner))
+}
+
+/// The run the watchdog looks up. Generated run ids are `run_` and random characters, so
+/// this one is never found: the lookup reads one primary-key index page and nothing more.
+const WATCHDOG_PROBE: &str = "watchdog-probe";
+
+/// Pings systemd's watchdog every `every` (half of `WatchdogSec=`), each time only after
+/// the store answered a cheap query — the lookup of a run that does not exist.
+///
+/// The query takes the path every request takes, so the pings prove what a restart would
+/// repair: the Tokio runtime still runs tasks, and the store still works through its queue
+/// — for SQLite the one writer thread (a stuck fsync or a write lock never released stops
+/// the pings), for PostgreSQL the pool (every connection hanging stops them). An error
+/// answer counts as an answer: PostgreSQL being down is not repaired by restarting us
+/// (requests answer 503 meanwhile; restarts would fail to connect until systemd's start
+/// limit gives up on the unit), and the SQLite writer thread cannot end while this task
+/// holds the store. Nothing here times the query: one that never returns is exactly what
+/// the watchdog is for.
+async fn watchdog_forever<S: Store>(store: S, notify: SharedNotify, every: Duration) {
+    let probe = RunId::parse(WATCHDOG_PROBE).expect("the probe is a valid run id");
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let _answered = store.run_detail(&probe).await;
+        notifying(&notify, |n| n.watchdog(Instant::now()));
     }
+}
+
+/// SIGTERM or SIGINT (Ctrl-C), caught from the moment this returns: a signal that comes
+/// once the server announced itself (its "listening on" line, READY=1) starts the graceful
+/// stop instead of killing the process, however soon it comes.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, String> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).map_err(|e| format!("catching SIGTERM: {e}"))?;
+    let mut int = signal(SignalKind::interrupt()).map_err(|e| format!("catching SIGINT: {e}"))?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
 }
 
 /// Runs the server until SIGTERM or Ctrl-C, on the SQLite file of `dir`, or on the
@@ -95,17 +145,35 @@ async fn serve_on<S: Store>(
     tls: Arc<rustls::ServerConfig>,
     addr: &str,
 ) -> Result<(), String> {
+    // systemd's Type=notify: READY, WATCHDOG and STOPPING; inert without NOTIFY_SOCKET.
+    let (notify, notify_error) = Notify::from_env(Instant::now());
+    if let Some(e) = notify_error {
+        eprintln!("ql-control: {e}; not notifying the service manager");
+    }
+    let notify: SharedNotify = Arc::new(Mutex::new(notify));
+    let shutdown = shutdown_signal()?;
     let blobs = crate::blob::fs::FsBlobStore::open(layout.artifacts()).map_err(|e| e.to_string())?;
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?;
     let ingress = http::spawn(listener, tls, store.clone(), blobs, ingress_config(config))
         .map_err(|e| format!("starting the ingress: {e}"))?;
-    // Scripts and tests read this line to learn the port when they asked for port 0.
-    println!("listening on https://{}", ingress.local_addr());
+    // Scripts and tests read this line to learn the port when they asked for port 0; it is
+    // out before READY=1, so whoever waited for `systemctl start` can read it too.
+    let listening = format!("listening on https://{}", ingress.local_addr());
+    println!("{listening}");
+    notifying(&notify, |n| n.ready(&listening, Instant::now()));
+    let every = notifying(&notify, |n| n.watchdog_every());
+    let watchdog = every.map(|every| tokio::spawn(watchdog_forever(store.clone(), notify.clone(), every)));
     let sweeper = tokio::spawn(sweep_forever(store, Duration::from_millis(config.sweep_interval_ms)));
-    shutdown_signal().await;
+    shutdown.await;
+    notifying(&notify, |n| n.stopping("stopping: finishing the requests in flight", None));
     sweeper.abort();
     let (connections, requests) = (ingress.stats().connections(), ingress.stats().requests());
     let result = ingress.shutdown().await.map_err(|e| format!("ingress: {e}"));
+    // The watchdog pings on through the drain (harmless if systemd no longer watches once
+    // the stop began), then ends with the server.
+    if let Some(watchdog) = watchdog {
+        watchdog.abort();
+    }
     eprintln!("ql-control: stopped after {connections} connection(s), {requests} request(s)");
     result
 }

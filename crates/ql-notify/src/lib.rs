@@ -1,4 +1,6 @@
-//! The systemd notification protocol (`sd_notify`), without libsystemd.
+//! The systemd notification protocol (`sd_notify`), without libsystemd: std only, no
+//! dependencies, no unsafe code. Both daemons use it, `ql-agent` (whose main loop folds
+//! the watchdog into its waits) and `ql-control serve` (which pings from a Tokio task).
 //!
 //! Under a unit with `Type=notify`, systemd passes a datagram socket in `$NOTIFY_SOCKET`
 //! (a file-system path, or `@name` for Linux's abstract namespace) and, with
@@ -14,11 +16,14 @@
 //!
 //! Notification is best effort, as in libsystemd: without `$NOTIFY_SOCKET` (started by
 //! procd, by hand, by a test) every method does nothing, and a failed send is counted,
-//! never fatal.
+//! never fatal. Sends never block (a full queue at the manager loses the message), so the
+//! methods may be called from a single-threaded loop or from async code.
 //!
 //! Time is an argument: [`Notify::watchdog_due`] says when the next ping is due and
-//! [`Notify::tick`] sends it if `now` has reached that, so the main loop folds the due time
-//! into its waits like any other deadline.
+//! [`Notify::tick`] sends it if `now` has reached that, so a main loop folds the due time
+//! into its waits like any other deadline. A service that pings from a timer of its own
+//! asks [`Notify::watchdog_every`] for the interval and calls [`Notify::watchdog`].
+#![forbid(unsafe_code)]
 
 use std::ffi::OsStr;
 use std::io;
@@ -27,7 +32,7 @@ use std::time::{Duration, Instant};
 
 /// Where notifications go: the datagram socket systemd named.
 #[derive(Debug)]
-pub(crate) struct Notifier {
+pub struct Notifier {
     socket: UnixDatagram,
     addr: SocketAddr,
 }
@@ -35,7 +40,7 @@ pub(crate) struct Notifier {
 impl Notifier {
     /// Opens an unbound datagram socket aimed at `address`, the value of `$NOTIFY_SOCKET`:
     /// an absolute path, or `@name` for an abstract socket.
-    pub(crate) fn connect(address: &OsStr) -> io::Result<Notifier> {
+    pub fn connect(address: &OsStr) -> io::Result<Notifier> {
         let bytes = address.as_encoded_bytes();
         let addr = match bytes.first() {
             Some(b'/') => SocketAddr::from_pathname(address)?,
@@ -48,11 +53,15 @@ impl Notifier {
             }
         };
         let socket = UnixDatagram::unbound()?;
+        // A Unix datagram send waits while the receiver's queue is full; a service manager
+        // that far behind loses the message rather than stalling the caller's loop.
+        socket.set_nonblocking(true)?;
         Ok(Notifier { socket, addr })
     }
 
-    /// Sends one message (`KEY=value` lines) as one datagram.
-    pub(crate) fn send(&self, message: &str) -> io::Result<()> {
+    /// Sends one message (`KEY=value` lines) as one datagram, without waiting: a full
+    /// queue at the receiver is an error (`WouldBlock`).
+    pub fn send(&self, message: &str) -> io::Result<()> {
         let sent = self.socket.send_to_addr(message.as_bytes(), &self.addr)?;
         if sent == message.len() {
             Ok(())
@@ -79,7 +88,7 @@ fn abstract_addr(_name: &[u8]) -> io::Result<SocketAddr> {
 /// The watchdog period systemd asked for: `$WATCHDOG_USEC` microseconds, if
 /// `$WATCHDOG_PID` is unset or names this process. `None` when there is no watchdog or the
 /// values do not parse.
-pub(crate) fn watchdog_period(usec: Option<&OsStr>, pid: Option<&OsStr>, own_pid: u32) -> Option<Duration> {
+pub fn watchdog_period(usec: Option<&OsStr>, pid: Option<&OsStr>, own_pid: u32) -> Option<Duration> {
     if let Some(pid) = pid {
         if pid.to_str()?.parse::<u32>().ok()? != own_pid {
             return None;
@@ -89,9 +98,9 @@ pub(crate) fn watchdog_period(usec: Option<&OsStr>, pid: Option<&OsStr>, own_pid
     (usec > 0).then(|| Duration::from_micros(usec))
 }
 
-/// The agent's side of the protocol: which messages it sends, and when the watchdog is due.
+/// A service's side of the protocol: which messages it sends, and when the watchdog is due.
 #[derive(Debug)]
-pub(crate) struct Notify {
+pub struct Notify {
     to: Option<Notifier>,
     /// How often to ping: half the watchdog period, as systemd recommends.
     ping_every: Option<Duration>,
@@ -102,7 +111,7 @@ pub(crate) struct Notify {
 impl Notify {
     /// Reads `$NOTIFY_SOCKET`, `$WATCHDOG_USEC` and `$WATCHDOG_PID`. A socket that cannot
     /// be opened is reported in the error and notification stays off.
-    pub(crate) fn from_env(now: Instant) -> (Notify, Option<String>) {
+    pub fn from_env(now: Instant) -> (Notify, Option<String>) {
         let period = watchdog_period(
             std::env::var_os("WATCHDOG_USEC").as_deref(),
             std::env::var_os("WATCHDOG_PID").as_deref(),
@@ -118,25 +127,23 @@ impl Notify {
     }
 
     /// Notification to `to` (none: off), with a watchdog of `period`.
-    pub(crate) fn new(to: Option<Notifier>, period: Option<Duration>, now: Instant) -> Notify {
+    pub fn new(to: Option<Notifier>, period: Option<Duration>, now: Instant) -> Notify {
         let ping_every = period.filter(|_| to.is_some()).map(|p| (p / 2).max(Duration::from_millis(1)));
         Notify { to, ping_every, last_ping: now, failures: 0 }
     }
 
     /// No notification at all.
-    pub(crate) fn off(now: Instant) -> Notify {
+    pub fn off(now: Instant) -> Notify {
         Notify::new(None, None, now)
     }
 
     /// Whether a service manager listens.
-    #[cfg(test)]
-    pub(crate) fn is_on(&self) -> bool {
+    pub fn is_on(&self) -> bool {
         self.to.is_some()
     }
 
     /// Sends failed so far.
-    #[cfg(test)]
-    pub(crate) fn failures(&self) -> u32 {
+    pub fn failures(&self) -> u32 {
         self.failures
     }
 
@@ -149,19 +156,19 @@ impl Notify {
     }
 
     /// `READY=1` with a status line; counts as a watchdog ping.
-    pub(crate) fn ready(&mut self, status: &str, now: Instant) {
+    pub fn ready(&mut self, status: &str, now: Instant) {
         self.send(&format!("READY=1\nSTATUS={}", one_line(status)));
         self.last_ping = now;
     }
 
     /// `STATUS=...`.
-    pub(crate) fn status(&mut self, status: &str) {
+    pub fn status(&mut self, status: &str) {
         self.send(&format!("STATUS={}", one_line(status)));
     }
 
     /// `STOPPING=1` with a status line, and `EXTEND_TIMEOUT_USEC` for `need` (how long the
     /// drain may take from now), so systemd waits for the drain even past `TimeoutStopSec`.
-    pub(crate) fn stopping(&mut self, status: &str, need: Option<Duration>) {
+    pub fn stopping(&mut self, status: &str, need: Option<Duration>) {
         let mut message = format!("STOPPING=1\nSTATUS={}", one_line(status));
         if let Some(need) = need {
             message.push_str(&format!("\nEXTEND_TIMEOUT_USEC={}", need.as_micros()));
@@ -170,15 +177,26 @@ impl Notify {
     }
 
     /// When the next `WATCHDOG=1` is due; `None` without a watchdog.
-    pub(crate) fn watchdog_due(&self) -> Option<Instant> {
+    pub fn watchdog_due(&self) -> Option<Instant> {
         self.ping_every.map(|every| self.last_ping + every)
     }
 
+    /// How often to ping: half the watchdog period, as systemd recommends; `None` without
+    /// a watchdog (or without a service manager to ping).
+    pub fn watchdog_every(&self) -> Option<Duration> {
+        self.ping_every
+    }
+
+    /// Sends `WATCHDOG=1` now, due or not; the next one is due half a period after `now`.
+    pub fn watchdog(&mut self, now: Instant) {
+        self.send("WATCHDOG=1");
+        self.last_ping = now;
+    }
+
     /// Sends `WATCHDOG=1` if it is due at `now`.
-    pub(crate) fn tick(&mut self, now: Instant) {
+    pub fn tick(&mut self, now: Instant) {
         if self.watchdog_due().is_some_and(|due| now >= due) {
-            self.send("WATCHDOG=1");
-            self.last_ping = now;
+            self.watchdog(now);
         }
     }
 }
@@ -256,6 +274,12 @@ mod tests {
         assert_eq!(manager.receive(), "WATCHDOG=1");
         assert_eq!(notify.watchdog_due(), Some(t0 + Duration::from_secs(20)));
 
+        // A service with a timer of its own pings on it, due or not.
+        assert_eq!(notify.watchdog_every(), Some(Duration::from_secs(10)));
+        notify.watchdog(t0 + Duration::from_secs(12));
+        assert_eq!(manager.receive(), "WATCHDOG=1");
+        assert_eq!(notify.watchdog_due(), Some(t0 + Duration::from_secs(22)));
+
         notify.status("2 job(s) running\nsecond line");
         assert_eq!(manager.receive(), "STATUS=2 job(s) running second line");
 
@@ -285,10 +309,29 @@ mod tests {
         let notify = Notify::new(None, Some(Duration::from_secs(20)), Instant::now());
         assert!(!notify.is_on());
         assert_eq!(notify.watchdog_due(), None);
+        assert_eq!(notify.watchdog_every(), None);
         let mut notify = Notify::off(Instant::now());
         notify.ready("x", Instant::now());
+        notify.watchdog(Instant::now());
         notify.tick(Instant::now() + Duration::from_secs(3600));
         assert_eq!(notify.failures(), 0);
+    }
+
+    #[test]
+    fn a_manager_that_does_not_read_costs_messages_never_a_wait() {
+        let manager = Manager::new();
+        let to = Notifier::connect(manager.address().as_os_str()).unwrap();
+        let mut notify = Notify::new(Some(to), None, Instant::now());
+        // The kernel queues a bounded number of datagrams for a receiver; past that a
+        // blocking socket would wait here for ever.
+        for _ in 0..100_000 {
+            notify.status("nobody reads this");
+            if notify.failures() > 0 {
+                break;
+            }
+        }
+        assert!(notify.failures() > 0, "every send was queued");
+        assert_eq!(manager.receive(), "STATUS=nobody reads this", "what was queued arrives");
     }
 
     #[test]
