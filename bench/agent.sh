@@ -15,28 +15,53 @@
 #     medians, compared on the time after the TLS handshake, since the agent's
 #     connection is already open when it uploads.
 #
+# Which agent binary (AGENT=... picks one):
+#   AGENT=shipped (the default when cross/build's toolchain is installed): the x86_64 binary
+#     that ships, built as the router binaries are (`cross/build x86_64-unknown-linux-musl`:
+#     static musl, std rebuilt with the size profile); the figures issue 4's targets mean;
+#   AGENT=cargo (the default otherwise): `cargo build --release` with the workspace's rustup
+#     toolchain, dynamically linked to glibc; TARGET=x86_64-unknown-linux-musl builds it
+#     static with rustup's prebuilt musl std instead;
+#   AGENT=/path/to/ql-agent: that binary as it is.
+#
 #   bench/agent.sh                        # about 1.5 minutes after the build
 #   IDLE_SECS=5 RUNS=1 bench/agent.sh     # a quick look
-#   TARGET=x86_64-unknown-linux-musl bench/agent.sh   # a static musl agent, as on routers
-#                                         # (rustup target add x86_64-unknown-linux-musl)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IDLE_SECS=${IDLE_SECS:-60}
 RUNS=${RUNS:-5}
 MIB=$((1024 * 1024))
 
-if [ -n "${TARGET:-}" ]; then
-  # ring compiles C for the target; on an x86_64 host the host gcc does for x86_64 musl.
-  cc_var=CC_${TARGET//-/_}
-  if [[ $TARGET == x86_64-*-musl ]] && [ -z "${!cc_var:-}" ] && ! command -v musl-gcc >/dev/null; then
-    export "$cc_var=gcc"
-  fi
-  cargo build --release --locked --quiet -p ql-agent --bin ql-agent --target "$TARGET"
-  agent=target/$TARGET/release/ql-agent
-else
-  cargo build --release --locked --quiet -p ql-agent --bin ql-agent
-  agent=target/release/ql-agent
+if [ -z "${AGENT:-}" ]; then
+  if cross/build --check >/dev/null 2>&1; then AGENT=shipped; else AGENT=cargo; fi
 fi
+case "$AGENT" in
+shipped)
+  cross/build x86_64-unknown-linux-musl >&2
+  agent=cross/out/x86_64-unknown-linux-musl/ql-agent
+  built="cross/build x86_64-unknown-linux-musl (static musl, std built with the size profile)"
+  ;;
+cargo)
+  if [ -n "${TARGET:-}" ]; then
+    # ring compiles C for the target; on an x86_64 host the host gcc does for x86_64 musl.
+    cc_var=CC_${TARGET//-/_}
+    if [[ $TARGET == x86_64-*-musl ]] && [ -z "${!cc_var:-}" ] && ! command -v musl-gcc >/dev/null; then
+      export "$cc_var=gcc"
+    fi
+    cargo build --release --locked --quiet -p ql-agent --bin ql-agent --target "$TARGET"
+    agent=target/$TARGET/release/ql-agent
+  else
+    cargo build --release --locked --quiet -p ql-agent --bin ql-agent
+    agent=target/release/ql-agent
+  fi
+  built="cargo build --release${TARGET:+ --target $TARGET} ($(rustc --version | cut -d' ' -f1-2), prebuilt std)"
+  ;;
+*)
+  agent=$AGENT
+  built="given as AGENT"
+  ;;
+esac
+[ -x "$agent" ] || { echo "bench/agent.sh: no agent binary at $agent" >&2; exit 1; }
 cargo build --release --locked --quiet -p ql-control --bin ql-control --example ack_bench
 control=target/release/ql-control
 bench=target/release/examples/ack_bench
@@ -123,6 +148,7 @@ upload_ms() { sed -n "s/.*log stored ($1 bytes) in \([0-9]*\) ms.*/\1/p" "$2"; }
 
 echo "# ql-agent footprint on $(uname -m), $(nproc) cores, Linux $(uname -r); load $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "# agent: $agent ($(file -b "$agent" | cut -d, -f1-2 | sed 's/ LSB//')), default settings"
+echo "#   built by $built"
 echo "# ql-control: $control serve (SQLite) on $url"
 echo
 

@@ -276,21 +276,6 @@ impl Client {
     }
 }
 
-/// An incremental SHA-256 from ring, through rustls: the code TLS already links, using the
-/// CPU's SHA extensions or vector units. (sha2, built at opt-level z, calls its intrinsics
-/// out of line: hashing a log with it took more CPU than encrypting it.)
-pub(crate) fn sha256() -> Box<dyn rustls::crypto::hash::Context> {
-    let suite = rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256.tls13().expect("a TLS 1.3 suite");
-    debug_assert_eq!(suite.common.hash_provider.algorithm(), rustls::crypto::hash::HashAlgorithm::SHA256);
-    suite.common.hash_provider.start()
-}
-
-/// The digest a [`sha256`] computation ends with.
-pub(crate) fn sha256_finish(hash: Box<dyn rustls::crypto::hash::Context>) -> ql_wire::capability::Digest {
-    let out = hash.finish();
-    ql_wire::capability::Digest::from_raw(out.as_ref().try_into().expect("a SHA-256 is 32 bytes"))
-}
-
 /// Every certificate in a PEM file; at least one.
 fn certificates(pem: &[u8], what: &str) -> Result<Vec<Certificate<'static>>, SetupError> {
     let mut certs = Vec::new();
