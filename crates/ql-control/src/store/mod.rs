@@ -10,7 +10,9 @@
 //! Raw tokens never reach a store: commands carry them only to be digested by the
 //! decision code, and rows hold digests.
 
+mod columns;
 pub mod postgres;
+mod records;
 pub mod sqlite;
 
 use std::future::Future;

@@ -44,10 +44,11 @@ use tokio_postgres::Row;
 
 use ql_wire::ids::{AttemptId, RunId, SessionId, WorkerId};
 
-use super::rows::{self, ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
 use super::{schema, Error, Tx};
 use crate::core::{Keys, Lapsed, Rows, COMPLETION_EVENT};
 use crate::model::{Millis, Session, SessionState};
+use crate::store::records::EVENT_COLS;
 
 /// Most queued runs placement looks at per poll.
 pub(super) const PLACEMENT_BATCH: i64 = 256;
@@ -67,7 +68,7 @@ fn by_id(table: &str, cols: &str, key: &str, lock: &str) -> String {
 
 async fn session(tx: &mut Tx<'_>, id: &SessionId, lock: &str) -> Result<Option<Session>, Error> {
     let sql = by_id("sessions", &SESSION_COLS, "id", lock);
-    tx.one(&sql, &[&id.as_str()]).await?.as_ref().map(rows::session).transpose()
+    tx.one(&sql, &[&id.as_str()]).await?.as_ref().map(rows::read).transpose()
 }
 
 async fn one_by<T>(
@@ -101,7 +102,7 @@ async fn worker_sessions(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Vec<Sessi
          OR generation = (SELECT MAX(generation) FROM sessions WHERE worker = $1)) ORDER BY generation FOR UPDATE",
         *SESSION_COLS
     );
-    tx.all(&sql, &[&worker.as_str()]).await?.iter().map(rows::session).collect()
+    tx.all(&sql, &[&worker.as_str()]).await?.iter().map(rows::read).collect()
 }
 
 /// Queued runs the session's labels satisfy, oldest first, locked with SKIP LOCKED. Only
@@ -118,7 +119,7 @@ async fn queued_for(tx: &mut Tx<'_>, session: &Session, active: u32) -> Result<V
          ORDER BY created_at, id LIMIT $2 FOR UPDATE SKIP LOCKED",
         *RUN_COLS
     );
-    tx.all(&sql, &[&labels, &room]).await?.iter().map(rows::run).collect()
+    tx.all(&sql, &[&labels, &room]).await?.iter().map(rows::read).collect()
 }
 
 async fn placement(tx: &mut Tx<'_>, session: &Session, out: &mut Rows) -> Result<(), Error> {
@@ -133,7 +134,7 @@ async fn placement(tx: &mut Tx<'_>, session: &Session, out: &mut Rows) -> Result
     out.active_attempts = u32::try_from(n).unwrap_or(u32::MAX);
     let sql =
         format!("SELECT {} FROM offers WHERE session_id = $1 AND state = 'open' ORDER BY expires_at, id", *OFFER_COLS);
-    out.open_offers = tx.all(&sql, &[&session.id.as_str()]).await?.iter().map(rows::offer).collect::<Result<_, _>>()?;
+    out.open_offers = tx.all(&sql, &[&session.id.as_str()]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
     out.queued = queued_for(tx, session, out.active_attempts).await?;
     Ok(())
 }
@@ -147,16 +148,16 @@ async fn run_attempt_lease(
 ) -> Result<(), Error> {
     const LOCK: &str = "FOR UPDATE";
     if let Some(run) = run {
-        out.run = one_by(tx, "runs", &RUN_COLS, "id", run.as_str(), LOCK, rows::run).await?;
+        out.run = one_by(tx, "runs", &RUN_COLS, "id", run.as_str(), LOCK, rows::read).await?;
     }
-    out.attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", attempt.as_str(), LOCK, rows::attempt).await?;
+    out.attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", attempt.as_str(), LOCK, rows::read).await?;
     if out.run.is_none() && run.is_none() {
         if let Some(r) = out.attempt.as_ref().map(|a| a.run.clone()) {
-            out.run = one_by(tx, "runs", &RUN_COLS, "id", r.as_str(), LOCK, rows::run).await?;
+            out.run = one_by(tx, "runs", &RUN_COLS, "id", r.as_str(), LOCK, rows::read).await?;
         }
     }
     if out.attempt.is_some() {
-        out.lease = one_by(tx, "leases", &LEASE_COLS, "attempt_id", attempt.as_str(), LOCK, rows::lease).await?;
+        out.lease = one_by(tx, "leases", &LEASE_COLS, "attempt_id", attempt.as_str(), LOCK, rows::read).await?;
     }
     Ok(())
 }
@@ -173,7 +174,7 @@ async fn current_attempt(tx: &mut Tx<'_>, run: &RunId, out: &mut Rows) -> Result
     if let Some(a) = &seen {
         tx.one(FENCE, &[&a.as_str()]).await?;
     }
-    out.run = one_by(tx, "runs", &RUN_COLS, "id", run.as_str(), "FOR UPDATE", rows::run).await?;
+    out.run = one_by(tx, "runs", &RUN_COLS, "id", run.as_str(), "FOR UPDATE", rows::read).await?;
     let now_current = out.run.as_ref().and_then(|r| r.current_attempt.as_ref()).map(|a| a.as_str().to_owned());
     if now_current != seen {
         return Err(Error::Retry);
@@ -181,7 +182,7 @@ async fn current_attempt(tx: &mut Tx<'_>, run: &RunId, out: &mut Rows) -> Result
     if let Some(a) = out.run.as_ref().and_then(|r| r.current_attempt.clone()) {
         run_attempt_lease(tx, None, &a, out).await?;
         if let Some(o) = out.attempt.as_ref().map(|a| a.offer.clone()) {
-            out.offer = one_by(tx, "offers", &OFFER_COLS, "id", o.as_str(), "FOR UPDATE", rows::offer).await?;
+            out.offer = one_by(tx, "offers", &OFFER_COLS, "id", o.as_str(), "FOR UPDATE", rows::read).await?;
         }
     }
     Ok(())
@@ -246,20 +247,20 @@ async fn pipelined(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<(Rows, M
     let mut next = || answers.next().unwrap_or_default();
     let first = |rows: Vec<Row>| rows.into_iter().next();
     let mut out = Rows {
-        session: first(next()).as_ref().map(rows::session).transpose()?,
-        run: first(next()).as_ref().map(rows::run).transpose()?,
-        attempt: first(next()).as_ref().map(rows::attempt).transpose()?,
-        lease: first(next()).as_ref().map(rows::lease).transpose()?,
+        session: first(next()).as_ref().map(rows::read).transpose()?,
+        run: first(next()).as_ref().map(rows::read).transpose()?,
+        attempt: first(next()).as_ref().map(rows::read).transpose()?,
+        lease: first(next()).as_ref().map(rows::read).transpose()?,
         ..Rows::default()
     };
     if out.attempt.is_none() {
         out.lease = None; // as the sequential load: no attempt, no lease
     }
     if offer.is_some() {
-        out.offer = first(next()).as_ref().map(rows::offer).transpose()?;
+        out.offer = first(next()).as_ref().map(rows::read).transpose()?;
     }
     if keys.completion_event {
-        out.completion_event = first(next()).as_ref().map(rows::event).transpose()?;
+        out.completion_event = first(next()).as_ref().map(rows::read).transpose()?;
     }
     let now = first(next()).map_or(0, |r| r.get(0));
     Ok((out, now))
@@ -284,11 +285,11 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<Rows
     match (&keys.attempt, &keys.run) {
         (Some(a), run) => run_attempt_lease(tx, run.as_ref(), a, &mut out).await?,
         (None, Some(r)) if keys.current_attempt => current_attempt(tx, r, &mut out).await?,
-        (None, Some(r)) => out.run = one_by(tx, "runs", &RUN_COLS, "id", r.as_str(), "FOR UPDATE", rows::run).await?,
+        (None, Some(r)) => out.run = one_by(tx, "runs", &RUN_COLS, "id", r.as_str(), "FOR UPDATE", rows::read).await?,
         (None, None) => {}
     }
     if let Some(o) = &keys.offer {
-        out.offer = one_by(tx, "offers", &OFFER_COLS, "id", o.as_str(), "FOR UPDATE", rows::offer).await?;
+        out.offer = one_by(tx, "offers", &OFFER_COLS, "id", o.as_str(), "FOR UPDATE", rows::read).await?;
     }
     if keys.placement {
         if let Some(s) = out.session.clone() {
@@ -299,7 +300,7 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<Rows
         if let Some(a) = &keys.attempt {
             let sql = format!("SELECT {EVENT_COLS} FROM events WHERE attempt_id = $1 AND kind = $2");
             out.completion_event =
-                tx.one(&sql, &[&a.as_str(), &COMPLETION_EVENT]).await?.as_ref().map(rows::event).transpose()?;
+                tx.one(&sql, &[&a.as_str(), &COMPLETION_EVENT]).await?.as_ref().map(rows::read).transpose()?;
         }
     }
     Ok(out)
@@ -316,7 +317,7 @@ async fn lapsed(tx: &mut Tx<'_>, offset: i64) -> Result<Lapsed, Error> {
          ORDER BY expires_at, id LIMIT $2 {SKIP}",
         *SESSION_COLS
     );
-    out.sessions = tx.all(&sql, &[&now, &SWEEP_BATCH]).await?.iter().map(rows::session).collect::<Result<_, _>>()?;
+    out.sessions = tx.all(&sql, &[&now, &SWEEP_BATCH]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
 
     // Leases, then offers, then overdue runs: candidates without locks, then each one's
     // fence, run, attempt and row, every lock non-blocking.
@@ -332,9 +333,9 @@ async fn lapsed(tx: &mut Tx<'_>, offset: i64) -> Result<Lapsed, Error> {
         if !try_fence(tx, &a).await? {
             continue;
         }
-        let run = one_by(tx, "runs", &RUN_COLS, "id", &r, SKIP, rows::run).await?;
-        let attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", &a, SKIP, rows::attempt).await?;
-        let lease = one_by(tx, "leases", &LEASE_COLS, "attempt_id", &a, SKIP, rows::lease).await?;
+        let run = one_by(tx, "runs", &RUN_COLS, "id", &r, SKIP, rows::read).await?;
+        let attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", &a, SKIP, rows::read).await?;
+        let lease = one_by(tx, "leases", &LEASE_COLS, "attempt_id", &a, SKIP, rows::read).await?;
         if let (Some(lease), Some(run), Some(attempt)) = (lease, run, attempt) {
             out.leases.push((lease, run, attempt));
         }
@@ -352,9 +353,9 @@ async fn lapsed(tx: &mut Tx<'_>, offset: i64) -> Result<Lapsed, Error> {
         if !try_fence(tx, &a).await? {
             continue;
         }
-        let run = one_by(tx, "runs", &RUN_COLS, "id", &r, SKIP, rows::run).await?;
-        let attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", &a, SKIP, rows::attempt).await?;
-        let offer = one_by(tx, "offers", &OFFER_COLS, "id", &o, SKIP, rows::offer).await?;
+        let run = one_by(tx, "runs", &RUN_COLS, "id", &r, SKIP, rows::read).await?;
+        let attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", &a, SKIP, rows::read).await?;
+        let offer = one_by(tx, "offers", &OFFER_COLS, "id", &o, SKIP, rows::read).await?;
         if let (Some(offer), Some(run), Some(attempt)) = (offer, run, attempt) {
             out.offers.push((offer, run, attempt));
         }
@@ -375,7 +376,7 @@ async fn lapsed(tx: &mut Tx<'_>, offset: i64) -> Result<Lapsed, Error> {
                 continue;
             }
         }
-        if let Some(run) = one_by(tx, "runs", &RUN_COLS, "id", &r, SKIP, rows::run).await? {
+        if let Some(run) = one_by(tx, "runs", &RUN_COLS, "id", &r, SKIP, rows::read).await? {
             out.overdue.push(run);
         }
     }

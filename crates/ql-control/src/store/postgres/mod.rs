@@ -63,11 +63,12 @@ use tokio_postgres::{Config, Row};
 use ql_wire::ids::RunId;
 use ql_wire::ErrorCode;
 
+use super::records::{ATTEMPTS, AUDIT_COLS, EVENTS, EVENT_COLS, LEASES, OFFERS, RUNS, SESSIONS};
 use super::{RunDetail, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
 use crate::model::{AuditRecord, Run, Session};
 use pool::{Pool, Pooled};
-use rows::{ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
 
 pub use schema::{ROLES, SCHEMA_VERSION};
 
@@ -405,18 +406,19 @@ impl<'a> Loaded<'a> {
     /// The statement that applies one write, and whether it is an UPDATE that must
     /// report its row.
     fn sql(&self, write: &Write) -> (&'static str, bool) {
-        let (update, upsert, known): (&'static str, &'static str, bool) = match write {
-            Write::Session(x) => (&rows::SESSION_UPDATE, &rows::SESSION_UPSERT, self.sessions.contains(x.id.as_str())),
-            Write::Run(x) => (&rows::RUN_UPDATE, &rows::RUN_UPSERT, self.runs.contains(x.id.as_str())),
-            Write::Attempt(x) => (&rows::ATTEMPT_UPDATE, &rows::ATTEMPT_UPSERT, self.attempts.contains(x.id.as_str())),
-            Write::Offer(x) => (&rows::OFFER_UPDATE, &rows::OFFER_UPSERT, self.offers.contains(x.id.as_str())),
-            Write::Lease(x) => (&rows::LEASE_UPDATE, &rows::LEASE_UPSERT, self.leases.contains(x.attempt.as_str())),
-            Write::Event(_) => return (rows::EVENT_INSERT, false),
+        let (table, known) = match write {
+            Write::Session(x) => (&SESSIONS, self.sessions.contains(x.id.as_str())),
+            Write::Run(x) => (&RUNS, self.runs.contains(x.id.as_str())),
+            Write::Attempt(x) => (&ATTEMPTS, self.attempts.contains(x.id.as_str())),
+            Write::Offer(x) => (&OFFERS, self.offers.contains(x.id.as_str())),
+            Write::Lease(x) => (&LEASES, self.leases.contains(x.attempt.as_str())),
+            // History is only ever appended.
+            Write::Event(_) => (&EVENTS, false),
         };
         if known {
-            (update, true)
+            (rows::update(table), true)
         } else {
-            (upsert, false)
+            (rows::upsert(table), false)
         }
     }
 }
@@ -424,12 +426,12 @@ impl<'a> Loaded<'a> {
 /// Its parameters.
 fn write_params(write: &Write) -> Result<rows::Params, Error> {
     match write {
-        Write::Session(s) => rows::session_params(s),
-        Write::Run(r) => rows::run_params(r),
-        Write::Attempt(a) => rows::attempt_params(a),
-        Write::Offer(o) => rows::offer_params(o),
-        Write::Lease(l) => rows::lease_params(l),
-        Write::Event(e) => rows::event_params(e),
+        Write::Session(s) => rows::params(s),
+        Write::Run(r) => rows::params(r),
+        Write::Attempt(a) => rows::params(a),
+        Write::Offer(o) => rows::params(o),
+        Write::Lease(l) => rows::params(l),
+        Write::Event(e) => rows::params(e),
     }
 }
 
@@ -547,8 +549,8 @@ impl Store for PgStore {
     async fn audits(&self) -> Result<Vec<AuditRecord>, StoreError> {
         let mut conn = self.reading().await?;
         let found = map_all(
-            Tx { conn: &mut conn }.all("SELECT at, principal, route, outcome FROM audit ORDER BY seq", &[]).await?,
-            rows::audit,
+            Tx { conn: &mut conn }.all(&format!("SELECT {AUDIT_COLS} FROM audit ORDER BY seq"), &[]).await?,
+            rows::read,
         )?;
         Self::done(conn).await?;
         Ok(found)
@@ -557,7 +559,7 @@ impl Store for PgStore {
     async fn runs(&self, n: usize) -> Result<Vec<Run>, StoreError> {
         let sql = format!("SELECT {} FROM runs ORDER BY created_at DESC, id DESC LIMIT $1", *RUN_COLS);
         let mut conn = self.reading().await?;
-        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::run)?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::read)?;
         Self::done(conn).await?;
         Ok(found)
     }
@@ -567,16 +569,16 @@ impl Store for PgStore {
         let mut conn = self.reading().await?;
         let mut tx = Tx { conn: &mut conn };
         let sql = format!("SELECT {} FROM runs WHERE id = $1", *RUN_COLS);
-        let Some(run) = tx.one(&sql, &[&id]).await?.as_ref().map(rows::run).transpose()? else {
+        let Some(run) = tx.one(&sql, &[&id]).await?.as_ref().map(rows::read).transpose()? else {
             Self::done(conn).await?;
             return Ok(None);
         };
         let sql = format!("SELECT {} FROM attempts WHERE run_id = $1 ORDER BY number", *ATTEMPT_COLS);
-        let attempts = map_all(tx.all(&sql, &[&id]).await?, rows::attempt)?;
+        let attempts = map_all(tx.all(&sql, &[&id]).await?, rows::read)?;
         let sql = format!("SELECT {} FROM leases WHERE run_id = $1 ORDER BY lease_generation, attempt_id", *LEASE_COLS);
-        let leases = map_all(tx.all(&sql, &[&id]).await?, rows::lease)?;
+        let leases = map_all(tx.all(&sql, &[&id]).await?, rows::read)?;
         let sql = format!("SELECT {EVENT_COLS} FROM events WHERE run_id = $1 ORDER BY seq");
-        let events = map_all(tx.all(&sql, &[&id]).await?, rows::event)?;
+        let events = map_all(tx.all(&sql, &[&id]).await?, rows::read)?;
         Self::done(conn).await?;
         Ok(Some(RunDetail { run, attempts, leases, events }))
     }
@@ -584,7 +586,7 @@ impl Store for PgStore {
     async fn sessions(&self, n: usize) -> Result<Vec<Session>, StoreError> {
         let sql = format!("SELECT {} FROM sessions ORDER BY created_at DESC, id DESC LIMIT $1", *SESSION_COLS);
         let mut conn = self.reading().await?;
-        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::session)?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::read)?;
         Self::done(conn).await?;
         Ok(found)
     }
@@ -594,12 +596,12 @@ impl Store for PgStore {
         let mut tx = Tx { conn: &mut conn };
         let q = |table: &str, cols: &str, order: &str| format!("SELECT {cols} FROM {table} ORDER BY {order}");
         let snap = Snapshot {
-            sessions: map_all(tx.all(&q("sessions", &SESSION_COLS, "id"), &[]).await?, rows::session)?,
-            runs: map_all(tx.all(&q("runs", &RUN_COLS, "id"), &[]).await?, rows::run)?,
-            attempts: map_all(tx.all(&q("attempts", &ATTEMPT_COLS, "id"), &[]).await?, rows::attempt)?,
-            offers: map_all(tx.all(&q("offers", &OFFER_COLS, "id"), &[]).await?, rows::offer)?,
-            leases: map_all(tx.all(&q("leases", &LEASE_COLS, "attempt_id"), &[]).await?, rows::lease)?,
-            events: map_all(tx.all(&q("events", EVENT_COLS, "seq"), &[]).await?, rows::event)?,
+            sessions: map_all(tx.all(&q("sessions", &SESSION_COLS, "id"), &[]).await?, rows::read)?,
+            runs: map_all(tx.all(&q("runs", &RUN_COLS, "id"), &[]).await?, rows::read)?,
+            attempts: map_all(tx.all(&q("attempts", &ATTEMPT_COLS, "id"), &[]).await?, rows::read)?,
+            offers: map_all(tx.all(&q("offers", &OFFER_COLS, "id"), &[]).await?, rows::read)?,
+            leases: map_all(tx.all(&q("leases", &LEASE_COLS, "attempt_id"), &[]).await?, rows::read)?,
+            events: map_all(tx.all(&q("events", EVENT_COLS, "seq"), &[]).await?, rows::read)?,
         };
         Self::done(conn).await?;
         Ok(snap)

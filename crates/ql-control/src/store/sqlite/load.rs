@@ -9,9 +9,10 @@ use rusqlite::{Connection, OptionalExtension, Row};
 
 use ql_wire::ids::{AttemptId, OfferId, RunId, SessionId, WorkerId};
 
-use super::rows::{self, ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+use super::rows;
 use crate::core::{Keys, Lapsed, Rows, COMPLETION_EVENT};
 use crate::model::{Attempt, Event, Lease, Millis, Offer, Run, Session};
+use crate::store::records::{ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
 
 /// Most queued runs placement looks at per poll.
 pub(super) const PLACEMENT_BATCH: usize = 256;
@@ -28,28 +29,28 @@ fn one<T>(
 }
 
 pub(super) fn session(conn: &Connection, id: &SessionId) -> rusqlite::Result<Option<Session>> {
-    one(conn, &format!("SELECT {SESSION_COLS} FROM sessions WHERE id = ?1"), id.as_str(), rows::session)
+    one(conn, &format!("SELECT {SESSION_COLS} FROM sessions WHERE id = ?1"), id.as_str(), rows::read)
 }
 
 pub(super) fn run(conn: &Connection, id: &RunId) -> rusqlite::Result<Option<Run>> {
-    one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), id.as_str(), rows::run)
+    one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), id.as_str(), rows::read)
 }
 
 pub(super) fn attempt(conn: &Connection, id: &AttemptId) -> rusqlite::Result<Option<Attempt>> {
-    one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), id.as_str(), rows::attempt)
+    one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), id.as_str(), rows::read)
 }
 
 pub(super) fn lease(conn: &Connection, attempt: &AttemptId) -> rusqlite::Result<Option<Lease>> {
-    one(conn, &format!("SELECT {LEASE_COLS} FROM leases WHERE attempt_id = ?1"), attempt.as_str(), rows::lease)
+    one(conn, &format!("SELECT {LEASE_COLS} FROM leases WHERE attempt_id = ?1"), attempt.as_str(), rows::read)
 }
 
 pub(super) fn offer(conn: &Connection, id: &OfferId) -> rusqlite::Result<Option<Offer>> {
-    one(conn, &format!("SELECT {OFFER_COLS} FROM offers WHERE id = ?1"), id.as_str(), rows::offer)
+    one(conn, &format!("SELECT {OFFER_COLS} FROM offers WHERE id = ?1"), id.as_str(), rows::read)
 }
 
 fn completion_event(conn: &Connection, attempt: &AttemptId) -> rusqlite::Result<Option<Event>> {
     conn.prepare_cached(&format!("SELECT {EVENT_COLS} FROM events WHERE attempt_id = ?1 AND kind = ?2"))?
-        .query_row([attempt.as_str(), COMPLETION_EVENT], rows::event)
+        .query_row([attempt.as_str(), COMPLETION_EVENT], rows::read)
         .optional()
 }
 
@@ -60,7 +61,7 @@ fn worker_sessions(conn: &Connection, worker: &WorkerId) -> rusqlite::Result<Vec
         "SELECT {SESSION_COLS} FROM sessions WHERE worker = ?1 AND (state IN ('online', 'draining') \
          OR generation = (SELECT MAX(generation) FROM sessions WHERE worker = ?1)) ORDER BY generation"
     );
-    conn.prepare_cached(&sql)?.query_map([worker.as_str()], rows::session)?.collect()
+    conn.prepare_cached(&sql)?.query_map([worker.as_str()], rows::read)?.collect()
 }
 
 /// Queued runs the session's labels satisfy, oldest first. Filtering by labels here
@@ -74,13 +75,13 @@ fn queued_for(conn: &Connection, session: &Session) -> rusqlite::Result<Vec<Run>
                  SELECT 1 FROM json_each(?1) have WHERE have.key = want.key AND have.value = want.value)) \
          ORDER BY r.created_at, r.id LIMIT ?2"
     );
-    conn.prepare_cached(&sql)?.query_map((labels, PLACEMENT_BATCH as i64), rows::run)?.collect()
+    conn.prepare_cached(&sql)?.query_map((labels, PLACEMENT_BATCH as i64), rows::read)?.collect()
 }
 
 fn open_offers(conn: &Connection, session: &SessionId) -> rusqlite::Result<Vec<Offer>> {
     let sql =
         format!("SELECT {OFFER_COLS} FROM offers WHERE session_id = ?1 AND state = 'open' ORDER BY expires_at, id");
-    conn.prepare_cached(&sql)?.query_map([session.as_str()], rows::offer)?.collect()
+    conn.prepare_cached(&sql)?.query_map([session.as_str()], rows::read)?.collect()
 }
 
 fn active_attempts(conn: &Connection, session: &SessionId) -> rusqlite::Result<u32> {
@@ -100,7 +101,7 @@ fn lapsed(conn: &Connection, now: Millis) -> rusqlite::Result<Lapsed> {
             "SELECT {SESSION_COLS} FROM sessions WHERE state IN ('online', 'draining') AND expires_at <= ?1 \
              ORDER BY expires_at, id LIMIT ?2"
         ))?
-        .query_map((now, limit), rows::session)?
+        .query_map((now, limit), rows::read)?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     // Each lapsed offer or lease is read with its run and attempt by key (at most one
     // batch of point lookups), so every table keeps its one row-mapping function.
@@ -114,9 +115,9 @@ fn lapsed(conn: &Connection, now: Millis) -> rusqlite::Result<Lapsed> {
     let mut offers = Vec::with_capacity(offer_ids.len());
     for (o, r, a) in offer_ids {
         let (Some(offer), Some(run), Some(attempt)) = (
-            one(conn, &format!("SELECT {OFFER_COLS} FROM offers WHERE id = ?1"), &o, rows::offer)?,
-            one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), &r, rows::run)?,
-            one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), &a, rows::attempt)?,
+            one(conn, &format!("SELECT {OFFER_COLS} FROM offers WHERE id = ?1"), &o, rows::read)?,
+            one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), &r, rows::read)?,
+            one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), &a, rows::read)?,
         ) else {
             continue;
         };
@@ -132,9 +133,9 @@ fn lapsed(conn: &Connection, now: Millis) -> rusqlite::Result<Lapsed> {
     let mut leases = Vec::with_capacity(lease_ids.len());
     for (a, r) in lease_ids {
         let (Some(lease), Some(run), Some(attempt)) = (
-            one(conn, &format!("SELECT {LEASE_COLS} FROM leases WHERE attempt_id = ?1"), &a, rows::lease)?,
-            one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), &r, rows::run)?,
-            one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), &a, rows::attempt)?,
+            one(conn, &format!("SELECT {LEASE_COLS} FROM leases WHERE attempt_id = ?1"), &a, rows::read)?,
+            one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), &r, rows::read)?,
+            one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), &a, rows::read)?,
         ) else {
             continue;
         };
@@ -146,7 +147,7 @@ fn lapsed(conn: &Connection, now: Millis) -> rusqlite::Result<Lapsed> {
              AND status NOT IN ('succeeded', 'failed', 'cancelled', 'timed_out') \
              AND (stop IS NULL OR stop <> 'timeout') ORDER BY deadline_at, id LIMIT ?2"
         ))?
-        .query_map((now, limit), rows::run)?
+        .query_map((now, limit), rows::read)?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     Ok(Lapsed { sessions, offers, leases, overdue })
 }

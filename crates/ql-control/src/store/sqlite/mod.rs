@@ -59,10 +59,10 @@ use tokio::sync::{oneshot, watch};
 use ql_wire::ids::RunId;
 use ql_wire::ErrorCode;
 
+use super::records::{ATTEMPT_COLS, AUDIT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
 use super::{RunDetail, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
 use crate::model::{AuditRecord, Run, Session};
-use rows::{ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
 
 pub use schema::SCHEMA_VERSION;
 
@@ -333,12 +333,12 @@ impl Writer {
 
 fn apply(conn: &Connection, write: &Write) -> rusqlite::Result<()> {
     match write {
-        Write::Session(s) => rows::put_session(conn, s),
-        Write::Run(r) => rows::put_run(conn, r),
-        Write::Attempt(a) => rows::put_attempt(conn, a),
-        Write::Offer(o) => rows::put_offer(conn, o),
-        Write::Lease(l) => rows::put_lease(conn, l),
-        Write::Event(e) => rows::append_event(conn, e),
+        Write::Session(s) => rows::write(conn, s),
+        Write::Run(r) => rows::write(conn, r),
+        Write::Attempt(a) => rows::write(conn, a),
+        Write::Offer(o) => rows::write(conn, o),
+        Write::Lease(l) => rows::write(conn, l),
+        Write::Event(e) => rows::write(conn, e),
     }
 }
 
@@ -358,12 +358,12 @@ fn limit(n: usize) -> i64 {
 fn snapshot(tx: &Connection) -> rusqlite::Result<Snapshot> {
     // Inside the batch's transaction: the six tables as of one state.
     let snap = Snapshot {
-        sessions: all(tx, &format!("SELECT {SESSION_COLS} FROM sessions ORDER BY id"), [], rows::session)?,
-        runs: all(tx, &format!("SELECT {RUN_COLS} FROM runs ORDER BY id"), [], rows::run)?,
-        attempts: all(tx, &format!("SELECT {ATTEMPT_COLS} FROM attempts ORDER BY id"), [], rows::attempt)?,
-        offers: all(tx, &format!("SELECT {OFFER_COLS} FROM offers ORDER BY id"), [], rows::offer)?,
-        leases: all(tx, &format!("SELECT {LEASE_COLS} FROM leases ORDER BY attempt_id"), [], rows::lease)?,
-        events: all(tx, &format!("SELECT {EVENT_COLS} FROM events ORDER BY seq"), [], rows::event)?,
+        sessions: all(tx, &format!("SELECT {SESSION_COLS} FROM sessions ORDER BY id"), [], rows::read)?,
+        runs: all(tx, &format!("SELECT {RUN_COLS} FROM runs ORDER BY id"), [], rows::read)?,
+        attempts: all(tx, &format!("SELECT {ATTEMPT_COLS} FROM attempts ORDER BY id"), [], rows::read)?,
+        offers: all(tx, &format!("SELECT {OFFER_COLS} FROM offers ORDER BY id"), [], rows::read)?,
+        leases: all(tx, &format!("SELECT {LEASE_COLS} FROM leases ORDER BY attempt_id"), [], rows::read)?,
+        events: all(tx, &format!("SELECT {EVENT_COLS} FROM events ORDER BY seq"), [], rows::read)?,
     };
     Ok(snap)
 }
@@ -376,20 +376,16 @@ fn run_detail(tx: &Connection, id: &RunId) -> rusqlite::Result<Option<RunDetail>
         tx,
         &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE run_id = ?1 ORDER BY number"),
         [id.as_str()],
-        rows::attempt,
+        rows::read,
     )?;
     let leases = all(
         tx,
         &format!("SELECT {LEASE_COLS} FROM leases WHERE run_id = ?1 ORDER BY lease_generation, attempt_id"),
         [id.as_str()],
-        rows::lease,
+        rows::read,
     )?;
-    let events = all(
-        tx,
-        &format!("SELECT {EVENT_COLS} FROM events WHERE run_id = ?1 ORDER BY seq"),
-        [id.as_str()],
-        rows::event,
-    )?;
+    let events =
+        all(tx, &format!("SELECT {EVENT_COLS} FROM events WHERE run_id = ?1 ORDER BY seq"), [id.as_str()], rows::read)?;
     Ok(Some(RunDetail { run, attempts, leases, events }))
 }
 
@@ -401,14 +397,14 @@ impl Store for SqliteStore {
     async fn audit(&self, record: AuditRecord) -> Result<(), StoreError> {
         self.call(move |w| {
             let at = schema::db_now(&w.conn, w.offset()).map_err(sql)?;
-            rows::append_audit(&w.conn, &AuditRecord { at, ..record }).map_err(sql)
+            rows::write(&w.conn, &AuditRecord { at, ..record }).map_err(sql)
         })
         .await
     }
 
     async fn audits(&self) -> Result<Vec<AuditRecord>, StoreError> {
         self.call(|w| {
-            all(&w.conn, "SELECT at, principal, route, outcome FROM audit ORDER BY seq", [], rows::audit).map_err(sql)
+            all(&w.conn, &format!("SELECT {AUDIT_COLS} FROM audit ORDER BY seq"), [], rows::read).map_err(sql)
         })
         .await
     }
@@ -416,7 +412,7 @@ impl Store for SqliteStore {
     async fn runs(&self, n: usize) -> Result<Vec<Run>, StoreError> {
         self.call(move |w| {
             let q = format!("SELECT {RUN_COLS} FROM runs ORDER BY created_at DESC, id DESC LIMIT ?1");
-            all(&w.conn, &q, [limit(n)], rows::run).map_err(sql)
+            all(&w.conn, &q, [limit(n)], rows::read).map_err(sql)
         })
         .await
     }
@@ -429,7 +425,7 @@ impl Store for SqliteStore {
     async fn sessions(&self, n: usize) -> Result<Vec<Session>, StoreError> {
         self.call(move |w| {
             let q = format!("SELECT {SESSION_COLS} FROM sessions ORDER BY created_at DESC, id DESC LIMIT ?1");
-            all(&w.conn, &q, [limit(n)], rows::session).map_err(sql)
+            all(&w.conn, &q, [limit(n)], rows::read).map_err(sql)
         })
         .await
     }

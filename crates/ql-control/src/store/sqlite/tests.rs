@@ -432,9 +432,9 @@ fn a_failing_job_rolls_back_alone_and_the_rest_of_its_batch_commits() {
     let (tx, rx) = std::sync::mpsc::channel();
     let record = |route: &str| AuditRecord { at: 1, principal: None, route: route.into(), outcome: "admitted".into() };
     let (a, b) = (record("a"), record("b"));
-    let ok = |r: AuditRecord| move |w: &mut Writer| rows::append_audit(&w.conn, &r).map_err(sql);
+    let ok = |r: AuditRecord| move |w: &mut Writer| rows::write(&w.conn, &r).map_err(sql);
     let failing = |w: &mut Writer| -> Result<(), StoreError> {
-        rows::append_audit(&w.conn, &AuditRecord { at: 1, principal: None, route: "c".into(), outcome: "x".into() })
+        rows::write(&w.conn, &AuditRecord { at: 1, principal: None, route: "c".into(), outcome: "x".into() })
             .map_err(sql)?;
         Err(StoreError("the decision failed after writing".into()))
     };
@@ -459,7 +459,7 @@ fn when_the_batch_cannot_begin_every_job_answers_the_error_and_nothing_runs() {
     other.execute_batch("BEGIN IMMEDIATE").unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let write = |w: &mut Writer| {
-        rows::append_audit(&w.conn, &AuditRecord { at: 1, principal: None, route: "a".into(), outcome: "x".into() })
+        rows::write(&w.conn, &AuditRecord { at: 1, principal: None, route: "a".into(), outcome: "x".into() })
             .map_err(sql)
     };
     w.run_batch(vec![job(write, tx.clone()), job(write, tx)]);

@@ -1,0 +1,408 @@
+//! Every model type of [`crate::model`] to its table row and back, written once for both
+//! stores: the column lists, the reading, and the values of a write, in column order.
+//!
+//! Every struct field has exactly one column (nested lease and claim facts are
+//! flattened with a prefix), so a row written and read back equals the original. Adding
+//! a column means editing the table's column list, its `read` and its `values` here —
+//! and the two migrations; the backends need nothing.
+
+use ql_wire::lease::StopIntent;
+
+use super::columns::{Columns, Corrupt, Table, Value as V};
+use crate::model::{
+    Attempt, AttemptStatus, AuditRecord, ClaimFacts, EndKind, Event, Lease, LeaseFacts, LeaseState, Offer, OfferState,
+    Run, RunStatus, Session, SessionState,
+};
+
+/// A model type stored as one row of one table.
+pub(super) trait Stored: Sized {
+    /// Its table.
+    const TABLE: &'static Table;
+    /// Reads one row selected with the table's column list.
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error>;
+    /// The values of a write, in the table's column order.
+    fn values(&self) -> Result<Vec<V>, Corrupt>;
+}
+
+/// `StopIntent` has no text form of its own in `ql_wire`; these are its wire words.
+fn stop_text(stop: StopIntent) -> &'static str {
+    match stop {
+        StopIntent::Cancel => "cancel",
+        StopIntent::Timeout => "timeout",
+    }
+}
+
+fn parse_stop(s: &str) -> Option<StopIntent> {
+    match s {
+        "cancel" => Some(StopIntent::Cancel),
+        "timeout" => Some(StopIntent::Timeout),
+        _ => None,
+    }
+}
+
+/// Columns of `sessions`, in select order.
+pub(super) const SESSION_COLS: &str =
+    "id, worker, generation, state, capacity, labels, agent_version, arch, created_at, seen_at, expires_at";
+/// Columns of `runs`, in select order.
+pub(super) const RUN_COLS: &str = "id, project, spec, labels, status, stop, retry_budget, retries_used, attempts, \
+     lease_generations, current_attempt_id, deadline_at, created_at, started_at, finished_at, error_code, summary";
+/// Columns of `attempts`, in select order.
+pub(super) const ATTEMPT_COLS: &str = "id, run_id, number, executor_type, status, offer_id, session_id, worker, \
+     lease_worker, lease_session_id, lease_session_generation, lease_offer_id, lease_generation, lease_token_digest, \
+     lease_version, lease_expires_at, executor_handle, log_artifact_id, callback_sequence, callback_digest, \
+     exit_code, signal, worker_finished_at, artifact, end_kind, created_at, started_at, ended_at, error_code, summary";
+/// Columns of `offers`, in select order.
+pub(super) const OFFER_COLS: &str = "id, run_id, attempt_id, worker, session_id, session_generation, state, \
+     expires_at, claim_token_digest, claim_lease_generation, claim_lease_expires_at, claim_lease_ttl_ms";
+/// Columns of `leases`, in select order.
+pub(super) const LEASE_COLS: &str = "attempt_id, run_id, state, worker, session_id, session_generation, offer_id, \
+     lease_generation, token_digest, version, expires_at, ttl_ms";
+/// Columns of `events`, in select order (`seq` is storage order, not a model field).
+pub(super) const EVENT_COLS: &str = "id, run_id, attempt_id, kind, from_status, to_status, payload, at";
+/// Columns of `audit`, in select order (`seq` as for events).
+pub(super) const AUDIT_COLS: &str = "at, principal, route, outcome";
+
+pub(super) const SESSIONS: Table = Table { name: "sessions", key: Some("id"), cols: SESSION_COLS };
+pub(super) const RUNS: Table = Table { name: "runs", key: Some("id"), cols: RUN_COLS };
+pub(super) const ATTEMPTS: Table = Table { name: "attempts", key: Some("id"), cols: ATTEMPT_COLS };
+pub(super) const OFFERS: Table = Table { name: "offers", key: Some("id"), cols: OFFER_COLS };
+pub(super) const LEASES: Table = Table { name: "leases", key: Some("attempt_id"), cols: LEASE_COLS };
+/// Never upserted: the unique index refuses a second event of the same type for the same
+/// attempt, which rolls the whole command back.
+pub(super) const EVENTS: Table = Table { name: "events", key: None, cols: EVENT_COLS };
+pub(super) const AUDIT: Table = Table { name: "audit", key: None, cols: AUDIT_COLS };
+
+/// Every table a model type is stored in.
+pub(super) const TABLES: [&Table; 7] = [&SESSIONS, &RUNS, &ATTEMPTS, &OFFERS, &LEASES, &EVENTS, &AUDIT];
+
+impl Stored for Session {
+    const TABLE: &'static Table = &SESSIONS;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Session {
+            id: c.valid("id")?,
+            worker: c.valid("worker")?,
+            generation: c.counter("generation")?,
+            state: c.word("state", SessionState::parse)?,
+            capacity: c.num("capacity")?,
+            labels: c.json("labels")?,
+            agent_version: c.text("agent_version")?,
+            arch: c.text("arch")?,
+            created_at: c.int("created_at")?,
+            seen_at: c.int("seen_at")?,
+            expires_at: c.int("expires_at")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::text(self.id.as_str()),
+            V::text(self.worker.as_str()),
+            V::big(self.generation.get())?,
+            V::text(self.state.as_str()),
+            V::int(self.capacity),
+            V::json(&self.labels)?,
+            V::text(&self.agent_version),
+            V::text(&self.arch),
+            V::int(self.created_at),
+            V::int(self.seen_at),
+            V::int(self.expires_at),
+        ])
+    }
+}
+
+impl Stored for Run {
+    const TABLE: &'static Table = &RUNS;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Run {
+            id: c.valid("id")?,
+            project: c.valid("project")?,
+            spec: c.json("spec")?,
+            labels: c.json("labels")?,
+            status: c.word("status", RunStatus::parse)?,
+            stop: c.opt_word("stop", parse_stop)?,
+            retry_budget: c.num("retry_budget")?,
+            retries_used: c.num("retries_used")?,
+            attempts: c.num("attempts")?,
+            lease_generations: c.num("lease_generations")?,
+            current_attempt: c.opt_valid("current_attempt_id")?,
+            deadline_at: c.opt_int("deadline_at")?,
+            created_at: c.int("created_at")?,
+            started_at: c.opt_int("started_at")?,
+            finished_at: c.opt_int("finished_at")?,
+            error_code: c.opt_text("error_code")?,
+            summary: c.opt_text("summary")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::text(self.id.as_str()),
+            V::text(self.project.as_str()),
+            V::json(&self.spec)?,
+            V::json(&self.labels)?,
+            V::text(self.status.as_str()),
+            V::opt_text(self.stop.map(stop_text)),
+            V::int(self.retry_budget),
+            V::int(self.retries_used),
+            V::int(self.attempts),
+            V::big(self.lease_generations)?,
+            V::opt_text(self.current_attempt.as_ref().map(|a| a.as_str())),
+            V::opt_int(self.deadline_at),
+            V::int(self.created_at),
+            V::opt_int(self.started_at),
+            V::opt_int(self.finished_at),
+            V::opt_text(self.error_code.as_deref()),
+            V::opt_text(self.summary.as_deref()),
+        ])
+    }
+}
+
+/// An attempt's projection of its lease: all its columns NULL before the claim.
+fn attempt_lease<C: Columns + ?Sized>(c: &C) -> Result<Option<LeaseFacts>, C::Error> {
+    let Some(worker) = c.opt_valid("lease_worker")? else {
+        return Ok(None);
+    };
+    Ok(Some(LeaseFacts {
+        worker,
+        session: c.valid("lease_session_id")?,
+        session_generation: c.counter("lease_session_generation")?,
+        offer: c.valid("lease_offer_id")?,
+        lease_generation: c.counter("lease_generation")?,
+        token_digest: c.valid("lease_token_digest")?,
+        version: c.counter("lease_version")?,
+        expires_at: c.int("lease_expires_at")?,
+    }))
+}
+
+impl Stored for Attempt {
+    const TABLE: &'static Table = &ATTEMPTS;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Attempt {
+            id: c.valid("id")?,
+            run: c.valid("run_id")?,
+            number: c.num("number")?,
+            executor_type: c.text("executor_type")?,
+            status: c.word("status", AttemptStatus::parse)?,
+            offer: c.valid("offer_id")?,
+            session: c.valid("session_id")?,
+            worker: c.valid("worker")?,
+            lease: attempt_lease(c)?,
+            executor_handle: c.opt_valid("executor_handle")?,
+            log_artifact: c.opt_valid("log_artifact_id")?,
+            callback_sequence: c.opt_counter("callback_sequence")?,
+            callback_digest: c.opt_valid("callback_digest")?,
+            exit_code: c.opt_num("exit_code")?,
+            signal: c.opt_num("signal")?,
+            worker_finished_at: c.opt_int("worker_finished_at")?,
+            artifact: c.opt_json("artifact")?,
+            end: c.opt_word("end_kind", EndKind::parse)?,
+            created_at: c.int("created_at")?,
+            started_at: c.opt_int("started_at")?,
+            ended_at: c.opt_int("ended_at")?,
+            error_code: c.opt_text("error_code")?,
+            summary: c.opt_text("summary")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        let l = self.lease.as_ref();
+        Ok(vec![
+            V::text(self.id.as_str()),
+            V::text(self.run.as_str()),
+            V::int(self.number),
+            V::text(&self.executor_type),
+            V::text(self.status.as_str()),
+            V::text(self.offer.as_str()),
+            V::text(self.session.as_str()),
+            V::text(self.worker.as_str()),
+            V::opt_text(l.map(|l| l.worker.as_str())),
+            V::opt_text(l.map(|l| l.session.as_str())),
+            V::opt_big(l.map(|l| l.session_generation.get()))?,
+            V::opt_text(l.map(|l| l.offer.as_str())),
+            V::opt_big(l.map(|l| l.lease_generation.get()))?,
+            V::opt_text(l.map(|l| l.token_digest.as_str())),
+            V::opt_big(l.map(|l| l.version.get()))?,
+            V::opt_int(l.map(|l| l.expires_at)),
+            V::opt_text(self.executor_handle.as_ref().map(|h| h.as_str())),
+            V::opt_text(self.log_artifact.as_ref().map(|x| x.as_str())),
+            V::opt_big(self.callback_sequence.map(|c| c.get()))?,
+            V::opt_text(self.callback_digest.as_ref().map(|d| d.as_str())),
+            V::opt_int(self.exit_code),
+            V::opt_int(self.signal),
+            V::opt_int(self.worker_finished_at),
+            V::opt_json(self.artifact.as_ref())?,
+            V::opt_text(self.end.map(EndKind::as_str)),
+            V::int(self.created_at),
+            V::opt_int(self.started_at),
+            V::opt_int(self.ended_at),
+            V::opt_text(self.error_code.as_deref()),
+            V::opt_text(self.summary.as_deref()),
+        ])
+    }
+}
+
+impl Stored for Offer {
+    const TABLE: &'static Table = &OFFERS;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        // What the claim answered: all its columns NULL until claimed.
+        let claim = match c.opt_valid("claim_token_digest")? {
+            None => None,
+            Some(token_digest) => Some(ClaimFacts {
+                token_digest,
+                lease_generation: c.counter("claim_lease_generation")?,
+                lease_expires_at: c.int("claim_lease_expires_at")?,
+                lease_ttl_ms: c.num("claim_lease_ttl_ms")?,
+            }),
+        };
+        Ok(Offer {
+            id: c.valid("id")?,
+            run: c.valid("run_id")?,
+            attempt: c.valid("attempt_id")?,
+            worker: c.valid("worker")?,
+            session: c.valid("session_id")?,
+            session_generation: c.counter("session_generation")?,
+            state: c.word("state", OfferState::parse)?,
+            expires_at: c.int("expires_at")?,
+            claim,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        let k = self.claim.as_ref();
+        Ok(vec![
+            V::text(self.id.as_str()),
+            V::text(self.run.as_str()),
+            V::text(self.attempt.as_str()),
+            V::text(self.worker.as_str()),
+            V::text(self.session.as_str()),
+            V::big(self.session_generation.get())?,
+            V::text(self.state.as_str()),
+            V::int(self.expires_at),
+            V::opt_text(k.map(|k| k.token_digest.as_str())),
+            V::opt_big(k.map(|k| k.lease_generation.get()))?,
+            V::opt_int(k.map(|k| k.lease_expires_at)),
+            V::opt_big(k.map(|k| k.lease_ttl_ms))?,
+        ])
+    }
+}
+
+impl Stored for Lease {
+    const TABLE: &'static Table = &LEASES;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Lease {
+            attempt: c.valid("attempt_id")?,
+            run: c.valid("run_id")?,
+            state: c.word("state", LeaseState::parse)?,
+            facts: LeaseFacts {
+                worker: c.valid("worker")?,
+                session: c.valid("session_id")?,
+                session_generation: c.counter("session_generation")?,
+                offer: c.valid("offer_id")?,
+                lease_generation: c.counter("lease_generation")?,
+                token_digest: c.valid("token_digest")?,
+                version: c.counter("version")?,
+                expires_at: c.int("expires_at")?,
+            },
+            ttl_ms: c.num("ttl_ms")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        let f = &self.facts;
+        Ok(vec![
+            V::text(self.attempt.as_str()),
+            V::text(self.run.as_str()),
+            V::text(self.state.as_str()),
+            V::text(f.worker.as_str()),
+            V::text(f.session.as_str()),
+            V::big(f.session_generation.get())?,
+            V::text(f.offer.as_str()),
+            V::big(f.lease_generation.get())?,
+            V::text(f.token_digest.as_str()),
+            V::big(f.version.get())?,
+            V::int(f.expires_at),
+            V::big(self.ttl_ms)?,
+        ])
+    }
+}
+
+impl Stored for Event {
+    const TABLE: &'static Table = &EVENTS;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Event {
+            id: c.valid("id")?,
+            run: c.valid("run_id")?,
+            attempt: c.opt_valid("attempt_id")?,
+            kind: c.text("kind")?,
+            from_status: c.opt_text("from_status")?,
+            to_status: c.opt_text("to_status")?,
+            payload: c.json("payload")?,
+            at: c.int("at")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::text(self.id.as_str()),
+            V::text(self.run.as_str()),
+            V::opt_text(self.attempt.as_ref().map(|a| a.as_str())),
+            V::text(&self.kind),
+            V::opt_text(self.from_status.as_deref()),
+            V::opt_text(self.to_status.as_deref()),
+            V::json(&self.payload)?,
+            V::int(self.at),
+        ])
+    }
+}
+
+impl Stored for AuditRecord {
+    const TABLE: &'static Table = &AUDIT;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(AuditRecord {
+            at: c.int("at")?,
+            principal: c.opt_valid("principal")?,
+            route: c.text("route")?,
+            outcome: c.text("outcome")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::int(self.at),
+            V::opt_text(self.principal.as_ref().map(|p| p.as_str())),
+            V::text(&self.route),
+            V::text(&self.outcome),
+        ])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The backends build every write statement from [`TABLES`] and look it up by
+    /// name, and PostgreSQL's update binds the key as `$1`: a type whose table were
+    /// missing, or a key not first, would fail only at its first write.
+    #[test]
+    fn every_stored_table_is_listed_with_unique_columns_and_its_key_first() {
+        let stored =
+            [Session::TABLE, Run::TABLE, Attempt::TABLE, Offer::TABLE, Lease::TABLE, Event::TABLE, AuditRecord::TABLE];
+        assert_eq!(stored.len(), TABLES.len());
+        for t in stored {
+            assert!(TABLES.iter().any(|l| l.name == t.name), "{} is not in TABLES", t.name);
+            let names: Vec<&str> = t.names().collect();
+            let unique: std::collections::BTreeSet<&str> = names.iter().copied().collect();
+            assert_eq!(unique.len(), names.len(), "{} names a column twice", t.name);
+            if let Some(key) = t.key {
+                assert_eq!(names[0], key, "{}: the key is the first column", t.name);
+            }
+        }
+    }
+}
