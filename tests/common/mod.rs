@@ -11,12 +11,14 @@ use std::fs;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+mod scratch;
+pub use scratch::TempDir;
 
 /// How long any one condition may take before the test fails.
 pub const DEADLINE: Duration = Duration::from_secs(30);
@@ -61,26 +63,6 @@ pub fn control_bin() -> &'static Path {
         Some(bin) => PathBuf::from(bin),
         None => build_control(&[]),
     })
-}
-
-/// A directory removed when the test ends.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("ql-e2e-{tag}-{}-{n}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Polls `f` until it yields a value or [`DEADLINE`] passes.
