@@ -11,7 +11,7 @@
 use std::io::{self, Read as _};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ql-control");
@@ -92,28 +92,51 @@ fn exit_status(child: &mut Child, stderr: &Path) -> ExitStatus {
     }
 }
 
+/// A `ql-control serve` under a service manager, in a scratch directory.
+struct Service {
+    manager: Manager,
+    /// Where the server's stderr goes.
+    stderr: PathBuf,
+    stdout: ChildStdout,
+    server: Proc,
+}
+
+impl Service {
+    /// `ql-control init` into `<tmp>/state`, the manager's socket bound at `<tmp>/notify`,
+    /// then `ql-control serve` on that state with a 200 ms `$WATCHDOG_USEC` (a ping every
+    /// 100 ms, so the pings come within the test's patience); `$NOTIFY_SOCKET` names the
+    /// socket only when `named`, and is unset otherwise.
+    fn start(tmp: &TempDir, named: bool) -> Self {
+        let state = tmp.path().join("state");
+        let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&state).output().unwrap();
+        assert!(init.status.success(), "init: {}", String::from_utf8_lossy(&init.stderr));
+
+        let socket = tmp.path().join("notify");
+        let manager = Manager::bind(&socket);
+        let stderr = tmp.path().join("serve.err");
+        let mut serve = Command::new(BIN);
+        serve.args(["serve", "--listen", "127.0.0.1:0", "--dir"]).arg(&state);
+        if named {
+            serve.env("NOTIFY_SOCKET", &socket);
+        } else {
+            serve.env_remove("NOTIFY_SOCKET");
+        }
+        let mut child = serve
+            .env("WATCHDOG_USEC", "200000")
+            .env_remove("WATCHDOG_PID")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .expect("ql-control serve starts");
+        let stdout = child.stdout.take().unwrap();
+        Self { manager, stderr, stdout, server: Proc(child) }
+    }
+}
+
 #[test]
 fn serve_reports_ready_pings_the_watchdog_and_reports_stopping_on_sigterm() {
     let tmp = TempDir::new("control-notify");
-    let state = tmp.path().join("state");
-    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&state).output().unwrap();
-    assert!(init.status.success(), "init: {}", String::from_utf8_lossy(&init.stderr));
-
-    let manager = Manager::bind(&tmp.path().join("notify"));
-    let stderr = tmp.path().join("serve.err");
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--dir"])
-        .arg(&state)
-        .env("NOTIFY_SOCKET", tmp.path().join("notify"))
-        // 200 ms: a ping every 100 ms, so the pings come within the test's patience.
-        .env("WATCHDOG_USEC", "200000")
-        .env_remove("WATCHDOG_PID")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&stderr).unwrap())
-        .spawn()
-        .expect("ql-control serve starts");
-    let mut stdout = child.stdout.take().unwrap();
-    let mut server = Proc(child);
+    let Service { manager, stderr, mut stdout, mut server } = Service::start(&tmp, true);
 
     // READY=1 first, naming where it listens.
     let deadline = Instant::now() + PATIENCE;
@@ -159,22 +182,7 @@ fn serve_reports_ready_pings_the_watchdog_and_reports_stopping_on_sigterm() {
 fn serve_without_notify_socket_sends_nothing_and_still_stops_cleanly() {
     // The manager's socket exists, but nobody names it: nothing may reach it.
     let tmp = TempDir::new("control-no-notify");
-    let state = tmp.path().join("state");
-    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&state).output().unwrap();
-    assert!(init.status.success(), "init: {}", String::from_utf8_lossy(&init.stderr));
-    let manager = Manager::bind(&tmp.path().join("notify"));
-    let stderr = tmp.path().join("serve.err");
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--dir"])
-        .arg(&state)
-        .env_remove("NOTIFY_SOCKET")
-        .env("WATCHDOG_USEC", "200000")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&stderr).unwrap())
-        .spawn()
-        .expect("ql-control serve starts");
-    let mut stdout = child.stdout.take().unwrap();
-    let mut server = Proc(child);
+    let Service { manager, stderr, mut stdout, mut server } = Service::start(&tmp, false);
     let mut line = [0u8; 4096];
     let n = stdout.read(&mut line).unwrap();
     assert!(String::from_utf8_lossy(&line[..n]).starts_with("listening on "), "{}", log(&stderr));
