@@ -20,7 +20,9 @@
 //! and U `url` lines (distinct artifacts). `bench/agent.sh` sends the file with `curl` to
 //! compare the agent's upload throughput with curl's.
 
-use std::sync::Arc;
+#[path = "../tests/common/worker_client.rs"]
+mod worker_client;
+
 use std::time::{Duration, Instant};
 
 use ql_control::admin::{self, SubmitArgs};
@@ -30,12 +32,11 @@ use ql_wire::capability::Token;
 use ql_wire::completion::{Completion, CompletionReply, CompletionSchema};
 use ql_wire::ids::{ArtifactId, Counter, WorkerId};
 use ql_wire::lease::Renewed;
-use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
+use ql_wire::offer::{Claimed, Offers, PollOffers};
 use ql_wire::route::{AttemptCommand, AttemptPath, Route};
 use ql_wire::session::{OpenSession, SessionOpened};
 use ql_wire::time::Timestamp;
 use ql_wire::{decode, encode, Body, Fence};
-use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig, TlsProvider};
 
 struct Args {
     dir: std::path::PathBuf,
@@ -96,26 +97,7 @@ fn enrolled_agent(dir: &std::path::Path, worker: &WorkerId) -> (ureq::Agent, ql_
         },
         other => other.expect("enroll"),
     };
-    let read = |p: &std::path::Path| std::fs::read(p).expect("read pem");
-    let ca = Certificate::from_pem(&read(&enrolled.ca)).expect("ca");
-    let cert = Certificate::from_pem(&read(&enrolled.cert)).expect("cert");
-    let key = PrivateKey::from_pem(&read(&enrolled.key)).expect("key");
-    let mut provider = rustls::crypto::ring::default_provider();
-    provider.cipher_suites.retain(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
-    let tls = TlsConfig::builder()
-        .provider(TlsProvider::Rustls)
-        .unversioned_rustls_crypto_provider(Arc::new(provider))
-        .root_certs(RootCerts::new_with_certs(&[ca]))
-        .client_cert(Some(ClientCert::new_with_certs(&[cert], key)))
-        .build();
-    let agent = ureq::Agent::config_builder()
-        .tls_config(tls)
-        .http_status_as_error(false)
-        .max_idle_connections_per_host(1)
-        .timeout_global(Some(Duration::from_secs(60)))
-        .build()
-        .new_agent();
-    (agent, enrolled)
+    (worker_client::client(&enrolled, Duration::from_secs(60)), enrolled)
 }
 
 fn post<Req: Body, Resp: Body>(agent: &ureq::Agent, url: &str, route: &Route, body: &Req) -> Resp {
@@ -151,28 +133,10 @@ fn client(a: &Args, index: usize) -> Vec<Duration> {
         let poll = PollOffers { generation: session.generation, wait_ms: 5_000, max: 1 };
         let offers: Offers = post(&agent, url, &Route::PollOffers(worker.clone(), session.session_id.clone()), &poll);
         let offer = offers.offers.into_iter().next().expect("an offer within 5 s");
-        let token = Token::generate().unwrap();
-        let claim = Claim {
-            generation: session.generation,
-            run_id: offer.run_id.clone(),
-            attempt_id: offer.attempt_id.clone(),
-            lease_token: token.clone(),
-        };
+        let (token, claim) = worker_client::claim(&session, &offer);
         let route = Route::Claim(worker.clone(), session.session_id.clone(), offer.offer_id.clone());
         let claimed: Claimed = post(&agent, url, &route, &claim);
-        let path = AttemptPath {
-            worker: worker.clone(),
-            session: session.session_id.clone(),
-            run: offer.run_id.clone(),
-            attempt: offer.attempt_id.clone(),
-        };
-        let mut fence = Fence {
-            session_generation: session.generation,
-            offer_id: offer.offer_id.clone(),
-            lease_generation: claimed.lease_generation,
-            lease_token: token,
-            expected_lease_version: claimed.lease_version,
-        };
+        let (path, mut fence) = worker_client::claimed(&worker, &session, &offer, token, &claimed);
         let at = |cmd| Route::Attempt(path.clone(), cmd);
         timed(&mut || {
             let _: AckReply = post(&agent, url, &at(AttemptCommand::Starting), &fence);
@@ -222,23 +186,10 @@ fn held_at_running(a: &Args, label: &str) -> (ureq::Agent, ql_control::pki::Enro
     let poll = PollOffers { generation: session.generation, wait_ms: 5_000, max: 1 };
     let offers: Offers = post(&agent, url, &Route::PollOffers(worker.clone(), session.session_id.clone()), &poll);
     let offer = offers.offers.into_iter().next().expect("an upload offer");
-    let token = Token::generate().unwrap();
-    let claim = Claim {
-        generation: session.generation,
-        run_id: offer.run_id.clone(),
-        attempt_id: offer.attempt_id.clone(),
-        lease_token: token.clone(),
-    };
+    let (token, claim) = worker_client::claim(&session, &offer);
     let claimed: Claimed =
         post(&agent, url, &Route::Claim(worker.clone(), session.session_id.clone(), offer.offer_id.clone()), &claim);
-    let path = AttemptPath { worker, session: session.session_id, run: offer.run_id, attempt: offer.attempt_id };
-    let fence = Fence {
-        session_generation: session.generation,
-        offer_id: offer.offer_id,
-        lease_generation: claimed.lease_generation,
-        lease_token: token,
-        expected_lease_version: claimed.lease_version,
-    };
+    let (path, fence) = worker_client::claimed(&worker, &session, &offer, token, &claimed);
     let _: AckReply = post(&agent, url, &Route::Attempt(path.clone(), AttemptCommand::Starting), &fence);
     let running = Running::new(
         fence.clone(),

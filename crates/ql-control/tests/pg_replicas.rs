@@ -13,6 +13,8 @@
 //! says is safe.
 
 mod contract;
+#[path = "common/worker_client.rs"]
+mod worker_client;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -33,13 +35,12 @@ use ql_wire::completion::{Completion, CompletionReply, CompletionSchema, Termina
 use ql_wire::error::ErrorBody;
 use ql_wire::ids::{Counter, RunId, WorkerId};
 use ql_wire::lease::Renewed;
-use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
-use ql_wire::route::{AttemptCommand, AttemptPath, Route};
+use ql_wire::offer::{Claimed, Offers, PollOffers};
+use ql_wire::route::{AttemptCommand, Route};
 use ql_wire::session::{OpenSession, SessionOpened};
 use ql_wire::text::Reason;
 use ql_wire::time::Timestamp;
-use ql_wire::{decode, encode, Body, ErrorCode, Fence, Outcome};
-use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig, TlsProvider};
+use ql_wire::{decode, encode, Body, ErrorCode, Outcome};
 
 use contract::pg::TestDb;
 use contract::{check_invariants, spec, TempDir};
@@ -129,25 +130,7 @@ struct Agent {
 impl Agent {
     fn new(dir: &Path, worker: &WorkerId, urls: Vec<String>, tally: Arc<Mutex<Tally>>, deadline: Instant) -> Self {
         let enrolled = ql_control::pki::enroll(dir, worker, &dir.join("workers")).expect("enroll");
-        let read = |p: &Path| std::fs::read(p).unwrap();
-        let ca = Certificate::from_pem(&read(&enrolled.ca)).unwrap();
-        let cert = Certificate::from_pem(&read(&enrolled.cert)).unwrap();
-        let key = PrivateKey::from_pem(&read(&enrolled.key)).unwrap();
-        let mut provider = rustls::crypto::ring::default_provider();
-        provider.cipher_suites.retain(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
-        let tls = TlsConfig::builder()
-            .provider(TlsProvider::Rustls)
-            .unversioned_rustls_crypto_provider(Arc::new(provider))
-            .root_certs(RootCerts::new_with_certs(&[ca]))
-            .client_cert(Some(ClientCert::new_with_certs(&[cert], key)))
-            .build();
-        let http = ureq::Agent::config_builder()
-            .tls_config(tls)
-            .http_status_as_error(false)
-            .max_idle_connections_per_host(1)
-            .timeout_global(Some(Duration::from_secs(30)))
-            .build()
-            .new_agent();
+        let http = worker_client::client(&enrolled, Duration::from_secs(30));
         Self { http, urls, next: 0, tally, deadline }
     }
 
@@ -232,13 +215,7 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
             }
         };
         let Some(offer) = offers.offers.into_iter().next() else { continue };
-        let token = Token::generate().unwrap();
-        let claim = Claim {
-            generation: session.generation,
-            run_id: offer.run_id.clone(),
-            attempt_id: offer.attempt_id.clone(),
-            lease_token: token.clone(),
-        };
+        let (token, claim) = worker_client::claim(&session, &offer);
         let route = Route::Claim(worker.clone(), session.session_id.clone(), offer.offer_id.clone());
         let claimed: Claimed = match a.call(&route, &claim) {
             Ok(c) => c,
@@ -249,19 +226,7 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
                 continue;
             }
         };
-        let path = AttemptPath {
-            worker: worker.clone(),
-            session: session.session_id.clone(),
-            run: offer.run_id.clone(),
-            attempt: offer.attempt_id.clone(),
-        };
-        let mut fence = Fence {
-            session_generation: session.generation,
-            offer_id: offer.offer_id.clone(),
-            lease_generation: claimed.lease_generation,
-            lease_token: token,
-            expected_lease_version: claimed.lease_version,
-        };
+        let (path, mut fence) = worker_client::claimed(&worker, &session, &offer, token, &claimed);
         let at = |cmd| Route::Attempt(path.clone(), cmd);
         let fate = rng.below(100);
         if fate < 4 {
