@@ -97,6 +97,8 @@ const JOB_TIMEOUT_MS: u64 = 1_200;
 const TAG: &str = "QL_MATRIX_TAG";
 /// How long one scenario may take.
 const CELL_DEADLINE: Duration = Duration::from_secs(45);
+/// How often a scenario looks again at what it waits for.
+const POLL: Duration = Duration::from_millis(40);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Outcome {
@@ -237,81 +239,29 @@ fn rows() -> Vec<Row> {
     for (point, phase, outcomes) in agent {
         rows.push(Row::new(&format!("agent {point}"), Some(point), None, *phase, outcomes));
     }
-    // The control plane and the network.
-    let before_spawn = ["session.open", "offers.poll", "offer.claim", "attempt.starting"];
-    let kinds: &[(&str, &str, &[&str])] = &[
-        (
-            "drop",
-            "",
-            &[
-                "session.open",
-                "offers.poll",
-                "offer.claim",
-                "attempt.starting",
-                "attempt.running",
-                "lease.renew",
-                "artifact.put",
-                "attempt.completion",
-                "attempt.start_failure",
-            ],
-        ),
-        (
-            "delay",
-            "",
-            &[
-                "offer.claim",
-                "attempt.starting",
-                "attempt.running",
-                "lease.renew",
-                "artifact.put",
-                "attempt.completion",
-                "attempt.start_failure",
-            ],
-        ),
-        (
-            "crash",
-            "",
-            &[
-                "session.open",
-                "offer.claim",
-                "attempt.starting",
-                "attempt.running",
-                "lease.renew",
-                "artifact.put",
-                "attempt.completion",
-                "attempt.start_failure",
-            ],
-        ),
-        (
-            "503",
-            "@3",
-            &[
-                "offers.poll",
-                "offer.claim",
-                "attempt.starting",
-                "attempt.running",
-                "lease.renew",
-                "artifact.put",
-                "attempt.completion",
-                "attempt.start_failure",
-            ],
-        ),
-        (
-            "reset",
-            "",
-            &[
-                "offer.claim",
-                "attempt.starting",
-                "attempt.running",
-                "lease.renew",
-                "artifact.put",
-                "attempt.completion",
-                "attempt.start_failure",
-            ],
-        ),
+    // The control plane and the network: each kind of fault at the routes in `routes` but
+    // those it leaves out.
+    let routes = [
+        "session.open",
+        "offers.poll",
+        "offer.claim",
+        "attempt.starting",
+        "attempt.running",
+        "lease.renew",
+        "artifact.put",
+        "attempt.completion",
+        "attempt.start_failure",
     ];
-    for (kind, count, routes) in kinds {
-        for route in routes.iter() {
+    let before_spawn = &routes[..4];
+    let kinds: &[(&str, &str, &[&str])] = &[
+        ("drop", "", &[]),
+        ("delay", "", &["session.open", "offers.poll"]),
+        ("crash", "", &["offers.poll"]),
+        ("503", "@3", &["session.open"]),
+        ("reset", "", &["session.open", "offers.poll"]),
+    ];
+    for (kind, count, left_out) in kinds {
+        for route in routes.iter().filter(|r| !left_out.contains(*r)) {
             let spec = format!("{kind}:{route}{count}");
             let outcomes: Vec<Outcome> = if *route == "attempt.start_failure" {
                 vec![StartFail]
@@ -537,6 +487,11 @@ impl<'a> Scenario<'a> {
         self.control = control;
     }
 
+    /// Whether the agent's journal holds no job and no process of the job is left.
+    fn job_gone(&self) -> bool {
+        read_journal(&self.state).jobs.is_empty() && tagged_processes(TAG, &self.tag).is_empty()
+    }
+
     fn starts(&self) -> usize {
         fs::read_to_string(self.path("starts")).unwrap_or_default().lines().count()
     }
@@ -621,6 +576,25 @@ fn agent_ended(s: &mut Scenario<'_>) -> Result<bool, String> {
         return Ok(true);
     }
     Err(format!("the agent ended on its own ({status})"))
+}
+
+/// Polls `ready` every `every` until it yields a value; `Err(what)` once the cell's `end`
+/// passed without one.
+fn poll<T>(
+    end: Instant,
+    every: Duration,
+    what: &str,
+    mut ready: impl FnMut() -> Result<Option<T>, String>,
+) -> Result<T, String> {
+    loop {
+        if let Some(value) = ready()? {
+            return Ok(value);
+        }
+        if Instant::now() > end {
+            return Err(what.to_owned());
+        }
+        std::thread::sleep(every);
+    }
 }
 
 fn drive_fault(s: &mut Scenario<'_>) -> Result<Converged, String> {
@@ -720,15 +694,10 @@ fn drive_fault(s: &mut Scenario<'_>) -> Result<Converged, String> {
         // Done: the run ended, every fault fired, the agent runs and forgot the job, and no
         // process of the job is left.
         let fired = (row.agent.is_none() || agent_died) && (row.control.is_none() || control_fired);
-        if terminal.is_some()
-            && fired
-            && s.agent.is_some()
-            && read_journal(&s.state).jobs.is_empty()
-            && tagged_processes(TAG, &s.tag).is_empty()
-        {
+        if terminal.is_some() && fired && s.agent.is_some() && s.job_gone() {
             break;
         }
-        std::thread::sleep(Duration::from_millis(40));
+        std::thread::sleep(POLL);
     }
     let terminal = terminal.expect("checked above");
     let fault_at = s.fault_at.ok_or("the fault point was never reached")?;
@@ -843,48 +812,24 @@ fn drive_expired_lease(s: &mut Scenario<'_>) -> Result<Converged, String> {
     let end = Instant::now() + CELL_DEADLINE;
     s.submit();
     s.start_agent(s.row.agent.as_deref());
-    while !agent_ended(s)? {
-        if Instant::now() > end {
-            return Err("the agent never reached its fault point".into());
-        }
-        std::thread::sleep(Duration::from_millis(40));
-    }
+    poll(end, POLL, "the agent never reached its fault point", || Ok(agent_ended(s)?.then_some(())))?;
     s.fault_at = Some(Instant::now());
-    let before = loop {
+    let before = poll(end, POLL, "the lease was never swept", || {
         let shown = s.show();
-        if shown["attempts"][0]["status"] == "lost" {
-            break shown;
-        }
-        if Instant::now() > end {
-            return Err("the lease was never swept".into());
-        }
-        std::thread::sleep(Duration::from_millis(40));
-    };
+        let swept = shown["attempts"][0]["status"] == "lost";
+        Ok(swept.then_some(shown))
+    })?;
     if tagged_processes(TAG, &s.tag).is_empty() {
         return Err("the orphan should still run before the agent comes back".into());
     }
     s.start_agent(None);
-    loop {
-        if Instant::now() > end {
-            return Err("the restarted agent did not stop the orphan and drop the job".into());
-        }
-        if read_journal(&s.state).jobs.is_empty() && tagged_processes(TAG, &s.tag).is_empty() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(40));
-    }
+    poll(end, POLL, "the restarted agent did not stop the orphan and drop the job", || Ok(s.job_gone().then_some(())))?;
     let seconds = s.fault_at.unwrap().elapsed().as_secs_f64();
     let after = s.show();
     if events(&after) != events(&before) || after["attempts"] != before["attempts"] {
         return Err("the restarted agent changed the run after its lease was swept".into());
     }
-    if after["status"] != "failed" || after["errorCode"] != "LEASE_LOST" {
-        return Err(format!("the run ended {} {}, not failed LEASE_LOST", after["status"], after["errorCode"]));
-    }
-    if !s.agent_log().contains("lease_conflict") {
-        return Err("the restarted agent did not meet the swept lease".into());
-    }
-    Ok(Converged { seconds, swept: true })
+    lease_lost(s, &after, seconds, "lease_conflict", "the restarted agent did not meet the swept lease")
 }
 
 /// The agent is frozen mid-run while a second agent of the same worker opens a session,
@@ -894,16 +839,9 @@ fn drive_replaced_session(s: &mut Scenario<'_>) -> Result<Converged, String> {
     let end = Instant::now() + CELL_DEADLINE;
     s.submit();
     s.start_agent(None);
-    loop {
-        let shown = s.show();
-        if shown["status"] == "running" && !tagged_processes(TAG, &s.tag).is_empty() {
-            break;
-        }
-        if Instant::now() > end {
-            return Err("the job never ran".into());
-        }
-        std::thread::sleep(Duration::from_millis(40));
-    }
+    poll(end, POLL, "the job never ran", || {
+        Ok((s.show()["status"] == "running" && !tagged_processes(TAG, &s.tag).is_empty()).then_some(()))
+    })?;
     let first = s.agent.take().unwrap();
     common::signal(&first.proc.0, rustix::process::Signal::STOP);
     s.fault_at = Some(Instant::now());
@@ -911,46 +849,32 @@ fn drive_replaced_session(s: &mut Scenario<'_>) -> Result<Converged, String> {
     let other_config = s.path("other.conf");
     fs::write(&other_config, agent_config_text(&s.control.url, &s.root.0, &other_state)).unwrap();
     let other = Agent::spawn_with(&s.env.agent_bin, &s.path("other.err"), other_config, &[]);
-    loop {
-        if fs::read_to_string(s.path("other.err")).unwrap_or_default().contains("opened") {
-            break;
-        }
-        if Instant::now() > end {
-            return Err("the second agent never opened a session".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    poll(end, Duration::from_millis(20), "the second agent never opened a session", || {
+        Ok(fs::read_to_string(s.path("other.err")).unwrap_or_default().contains("opened").then_some(()))
+    })?;
     drop(other);
     common::signal(&first.proc.0, rustix::process::Signal::CONT);
     s.agent = Some(first);
-    loop {
-        if Instant::now() > end {
-            return Err("the thawed agent did not stop its job and drop it".into());
-        }
-        if read_journal(&s.state).jobs.is_empty() && tagged_processes(TAG, &s.tag).is_empty() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(40));
-    }
-    let shown = loop {
+    poll(end, POLL, "the thawed agent did not stop its job and drop it", || Ok(s.job_gone().then_some(())))?;
+    let shown = poll(end, POLL, "the run never ended", || {
         let shown = s.show();
-        if common::is_terminal(shown["status"].as_str().unwrap_or("")) {
-            break shown;
-        }
-        if Instant::now() > end {
-            return Err("the run never ended".into());
-        }
-        std::thread::sleep(Duration::from_millis(40));
-    };
+        Ok(common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown))
+    })?;
     let seconds = s.fault_at.unwrap().elapsed().as_secs_f64();
     if events(&shown).iter().any(|(_, t)| t == "attempt.completed") {
         return Err("the agent completed a run whose session was replaced".into());
     }
+    lease_lost(s, &shown, seconds, "session_conflict", "the thawed agent never met session_conflict")
+}
+
+/// How a cell that must lose its lease ends: the run failed `LEASE_LOST` and the agent's log
+/// shows the refusal that stopped it (`conflict`; `Err(unmet)` if not).
+fn lease_lost(s: &Scenario<'_>, shown: &Value, seconds: f64, conflict: &str, unmet: &str) -> Result<Converged, String> {
     if shown["status"] != "failed" || shown["errorCode"] != "LEASE_LOST" {
         return Err(format!("the run ended {} {}, not failed LEASE_LOST", shown["status"], shown["errorCode"]));
     }
-    if !s.agent_log().contains("session_conflict") {
-        return Err("the thawed agent never met session_conflict".into());
+    if !s.agent_log().contains(conflict) {
+        return Err(unmet.to_owned());
     }
     Ok(Converged { seconds, swept: true })
 }
