@@ -194,3 +194,24 @@ fn check_reports_the_principal_and_refuses_a_foreign_worker_id() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("worker `w1`") && err.contains("`w2`"), "{err}");
 }
+
+#[test]
+fn a_second_agent_on_the_same_state_directory_refuses_to_start_and_changes_nothing() {
+    let w = World::new("twice", &[]);
+    wait_for("the first agent's session", || w.context(), || w.agent.log().contains(" opened").then_some(()));
+    let journal = w.path("agent-state").join("journal");
+    let before = fs::read(&journal).unwrap();
+
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_ql-agent")).args(["run", "--config"]).arg(&w.agent.config).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("another ql-agent is using this state directory"), "{err}");
+    assert_eq!(fs::read(&journal).unwrap(), before, "the refused agent wrote to the journal");
+
+    // The first agent holds on: it still runs work, in the same session.
+    let run = w.control.submit(&["--", "echo", "still here"]);
+    w.wait_status(&run, "succeeded");
+    assert_eq!(w.control.logs(&run), b"still here\n");
+    assert_eq!(w.agent.log().matches(" opened").count(), 1, "{}", w.context());
+}

@@ -25,6 +25,9 @@ pub(crate) const RECORD_MAX: u32 = 1 << 20;
 pub(crate) const FILE_NAME: &str = "journal";
 /// Where compaction writes before renaming over [`FILE_NAME`].
 pub(crate) const TEMP_NAME: &str = "journal.tmp";
+/// The file an open journal holds an exclusive `flock` on: one agent per state directory.
+/// (Not the journal itself: compaction renames a new file over it.)
+pub(crate) const LOCK_NAME: &str = "lock";
 
 /// Tuning for a [`Journal`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +97,9 @@ pub(crate) struct Journal {
     /// Set when a failed write could not be cut back off the file; appends are refused until
     /// a compaction rewrites it (or the journal is reopened).
     poisoned: bool,
+    /// Locked for as long as the journal is open; the kernel lets go when the process ends,
+    /// however it ends.
+    _lock: File,
 }
 
 impl Journal {
@@ -106,11 +112,12 @@ impl Journal {
     /// [`Journal::open`] with explicit options.
     pub(crate) fn open_with(dir: &Path, options: Options) -> io::Result<(Journal, JournalState)> {
         DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+        let lock = lock(dir)?;
         remove_if_present(&dir.join(TEMP_NAME))?;
         let path = dir.join(FILE_NAME);
         let mut file = match OpenOptions::new().read(true).write(true).open(&path) {
             Ok(file) => file,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Self::create(dir, options),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Self::create(dir, options, lock),
             Err(e) => return Err(e),
         };
         // The file holds raw tokens: keep it private even if someone loosened its mode.
@@ -126,7 +133,7 @@ impl Journal {
             }
             // Only a crash-truncated copy of a fresh journal can look like this (creation
             // renames a complete header into place): it held no records.
-            return Self::create(dir, options);
+            return Self::create(dir, options, lock);
         }
         if header[..8] != MAGIC {
             return Err(not_a_journal(&path));
@@ -157,13 +164,21 @@ impl Journal {
             file.set_len(good)?;
             file.sync_all()?;
         }
-        let journal =
-            Journal { dir: dir.to_owned(), file, len: good, base_len: good, options, recovery, poisoned: false };
+        let journal = Journal {
+            dir: dir.to_owned(),
+            file,
+            len: good,
+            base_len: good,
+            options,
+            recovery,
+            poisoned: false,
+            _lock: lock,
+        };
         Ok((journal, state))
     }
 
     /// Writes a fresh journal holding only the header, atomically.
-    fn create(dir: &Path, options: Options) -> io::Result<(Journal, JournalState)> {
+    fn create(dir: &Path, options: Options, lock: File) -> io::Result<(Journal, JournalState)> {
         let file = write_atomically(dir, |_| Ok(()))?;
         let recovery = Recovery { created: true, ..Recovery::default() };
         let journal = Journal {
@@ -174,6 +189,7 @@ impl Journal {
             options,
             recovery,
             poisoned: false,
+            _lock: lock,
         };
         Ok((journal, JournalState::default()))
     }
@@ -382,6 +398,21 @@ fn write_atomically(dir: &Path, body: impl FnOnce(&mut File) -> io::Result<()>) 
     Ok(file)
 }
 
+/// Takes the state directory's lock, or says who has it. Two agents on one journal would
+/// each claim, start and report the same jobs.
+fn lock(dir: &Path) -> io::Result<File> {
+    let path = dir.join(LOCK_NAME);
+    let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(&path)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(fs::TryLockError::WouldBlock) => Err(io::Error::new(
+            io::ErrorKind::WouldBlock,
+            format!("another ql-agent is using this state directory (it holds {})", path.display()),
+        )),
+        Err(fs::TryLockError::Error(e)) => Err(e),
+    }
+}
+
 /// Makes a create, rename or unlink in `dir` durable.
 fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
@@ -509,6 +540,41 @@ mod tests {
         assert_eq!(crc32(&[b"123456789"]), 0xCBF4_3926);
         assert_eq!(crc32(&[b"1234", b"", b"56789"]), 0xCBF4_3926);
         assert_eq!(crc32(&[]), 0);
+    }
+
+    #[test]
+    fn a_second_open_of_one_state_directory_is_refused_until_the_first_closes() {
+        let dir = TestDir::new("lock");
+        let (mut first, mut state) = Journal::open(&dir.0).unwrap();
+        first.commit(&mut state, &session("s1", 1)).unwrap();
+        let before = fs::read(journal_path(&dir)).unwrap();
+
+        let err = Journal::open(&dir.0).expect_err("a second agent on the same directory");
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
+        assert!(err.to_string().contains("another ql-agent is using this state directory"), "{err}");
+        assert_eq!(fs::read(journal_path(&dir)).unwrap(), before, "the refused open changed the journal");
+        let mode = fs::metadata(dir.0.join(LOCK_NAME)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+
+        // Compaction renames a new journal into place; the lock stays held.
+        first.compact(&state).unwrap();
+        assert!(Journal::open(&dir.0).is_err(), "the lock must outlive a compaction");
+
+        drop(first);
+        // Other tests of this process fork children, and a child holds a copy of every
+        // descriptor (the lock's too) until its exec closes it: the lock is free once no
+        // such copy is left, which takes a moment at most.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let reopened = loop {
+            match Journal::open(&dir.0) {
+                Ok((_, reopened)) => break reopened,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && std::time::Instant::now() < deadline => {
+                    std::thread::yield_now()
+                }
+                Err(e) => panic!("the lock outlived the journal: {e}"),
+            }
+        };
+        assert_eq!(reopened, state);
     }
 
     #[test]

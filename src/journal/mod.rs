@@ -25,6 +25,11 @@
 //!
 //! Rules:
 //!
+//! - **One agent per directory.** Opening first takes an exclusive `flock` on `<dir>/lock`
+//!   (mode 0600, empty) and holds it while the journal is open; the kernel releases it
+//!   when the process ends, even by SIGKILL. A second agent on the same directory is refused
+//!   before it reads or writes anything: two agents sharing a journal would claim, start
+//!   and report the same jobs.
 //! - **A record counts once it is fsynced.** [`Journal::append`] writes the whole frame at
 //!   the end of the last good record and calls `fdatasync`; only then may the caller apply
 //!   it and act. If the write or the sync fails, the frame is cut off again (or, if even

@@ -247,7 +247,7 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
                 continue;
             }
         }
-        if fate % 3 == 0 {
+        if fate.is_multiple_of(3) {
             match a.call::<_, AckReply>(&at(AttemptCommand::Starting), &fence) {
                 Ok(r) if r.result == Outcome::AlreadyStarting => {}
                 Err(code) if gone(code) => continue,
@@ -291,7 +291,7 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
                 continue;
             }
         }
-        if fate % 4 == 0 {
+        if fate.is_multiple_of(4) {
             match a.call::<_, AckReply>(&at(AttemptCommand::Running), &running) {
                 Ok(r) if r.result == Outcome::AlreadyRunning => {}
                 Err(code) if gone(code) => continue,
@@ -321,7 +321,7 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
         if lost {
             continue;
         }
-        let exit = if fate % 5 == 0 { 1 } else { 0 };
+        let exit = if fate.is_multiple_of(5) { 1 } else { 0 };
         let done = Completion::new(
             fence.clone(),
             CompletionSchema,
@@ -341,7 +341,7 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
             }
         };
         a.tally.lock().unwrap().told.insert(offer.run_id.clone(), first.status);
-        if fate % 2 == 0 {
+        if fate.is_multiple_of(2) {
             match a.call::<_, CompletionReply>(&at(AttemptCommand::Completion), &done) {
                 Ok(r) if r.result == Outcome::AlreadyCompleted && r.status == first.status => {}
                 other => a.violation(format!("completion replay: {other:?} after {first:?}")),
