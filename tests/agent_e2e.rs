@@ -14,8 +14,10 @@
 mod common;
 
 use std::fs;
+use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use common::{alive, attempt, read_pids, signal, text, wait_for, Agent, World};
 
@@ -214,4 +216,52 @@ fn a_second_agent_on_the_same_state_directory_refuses_to_start_and_changes_nothi
     w.wait_status(&run, "succeeded");
     assert_eq!(w.control.logs(&run), b"still here\n");
     assert_eq!(w.agent.log().matches(" opened").count(), 1, "{}", w.context());
+}
+
+/// Under systemd (`Type=notify`, `WatchdogSec=`): the real agent, started with
+/// `$NOTIFY_SOCKET` naming a datagram socket bound here and a 200 ms `$WATCHDOG_USEC`,
+/// reports READY, pings the watchdog while it serves, and reports STOPPING with the time
+/// its drain needs when SIGTERM arrives, then exits 0.
+#[test]
+fn under_systemd_the_agent_reports_ready_pings_the_watchdog_and_reports_stopping() {
+    let root = common::TempDir::new("notify");
+    let control = common::Control::start(&root.0);
+    let socket_path = root.0.join("notify");
+    let manager = UnixDatagram::bind(&socket_path).unwrap();
+    // Only turns a hang into a failure: every receive returns as soon as a message is there.
+    manager.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let socket = socket_path.to_str().unwrap();
+    let env = [("NOTIFY_SOCKET", socket), ("WATCHDOG_USEC", "200000")];
+    let mut agent = Agent::start_with_env(&root.0, &control, &[("poll_wait_ms", "100")], &env);
+    let mut receive = || {
+        let mut buf = [0u8; 4096];
+        let n = manager.recv(&mut buf).unwrap_or_else(|e| panic!("no notification: {e}\n{}", agent_log(&root.0)));
+        String::from_utf8(buf[..n].to_vec()).unwrap()
+    };
+
+    let ready = receive();
+    assert!(ready.lines().any(|l| l == "READY=1"), "the first message must be READY: {ready:?}");
+    let mut pings = 0;
+    while pings < 2 {
+        let message = receive();
+        assert!(!message.contains("STOPPING"), "{message:?}");
+        pings += message.lines().filter(|l| *l == "WATCHDOG=1").count();
+    }
+
+    signal(&agent.proc.0, rustix::process::Signal::TERM);
+    let stopping = loop {
+        let message = receive();
+        if message.lines().any(|l| l == "STOPPING=1") {
+            break message;
+        }
+    };
+    let extend = stopping.lines().find_map(|l| l.strip_prefix("EXTEND_TIMEOUT_USEC="));
+    assert!(extend.is_some_and(|v| v.parse::<u64>().is_ok_and(|us| us > 0)), "{stopping:?}");
+    let child = &mut agent.proc.0;
+    let status = wait_for("the agent to exit", || agent_log(&root.0), || child.try_wait().unwrap());
+    assert!(status.success(), "{}", agent_log(&root.0));
+}
+
+fn agent_log(root: &Path) -> String {
+    fs::read_to_string(root.join("agent.err")).unwrap_or_default()
 }

@@ -263,6 +263,11 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(root: &Path, control: &Control, extra: &[(&str, &str)]) -> Agent {
+        Self::start_with_env(root, control, extra, &[])
+    }
+
+    /// [`Agent::start`] with `env` added to the agent's environment.
+    pub fn start_with_env(root: &Path, control: &Control, extra: &[(&str, &str)], env: &[(&str, &str)]) -> Agent {
         let config = root.join("agent.conf");
         let defaults = [
             ("poll_wait_ms", "2000"),
@@ -277,7 +282,7 @@ impl Agent {
             defaults.iter().filter(|(k, _)| !extra.iter().any(|(e, _)| e == k)).chain(extra).copied().collect();
         let text = agent_config(&control.url, &root.join("creds"), &root.join("agent-state"), &settings);
         fs::write(&config, text).unwrap();
-        Self::spawn(root, config)
+        Self::spawn_with(Path::new(env!("CARGO_BIN_EXE_ql-agent")), &root.join("agent.err"), config, env)
     }
 
     pub fn spawn(root: &Path, config: PathBuf) -> Agent {
