@@ -233,7 +233,7 @@ fn under_systemd_the_agent_reports_ready_pings_the_watchdog_and_reports_stopping
     let socket = socket_path.to_str().unwrap();
     let env = [("NOTIFY_SOCKET", socket), ("WATCHDOG_USEC", "200000")];
     let mut agent = Agent::start_with_env(&root.0, &control, &[("poll_wait_ms", "100")], &env);
-    let mut receive = || {
+    let receive = || {
         let mut buf = [0u8; 4096];
         let n = manager.recv(&mut buf).unwrap_or_else(|e| panic!("no notification: {e}\n{}", agent_log(&root.0)));
         String::from_utf8(buf[..n].to_vec()).unwrap()
