@@ -13,7 +13,10 @@ use std::time::Duration;
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
 /// Migrations in order; entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[include_str!("../../../migrations/sqlite/0001_init.sql")];
+pub(super) const MIGRATIONS: &[&str] = &[
+    include_str!("../../../migrations/sqlite/0001_init.sql"),
+    include_str!("../../../migrations/sqlite/0002_fk_indexes.sql"),
+];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;

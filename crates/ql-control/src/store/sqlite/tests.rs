@@ -360,6 +360,61 @@ fn a_newer_schema_is_refused_and_migration_is_idempotent() {
     assert!(SqliteStore::open(dir.db(), Timings::default()).is_err());
 }
 
+/// With deferred foreign keys SQLite looks up the rows referencing each parent row it
+/// inserts while a violation is pending, and placement always leaves one pending (an
+/// offer and its attempt reference each other). Without an index on the referencing
+/// column that lookup reads the whole table, so every placement would slow down with
+/// history. Every referencing column must lead some index (or be the primary key).
+#[test]
+fn every_foreign_key_column_leads_an_index() {
+    let dir = TempDir::new("fk-index");
+    let c = conn(&dir);
+    let strings = |sql: &str| -> Vec<String> {
+        let mut stmt = c.prepare(sql).unwrap();
+        stmt.query_map([], |r| r.get::<_, String>(0)).unwrap().map(Result::unwrap).collect()
+    };
+    let tables = strings("SELECT name FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'");
+    let mut checked = 0;
+    let mut unindexed = Vec::new();
+    for table in &tables {
+        let mut leading = strings(&format!(
+            "SELECT (SELECT name FROM pragma_index_info(l.name) WHERE seqno = 0) FROM pragma_index_list('{table}') l \
+             WHERE (SELECT name FROM pragma_index_info(l.name) WHERE seqno = 0) IS NOT NULL"
+        ));
+        leading.extend(strings(&format!("SELECT name FROM pragma_table_info('{table}') WHERE pk = 1")));
+        for column in strings(&format!("SELECT \"from\" FROM pragma_foreign_key_list('{table}')")) {
+            if !leading.contains(&column) {
+                unindexed.push(format!("{table}.{column}"));
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 10, "only {checked} foreign keys found: is the schema there?");
+    assert_eq!(unindexed, Vec::<String>::new(), "referencing columns that lead no index");
+}
+
+#[test]
+fn a_version_1_database_gains_the_foreign_key_indexes() {
+    let dir = TempDir::new("upgrade");
+    let mut c = schema::connect(&dir.db(), Duration::from_secs(5)).unwrap();
+    c.execute_batch(schema::MIGRATIONS[0]).unwrap();
+    c.pragma_update(None, "user_version", 1).unwrap();
+    let index_count = |c: &Connection| -> i64 {
+        c.query_row(
+            "SELECT count(*) FROM sqlite_schema WHERE type = 'index' \
+             AND name IN ('runs_current_attempt', 'attempts_offer', 'offers_run')",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap()
+    };
+    assert_eq!(index_count(&c), 0);
+    schema::migrate(&mut c).unwrap();
+    let v: i64 = c.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+    assert_eq!(v, SCHEMA_VERSION);
+    assert_eq!(index_count(&c), 3);
+}
+
 #[test]
 fn db_time_is_sql_time_plus_the_offset() {
     let dir = TempDir::new("clock");
