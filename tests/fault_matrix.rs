@@ -57,6 +57,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ql_wire::route::Route;
 use serde_json::Value;
 
 use common::{agent_config, build_control, init_control, read_journal, tagged_processes, Agent, Control, TempDir};
@@ -240,18 +241,8 @@ fn rows() -> Vec<Row> {
         rows.push(Row::new(&format!("agent {point}"), Some(point), None, *phase, outcomes));
     }
     // The control plane and the network: each kind of fault at the routes in `routes` but
-    // those it leaves out.
-    let routes = [
-        "session.open",
-        "offers.poll",
-        "offer.claim",
-        "attempt.starting",
-        "attempt.running",
-        "lease.renew",
-        "artifact.put",
-        "attempt.completion",
-        "attempt.start_failure",
-    ];
+    // those it leaves out. Heartbeats are left out: they carry no part of a run.
+    let routes: Vec<&str> = Route::NAMES.into_iter().filter(|r| *r != "session.heartbeat").collect();
     let before_spawn = &routes[..4];
     let kinds: &[(&str, &str, &[&str])] = &[
         ("drop", "", &[]),

@@ -672,18 +672,7 @@ fn every_route_succeeds_over_one_keep_alive_connection() {
 
     let admitted: Vec<String> =
         server.audits().into_iter().filter(|a| a.outcome == "admitted").map(|a| a.route).collect();
-    for route in [
-        "session.open",
-        "session.heartbeat",
-        "offers.poll",
-        "offer.claim",
-        "attempt.starting",
-        "attempt.running",
-        "lease.renew",
-        "artifact.put",
-        "attempt.completion",
-        "attempt.start_failure",
-    ] {
+    for route in ql_wire::route::Route::NAMES {
         assert!(admitted.iter().any(|r| r == route), "{route} audited as admitted: {admitted:?}");
     }
     assert!(server.audits().iter().all(|a| a.principal == Some(wid("router-1"))));

@@ -169,6 +169,20 @@ impl Route {
         }
     }
 
+    /// Every [`Route::name`], in the order of a run's life (heartbeat second).
+    pub const NAMES: [&'static str; 10] = [
+        "session.open",
+        "session.heartbeat",
+        "offers.poll",
+        "offer.claim",
+        "attempt.starting",
+        "attempt.running",
+        "lease.renew",
+        "artifact.put",
+        "attempt.completion",
+        "attempt.start_failure",
+    ];
+
     /// A stable, low-cardinality name for audit records and logs.
     pub fn name(&self) -> &'static str {
         match self {
@@ -228,6 +242,15 @@ mod tests {
         ];
         all.extend(AttemptCommand::ALL.map(|c| Route::Attempt(at(), c)));
         all
+    }
+
+    #[test]
+    fn names_lists_every_route_name_once() {
+        let mut named: Vec<&str> = every_route().iter().map(Route::name).collect();
+        let mut listed = Route::NAMES.to_vec();
+        named.sort_unstable();
+        listed.sort_unstable();
+        assert_eq!(named, listed);
     }
 
     #[test]
