@@ -72,7 +72,7 @@ use ql_wire::{ErrorCode, Fence, Outcome};
 
 use crate::client::{CallError, Client};
 use crate::config::Config;
-use crate::core::{self, Disposition, Ending, Now, Process, RenewDoubt, Runtime, Step, StopCause};
+use crate::core::{self, Disposition, Ending, Now, Process, RenewDoubt, Runtime, ServerClock, Step, StopCause};
 use crate::exec::{self, RunDir};
 use crate::journal::{CommitError, CurrentSession, Job, JobKey, Journal, JournalState, Record};
 
@@ -126,6 +126,8 @@ enum Turn {
 pub(crate) struct Agent {
     /// The service manager's notification channel (systemd `Type=notify`), if any.
     notify: Notify,
+    /// The server's clock, as the last lease answer showed it.
+    server_clock: Option<ServerClock>,
     cfg: Config,
     client: Client,
     journal: Journal,
@@ -146,7 +148,8 @@ pub(crate) struct Agent {
 
 fn wall_now() -> Timestamp {
     let ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
-    Timestamp::from_millis(i64::try_from(ms).unwrap_or(0)).unwrap_or_else(|_| Timestamp::from_millis(0).expect("epoch"))
+    let ms = i64::try_from(ms).unwrap_or(0).saturating_add(crate::fault::clock_skew_ms());
+    Timestamp::from_millis(ms).unwrap_or_else(|_| Timestamp::from_millis(0).expect("epoch"))
 }
 
 fn who(key: &JobKey, job: &Job) -> String {
@@ -212,6 +215,7 @@ impl Agent {
         }
         Ok(Agent {
             notify,
+            server_clock: None,
             cfg,
             client,
             journal,
@@ -352,6 +356,7 @@ impl Agent {
 
     fn on_ended(&mut self, ended: Ended) -> Result<(), Fatal> {
         let Ended { key, result, finished_at } = ended;
+        let finished_at = core::evidence_time(finished_at, self.server_clock, Instant::now());
         self.stops.remove(&key);
         if let Some(rt) = self.rts.get_mut(&key) {
             rt.process = Process::Absent;
@@ -679,6 +684,11 @@ impl Agent {
                 match self.client.call::<_, Claimed>(&route, &body) {
                     Ok(claimed) => {
                         self.call_ok();
+                        self.server_clock = Some(ServerClock::from_lease(
+                            claimed.lease_expires_at,
+                            claimed.lease_ttl_ms,
+                            Instant::now(),
+                        ));
                         self.commit(&core::claimed(key, &claimed))?;
                         let rt = self.rt(key);
                         rt.lease_fresh_at = core::claimed_fresh_at(rt);
@@ -696,6 +706,10 @@ impl Agent {
                 match self.client.call::<Fence, Renewed>(&route, &fence) {
                     Ok(renewed) => {
                         self.call_ok();
+                        if let Some(lease) = &job.lease {
+                            self.server_clock =
+                                Some(ServerClock::from_lease(renewed.lease_expires_at, lease.ttl_ms, Instant::now()));
+                        }
                         for record in core::renewed(key, &job, &renewed) {
                             if let Record::StopSeen { intent, .. } = &record {
                                 info!("{who}: the server asks to stop ({intent:?})");
@@ -859,7 +873,8 @@ impl Agent {
                     None
                 };
                 let (log_len, truncated) = self.spool_facts(key, &job);
-                let ending = Ending { exit_code: None, signal, finished_at: wall_now(), log_len, truncated };
+                let finished_at = core::evidence_time(wall_now(), self.server_clock, Instant::now());
+                let ending = Ending { exit_code: None, signal, finished_at, log_len, truncated };
                 self.commit(&core::exited(key, ending))?;
                 Ok(Turn::Moved)
             }

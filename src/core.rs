@@ -482,6 +482,42 @@ pub(crate) enum Disposition {
     Misconfigured,
 }
 
+/// The server's clock as a lease answer showed it: its time `ms` (milliseconds since the
+/// epoch) when the answer arrived, `at`. An answer says when the lease lapses and for how
+/// long it was granted; the difference is the server's time when it answered, which is no
+/// later than when the answer arrived, so the estimate never runs ahead of the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ServerClock {
+    pub(crate) at: Instant,
+    pub(crate) ms: i64,
+}
+
+impl ServerClock {
+    /// The clock a lease answer (`leaseExpiresAt` of a lease granted for `ttl_ms`) shows.
+    pub(crate) fn from_lease(expires_at: Timestamp, ttl_ms: u64, at: Instant) -> ServerClock {
+        ServerClock { at, ms: expires_at.millis().saturating_sub(i64::try_from(ttl_ms).unwrap_or(i64::MAX)) }
+    }
+
+    /// The server's time at `now`, by this machine's monotonic clock since the answer.
+    pub(crate) fn at(&self, now: Instant) -> i64 {
+        let since = now.saturating_duration_since(self.at).as_millis();
+        self.ms.saturating_add(i64::try_from(since).unwrap_or(i64::MAX))
+    }
+}
+
+/// The `finishedAt` evidence for a process that ended at `wall` by this machine's clock:
+/// `wall`, unless that runs ahead of the server's clock, which then caps it. A router
+/// without a battery-backed clock can be far off, and the server refuses a completion
+/// whose `finishedAt` is more than five minutes ahead of its own time — every run of such
+/// a router would be lost. (A clock that runs behind is harmless: the server takes the
+/// later of its own time and the evidence.)
+pub(crate) fn evidence_time(wall: Timestamp, server: Option<ServerClock>, now: Instant) -> Timestamp {
+    match server.map(|c| c.at(now)) {
+        Some(server_ms) if server_ms < wall.millis() => Timestamp::from_millis(server_ms).unwrap_or(wall),
+        _ => wall,
+    }
+}
+
 /// What a refusal with `code` means.
 pub(crate) fn disposition(code: ErrorCode) -> Disposition {
     match code {

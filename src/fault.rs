@@ -17,6 +17,10 @@
 //! - `spawned`: the job's process runs but its `spawned` record is not written yet;
 //! - `upload-body`: counts the log bytes read for an upload, so `upload-body@65536` dies in
 //!   the middle of the upload once 64 KiB of content were handed to the connection.
+//!
+//! A wrong clock is a fault too: `QL_AGENT_CLOCK_SKEW_MS=<signed ms>` moves every reading of
+//! the wall clock by that much ([`clock_skew_ms`]), as on a router without a battery-backed
+//! clock.
 
 #[cfg(all(feature = "faults", not(debug_assertions)))]
 compile_error!("the `faults` feature is for test builds only; it must never reach a release binary");
@@ -64,6 +68,25 @@ pub(crate) fn answered(route: &ql_wire::route::Route) {
 #[cfg(not(feature = "faults"))]
 #[inline(always)]
 pub(crate) fn answered(_route: &ql_wire::route::Route) {}
+
+/// How far the wall clock is made wrong (`QL_AGENT_CLOCK_SKEW_MS`), in milliseconds.
+#[cfg(feature = "faults")]
+pub(crate) fn clock_skew_ms() -> i64 {
+    static SKEW: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *SKEW.get_or_init(|| {
+        std::env::var("QL_AGENT_CLOCK_SKEW_MS")
+            .ok()
+            .map(|v| v.parse().unwrap_or_else(|_| panic!("QL_AGENT_CLOCK_SKEW_MS={v}: not a number")))
+            .unwrap_or(0)
+    })
+}
+
+/// How far the wall clock is made wrong: never, without the feature.
+#[cfg(not(feature = "faults"))]
+#[inline(always)]
+pub(crate) fn clock_skew_ms() -> i64 {
+    0
+}
 
 #[cfg(feature = "faults")]
 mod armed {

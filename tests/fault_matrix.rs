@@ -977,3 +977,23 @@ fn every_fault_converges_with_nothing_twice() {
     );
     assert!(failed.is_empty(), "failed cells:\n{}", failed.join("\n"));
 }
+
+/// A wall clock ten minutes ahead of the server's, as on a router without a battery-backed
+/// clock. The server refuses a `finishedAt` more than five minutes ahead of its own time;
+/// the agent caps it with the server's clock as its lease answers showed it, so the run
+/// still succeeds rather than being refused and lost.
+#[test]
+fn a_clock_ten_minutes_ahead_still_completes_its_runs() {
+    let root = TempDir::new("clock-ahead");
+    let control = Control::start(&root.0);
+    let mut agent = Agent::start_with_env(&root.0, &control, &[], &[("QL_AGENT_CLOCK_SKEW_MS", "600000")]);
+    let run = control.submit(&["--", "echo", "on time"]);
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    let shown = common::wait_for("the run to end", context, || {
+        let shown = control.show(&run);
+        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
+    });
+    assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
+    assert_eq!(control.logs(&run), b"on time\n");
+    assert!(agent.terminate().success(), "{}", agent.log());
+}

@@ -921,3 +921,31 @@ fn truncation_at_every_offset_resumes_from_the_complete_prefix_and_never_spawns_
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+fn ts(ms: i64) -> Timestamp {
+    Timestamp::from_millis(ms).unwrap()
+}
+
+#[test]
+fn a_lease_answer_shows_the_server_clock_and_time_moves_it_on_monotonically() {
+    let base = t0();
+    let clock = ServerClock::from_lease(ts(1_030_000), 30_000, base);
+    assert_eq!(clock.at(base), 1_000_000);
+    assert_eq!(clock.at(base + Duration::from_millis(4_500)), 1_004_500);
+    // An instant before the answer (never asked for, but harmless): the answer's time.
+    assert_eq!(clock.at(base.checked_sub(Duration::from_secs(1)).unwrap_or(base)), 1_000_000);
+}
+
+#[test]
+fn finished_at_is_the_wall_clock_unless_it_runs_ahead_of_the_server() {
+    let base = t0();
+    let clock = Some(ServerClock::from_lease(ts(1_030_000), 30_000, base));
+    let later = base + Duration::from_secs(5);
+    // No lease answer seen yet: only the wall clock is known.
+    assert_eq!(evidence_time(ts(9_999_999), None, later), ts(9_999_999));
+    // Behind the server or on time: the wall clock stands (the server takes the later).
+    assert_eq!(evidence_time(ts(1_004_000), clock, later), ts(1_004_000));
+    assert_eq!(evidence_time(ts(1_005_000), clock, later), ts(1_005_000));
+    // Ahead (ten minutes, as on a router with a wrong clock): the server's time.
+    assert_eq!(evidence_time(ts(1_605_000), clock, later), ts(1_005_000));
+}
