@@ -24,7 +24,8 @@ echo "\$ $bench --clients 0 --uploads 3 --upload-mib 64"
 "$bench" --dir "$work" --url "$url" --clients 0 --cycles 0 --uploads 3 --upload-mib 64
 echo "server peak RSS (VmHWM) after the uploads: $(awk '/VmHWM/ {print $2, $3}' /proc/$server/status)"
 for clients in 1 8 64; do
-  cycles=$(( clients == 64 ? 4 : clients == 8 ? 15 : 60 ))
+  # Long enough (a few seconds each) for a steady figure, not a burst into empty tables.
+  cycles=$(( clients == 64 ? 12 : clients == 8 ? 60 : 200 ))
   echo "\$ $bench --clients $clients --cycles $cycles --renewals 5"
   "$bench" --dir "$work" --url "$url" --clients "$clients" --cycles "$cycles" --renewals 5
 done
