@@ -146,6 +146,32 @@ pub(crate) struct Agent {
     random: u64,
 }
 
+/// Opens the journal, waiting up to `lock_wait_ms` for another agent on the same state
+/// directory to exit: a restart (procd's, an upgrade's) may start the new agent while the
+/// old one still drains, and giving up at once would leave none running.
+fn open_journal(cfg: &Config) -> Result<(Journal, JournalState), Fatal> {
+    let deadline = Instant::now() + cfg.lock_wait;
+    let mut said = false;
+    loop {
+        match Journal::open(&cfg.state_dir) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                if !said {
+                    info!("{e}; waiting up to {} ms for it to exit", cfg.lock_wait.as_millis());
+                    said = true;
+                }
+                std::thread::sleep(Duration::from_millis(200).min(cfg.lock_wait));
+            }
+            Err(e) => return Err(Fatal(format!("cannot open the journal in {}: {e}", cfg.state_dir.display()))),
+            Ok(opened) => {
+                if said {
+                    info!("the other agent is gone; going on");
+                }
+                return Ok(opened);
+            }
+        }
+    }
+}
+
 fn wall_now() -> Timestamp {
     let ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
     let ms = i64::try_from(ms).unwrap_or(0).saturating_add(crate::fault::clock_skew_ms());
@@ -187,8 +213,7 @@ impl<R: Read> Read for Counted<R> {
 impl Agent {
     /// Opens the journal and sets up signal handling; no network yet.
     pub(crate) fn new(cfg: Config, client: Client, ex: Rc<LocalExecutor<'static>>) -> Result<Agent, Fatal> {
-        let (journal, state) = Journal::open(&cfg.state_dir)
-            .map_err(|e| Fatal(format!("cannot open the journal in {}: {e}", cfg.state_dir.display())))?;
+        let (journal, state) = open_journal(&cfg)?;
         let recovery = journal.recovery();
         if recovery.dropped_bytes > 0 || recovery.refused > 0 {
             warn!(

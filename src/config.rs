@@ -59,6 +59,7 @@ pub(crate) const SETTINGS: &[(&str, Option<&str>, &str)] = &[
     ("backoff_initial_ms", Some("500"), "first wait after a failed call"),
     ("backoff_max_ms", Some("30000"), "cap of the doubling wait between failed calls"),
     ("log_level", Some("info"), "error, warn, info or debug"),
+    ("lock_wait_ms", Some("120000"), "at start, how long to wait for another agent using state_dir to exit"),
 ];
 
 /// The validated settings.
@@ -96,6 +97,8 @@ pub(crate) struct Config {
     pub(crate) call_timeout: Duration,
     /// A whole upload.
     pub(crate) upload_timeout: Duration,
+    /// How long to wait at start for another agent on the state directory to exit.
+    pub(crate) lock_wait: Duration,
     /// First backoff.
     pub(crate) backoff_initial: Duration,
     /// Backoff cap.
@@ -282,6 +285,7 @@ impl Sources {
             connect_timeout: ms("connect_timeout_ms", 1, HOUR)?,
             call_timeout: ms("call_timeout_ms", 1, HOUR)?,
             upload_timeout: ms("upload_timeout_ms", 1, 24 * HOUR)?,
+            lock_wait: ms("lock_wait_ms", 0, HOUR)?,
             backoff_initial: ms("backoff_initial_ms", 1, HOUR)?,
             backoff_max: ms("backoff_max_ms", 1, HOUR)?,
             log_level,

@@ -204,8 +204,11 @@ fn a_second_agent_on_the_same_state_directory_refuses_to_start_and_changes_nothi
     let journal = w.path("agent-state").join("journal");
     let before = fs::read(&journal).unwrap();
 
-    let out =
-        Command::new(env!("CARGO_BIN_EXE_ql-agent")).args(["run", "--config"]).arg(&w.agent.config).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ql-agent"))
+        .args(["run", "--set", "lock_wait_ms=0", "--config"])
+        .arg(&w.agent.config)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("another ql-agent is using this state directory"), "{err}");
@@ -216,6 +219,30 @@ fn a_second_agent_on_the_same_state_directory_refuses_to_start_and_changes_nothi
     w.wait_status(&run, "succeeded");
     assert_eq!(w.control.logs(&run), b"still here\n");
     assert_eq!(w.agent.log().matches(" opened").count(), 1, "{}", w.context());
+}
+
+/// A restart that starts the new agent while the old one still drains (procd's restart,
+/// a package upgrade): the new one waits for the state directory's lock, then takes over
+/// with the journal the old one left, and runs the next job.
+#[test]
+fn a_second_agent_waits_for_the_first_to_exit_then_takes_over() {
+    let mut w = World::new("takeover", &[]);
+    wait_for("the first agent's session", || w.context(), || w.agent.log().contains(" opened").then_some(()));
+    let second_log = w.path("second.err");
+    let mut second =
+        Agent::spawn_with(Path::new(env!("CARGO_BIN_EXE_ql-agent")), &second_log, w.agent.config.clone(), &[]);
+    let second_text = || fs::read_to_string(&second_log).unwrap_or_default();
+    wait_for("the second agent to wait", second_text, || second_text().contains("waiting up to").then_some(()));
+    assert!(!second_text().contains("session "), "the second agent used a session beside the first");
+
+    assert!(w.agent.terminate().success(), "{}", w.context());
+    // It resumes the session the journal holds, or opens a new one if the server let that go.
+    let took_over = || second_text().contains(" resumed") || second_text().contains(" opened");
+    wait_for("the second agent to take over", second_text, || took_over().then_some(()));
+    let run = w.control.submit(&["--", "echo", "from the second"]);
+    w.wait_status(&run, "succeeded");
+    assert_eq!(w.control.logs(&run), b"from the second\n");
+    assert!(second.terminate().success(), "{}", second_text());
 }
 
 /// Under systemd (`Type=notify`, `WatchdogSec=`): the real agent, started with
