@@ -330,6 +330,14 @@ impl Agent {
         }
     }
 
+    /// The server's clock as its answers showed it: the last lease answer's, or the `Date`
+    /// of the last answer of any kind (a restarted agent has only the latter before it
+    /// reports a job that ended while it was down), whichever is closer.
+    fn server_clock(&self) -> Option<ServerClock> {
+        let dated = self.client.server_date().map(|(at, date)| ServerClock { at, ms: date.millis() });
+        core::closer_clock(self.server_clock, dated, Instant::now())
+    }
+
     /// Commits one record; a journal that cannot be written stops the agent, since acting
     /// on facts that are not durable would break every promise of the protocol.
     fn commit(&mut self, record: &Record) -> Result<(), Fatal> {
@@ -381,7 +389,7 @@ impl Agent {
 
     fn on_ended(&mut self, ended: Ended) -> Result<(), Fatal> {
         let Ended { key, result, finished_at } = ended;
-        let finished_at = core::evidence_time(finished_at, self.server_clock, Instant::now());
+        let finished_at = core::evidence_time(finished_at, self.server_clock(), Instant::now());
         self.stops.remove(&key);
         if let Some(rt) = self.rts.get_mut(&key) {
             rt.process = Process::Absent;
@@ -898,7 +906,7 @@ impl Agent {
                     None
                 };
                 let (log_len, truncated) = self.spool_facts(key, &job);
-                let finished_at = core::evidence_time(wall_now(), self.server_clock, Instant::now());
+                let finished_at = core::evidence_time(wall_now(), self.server_clock(), Instant::now());
                 let ending = Ending { exit_code: None, signal, finished_at, log_len, truncated };
                 self.commit(&core::exited(key, ending))?;
                 Ok(Turn::Moved)

@@ -8,12 +8,14 @@
 //! `Content-Length`, so a refusal arrives before the body is sent and is never lost to a
 //! broken pipe. ureq does not retry; the caller decides what to repeat.
 
+use std::cell::Cell;
 use std::io::Read;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ql_wire::artifact::ArtifactReply;
 use ql_wire::route::{Route, ARTIFACT_MEDIA_TYPE, JSON_MEDIA_TYPE};
+use ql_wire::time::Timestamp;
 use ql_wire::{decode, encode, Body, ErrorBody, ErrorCode};
 use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig, TlsProvider};
 use ureq::unversioned::resolver::{DefaultResolver, ResolvedSocketAddrs, Resolver};
@@ -150,6 +152,9 @@ pub(crate) struct Client {
     agent: ureq::Agent,
     base: String,
     timeouts: Timeouts,
+    /// The server's clock as the `Date` header of its last answer showed it: when the
+    /// answer arrived, and the header's time (whole seconds, so never ahead of the server).
+    server_date: Cell<Option<(Instant, Timestamp)>>,
 }
 
 /// ureq's resolver, asked without a deadline. Given one (any call timeout sets one), ureq
@@ -209,7 +214,7 @@ impl Client {
             .user_agent(format!("ql-agent/{}", env!("CARGO_PKG_VERSION")))
             .build();
         let agent = ureq::Agent::with_parts(config, DefaultConnector::new(), InlineResolver::default());
-        Ok(Self { agent, base: base.trim_end_matches('/').to_owned(), timeouts })
+        Ok(Self { agent, base: base.trim_end_matches('/').to_owned(), timeouts, server_date: Cell::new(None) })
     }
 
     /// Sends a JSON body and decodes the JSON answer.
@@ -243,6 +248,7 @@ impl Client {
             .build()
             .header("Content-Type", JSON_MEDIA_TYPE)
             .send(&json[..]);
+        self.note_date(&response);
         if response.is_ok() {
             crate::fault::answered(route);
         }
@@ -269,11 +275,41 @@ impl Client {
             .header("Content-Length", total.to_string())
             .header("Expect", "100-continue")
             .send(ureq::SendBody::from_reader(&mut reader));
+        self.note_date(&response);
         if response.is_ok() {
             crate::fault::answered(route);
         }
         answer(response, ArtifactReply::CAP)
     }
+}
+
+impl Client {
+    fn note_date(&self, response: &Result<ureq::http::Response<ureq::Body>, ureq::Error>) {
+        let date = response.as_ref().ok().and_then(|r| r.headers().get("date")?.to_str().ok().and_then(http_date));
+        if let Some(date) = date {
+            self.server_date.set(Some((Instant::now(), date)));
+        }
+    }
+
+    /// The server's clock as the `Date` header of its last answer showed it, if any.
+    pub(crate) fn server_date(&self) -> Option<(Instant, Timestamp)> {
+        self.server_date.get()
+    }
+}
+
+/// An HTTP date in its one current form (IMF-fixdate, RFC 9110 section 5.6.7),
+/// `Sun, 06 Nov 1994 08:49:37 GMT`; `None` for anything else.
+pub(crate) fn http_date(s: &str) -> Option<Timestamp> {
+    const MONTHS: [&str; 12] = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+    if s.len() != 29 || s.get(3..5)? != ", " || s.get(25..)? != " GMT" {
+        return None;
+    }
+    let month = MONTHS.iter().position(|m| Some(*m) == s.get(8..11))? + 1;
+    let (day, year, time) = (s.get(5..7)?, s.get(12..16)?, s.get(17..25)?);
+    if s.get(7..8)? != " " || s.get(11..12)? != " " || s.get(16..17)? != " " {
+        return None;
+    }
+    Timestamp::parse(&format!("{year}-{month:02}-{day}T{time}Z")).ok()
 }
 
 /// Every certificate in a PEM file; at least one.
@@ -318,5 +354,33 @@ fn answer<Resp: Body>(
         Ok(ErrorBody { error }) => Err(CallError::Refused { status, code: error, retry_after: after }),
         Err(_) if status >= 500 => Err(CallError::Refused { status, code: ErrorCode::Unavailable, retry_after: after }),
         Err(e) => Err(CallError::Protocol(format!("status {status} without an error code: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_imf_fixdate_is_read_and_nothing_else_is() {
+        let at = |s: &str| http_date(s).map(Timestamp::millis);
+        assert_eq!(at("Sun, 06 Nov 1994 08:49:37 GMT"), Some(784_111_777_000));
+        assert_eq!(
+            at("Mon, 30 Nov 2026 16:05:00 GMT"),
+            Timestamp::parse("2026-11-30T16:05:00Z").ok().map(Timestamp::millis)
+        );
+        for bad in [
+            "",
+            "Sunday, 06-Nov-94 08:49:37 GMT",
+            "Sun Nov  6 08:49:37 1994",
+            "Sun, 06 Nov 1994 08:49:37 UTC",
+            "Sun, 06 Foo 1994 08:49:37 GMT",
+            "Sun, 31 Feb 1994 08:49:37 GMT",
+            "Sun, 06 Nov 1994 25:49:37 GMT",
+            "Sun, 6 Nov 1994 08:49:37 GMT ",
+            "Sun, 06 Nov 1994T08:49:37 GMT",
+        ] {
+            assert_eq!(at(bad), None, "{bad:?}");
+        }
     }
 }

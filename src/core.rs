@@ -505,6 +505,15 @@ impl ServerClock {
     }
 }
 
+/// Of two views of the server's clock, the one that shows it later at `now`: neither runs
+/// ahead of the server, so the later is the closer.
+pub(crate) fn closer_clock(a: Option<ServerClock>, b: Option<ServerClock>, now: Instant) -> Option<ServerClock> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(if a.at(now) >= b.at(now) { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
 /// The `finishedAt` evidence for a process that ended at `wall` by this machine's clock:
 /// `wall`, unless that runs ahead of the server's clock, which then caps it. A router
 /// without a battery-backed clock can be far off, and the server refuses a completion

@@ -997,3 +997,37 @@ fn a_clock_ten_minutes_ahead_still_completes_its_runs() {
     assert_eq!(control.logs(&run), b"on time\n");
     assert!(agent.terminate().success(), "{}", agent.log());
 }
+
+/// The same clock, and the agent dies right after the running ACK; its job ends while it
+/// is down. Restarted, the agent has seen no lease answer yet when it records the exit:
+/// the `Date` of the server's first answer (the session's resumption) caps `finishedAt`, so
+/// the completion is accepted, not refused and lost.
+#[test]
+fn a_clock_ten_minutes_ahead_still_reports_a_job_that_ended_while_the_agent_was_down() {
+    let root = TempDir::new("clock-ahead-restart");
+    let control = Control::start(&root.0);
+    let skew = ("QL_AGENT_CLOCK_SKEW_MS", "600000");
+    let mut first = Agent::start_with_env(&root.0, &control, &[], &[skew, ("QL_AGENT_FAULT", "journal:runningAcked")]);
+    let run = control.submit(&["--", "echo", "before the crash"]);
+    let child = &mut first.proc.0;
+    let log = first.log.clone();
+    common::wait_for(
+        "the agent to die at its fault point",
+        || fs::read_to_string(&log).unwrap_or_default(),
+        || child.try_wait().unwrap(),
+    );
+    let mut second = Agent::spawn_with(
+        Path::new(env!("CARGO_BIN_EXE_ql-agent")),
+        &root.0.join("agent2.err"),
+        first.config.clone(),
+        &[skew],
+    );
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", second.log(), control.log());
+    let shown = common::wait_for("the run to end", context, || {
+        let shown = control.show(&run);
+        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
+    });
+    assert_ne!(shown["errorCode"], "LEASE_LOST", "{shown}\n{}", context());
+    assert!(events(&shown).iter().any(|(_, kind)| kind == "attempt.completed"), "{shown}\n{}", context());
+    assert!(second.terminate().success(), "{}", second.log());
+}

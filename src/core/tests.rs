@@ -949,3 +949,17 @@ fn finished_at_is_the_wall_clock_unless_it_runs_ahead_of_the_server() {
     // Ahead (ten minutes, as on a router with a wrong clock): the server's time.
     assert_eq!(evidence_time(ts(1_605_000), clock, later), ts(1_005_000));
 }
+
+#[test]
+fn of_two_views_of_the_server_clock_the_later_is_taken() {
+    let base = t0();
+    let lease = ServerClock { at: base, ms: 1_000_000 };
+    let dated = ServerClock { at: base + Duration::from_secs(2), ms: 1_001_000 };
+    let now = base + Duration::from_secs(3);
+    // The lease view says 1_003_000 at `now`, the dated one 1_002_000.
+    assert_eq!(closer_clock(Some(lease), Some(dated), now), Some(lease));
+    assert_eq!(closer_clock(Some(dated), Some(lease), now), Some(lease));
+    assert_eq!(closer_clock(None, Some(dated), now), Some(dated));
+    assert_eq!(closer_clock(Some(lease), None, now), Some(lease));
+    assert_eq!(closer_clock(None, None, now), None);
+}
