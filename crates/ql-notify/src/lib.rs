@@ -16,8 +16,10 @@
 //!
 //! Notification is best effort, as in libsystemd: without `$NOTIFY_SOCKET` (started by
 //! procd, by hand, by a test) every method does nothing, and a failed send is counted,
-//! never fatal. Sends never block (a full queue at the manager loses the message), so the
-//! methods may be called from a single-threaded loop or from async code.
+//! never fatal. A send waits at most [`SEND_WAIT`] for room in the manager's queue (then
+//! the message is lost), so the methods may be called from a single-threaded loop or from
+//! async code: a busy manager still gets READY and STOPPING, a stuck one costs half a
+//! second, never a stall.
 //!
 //! Time is an argument: [`Notify::watchdog_due`] says when the next ping is due and
 //! [`Notify::tick`] sends it if `now` has reached that, so a main loop folds the due time
@@ -37,6 +39,9 @@ pub struct Notifier {
     addr: SocketAddr,
 }
 
+/// How long a notification may wait for room in the service manager's queue.
+pub const SEND_WAIT: Duration = Duration::from_millis(500);
+
 impl Notifier {
     /// Opens an unbound datagram socket aimed at `address`, the value of `$NOTIFY_SOCKET`:
     /// an absolute path, or `@name` for an abstract socket.
@@ -53,14 +58,16 @@ impl Notifier {
             }
         };
         let socket = UnixDatagram::unbound()?;
-        // A Unix datagram send waits while the receiver's queue is full; a service manager
-        // that far behind loses the message rather than stalling the caller's loop.
-        socket.set_nonblocking(true)?;
+        // A Unix datagram send waits while the receiver's queue is full. A service manager
+        // busy for a moment (a boot storm) must still get READY and STOPPING, so the send
+        // waits, but only for SEND_WAIT: one that far behind loses the message rather than
+        // stalling the caller's loop.
+        socket.set_write_timeout(Some(SEND_WAIT))?;
         Ok(Notifier { socket, addr })
     }
 
-    /// Sends one message (`KEY=value` lines) as one datagram, without waiting: a full
-    /// queue at the receiver is an error (`WouldBlock`).
+    /// Sends one message (`KEY=value` lines) as one datagram, waiting at most
+    /// [`SEND_WAIT`] for room at the receiver (then `WouldBlock`).
     pub fn send(&self, message: &str) -> io::Result<()> {
         let sent = self.socket.send_to_addr(message.as_bytes(), &self.addr)?;
         if sent == message.len() {
@@ -318,12 +325,12 @@ mod tests {
     }
 
     #[test]
-    fn a_manager_that_does_not_read_costs_messages_never_a_wait() {
+    fn a_manager_that_does_not_read_costs_messages_never_a_stall() {
         let manager = Manager::new();
         let to = Notifier::connect(manager.address().as_os_str()).unwrap();
         let mut notify = Notify::new(Some(to), None, Instant::now());
         // The kernel queues a bounded number of datagrams for a receiver; past that a
-        // blocking socket would wait here for ever.
+        // socket without a send timeout would wait here for ever.
         for _ in 0..100_000 {
             notify.status("nobody reads this");
             if notify.failures() > 0 {
