@@ -126,8 +126,6 @@ enum Turn {
 pub(crate) struct Agent {
     /// The service manager's notification channel (systemd `Type=notify`), if any.
     notify: Notify,
-    /// The server's clock, as the last lease answer showed it.
-    server_clock: Option<ServerClock>,
     cfg: Config,
     client: Client,
     journal: Journal,
@@ -240,7 +238,6 @@ impl Agent {
         }
         Ok(Agent {
             notify,
-            server_clock: None,
             cfg,
             client,
             journal,
@@ -330,12 +327,9 @@ impl Agent {
         }
     }
 
-    /// The server's clock as its answers showed it: the last lease answer's, or the `Date`
-    /// of the last answer of any kind (a restarted agent has only the latter before it
-    /// reports a job that ended while it was down), whichever is closer.
+    /// The server's clock as the `Date` of its last answer showed it.
     fn server_clock(&self) -> Option<ServerClock> {
-        let dated = self.client.server_date().map(|(at, date)| ServerClock { at, ms: date.millis() });
-        core::closer_clock(self.server_clock, dated, Instant::now())
+        self.client.server_date().map(|(at, date)| ServerClock { at, ms: date.millis() })
     }
 
     /// Commits one record; a journal that cannot be written stops the agent, since acting
@@ -717,11 +711,6 @@ impl Agent {
                 match self.client.call::<_, Claimed>(&route, &body) {
                     Ok(claimed) => {
                         self.call_ok();
-                        self.server_clock = Some(ServerClock::from_lease(
-                            claimed.lease_expires_at,
-                            claimed.lease_ttl_ms,
-                            Instant::now(),
-                        ));
                         self.commit(&core::claimed(key, &claimed))?;
                         let rt = self.rt(key);
                         rt.lease_fresh_at = core::claimed_fresh_at(rt);
@@ -739,10 +728,6 @@ impl Agent {
                 match self.client.call::<Fence, Renewed>(&route, &fence) {
                     Ok(renewed) => {
                         self.call_ok();
-                        if let Some(lease) = &job.lease {
-                            self.server_clock =
-                                Some(ServerClock::from_lease(renewed.lease_expires_at, lease.ttl_ms, Instant::now()));
-                        }
                         for record in core::renewed(key, &job, &renewed) {
                             if let Record::StopSeen { intent, .. } = &record {
                                 info!("{who}: the server asks to stop ({intent:?})");

@@ -482,10 +482,9 @@ pub(crate) enum Disposition {
     Misconfigured,
 }
 
-/// The server's clock as a lease answer showed it: its time `ms` (milliseconds since the
-/// epoch) when the answer arrived, `at`. An answer says when the lease lapses and for how
-/// long it was granted; the difference is the server's time when it answered, which is no
-/// later than when the answer arrived, so the estimate never runs ahead of the server.
+/// The server's clock as an answer showed it: its time `ms` (milliseconds since the
+/// epoch, from the answer's `Date`) when the answer arrived, `at`. The server stamped it
+/// before the answer left, in whole seconds, so the estimate never runs ahead of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ServerClock {
     pub(crate) at: Instant,
@@ -493,24 +492,10 @@ pub(crate) struct ServerClock {
 }
 
 impl ServerClock {
-    /// The clock a lease answer (`leaseExpiresAt` of a lease granted for `ttl_ms`) shows.
-    pub(crate) fn from_lease(expires_at: Timestamp, ttl_ms: u64, at: Instant) -> ServerClock {
-        ServerClock { at, ms: expires_at.millis().saturating_sub(i64::try_from(ttl_ms).unwrap_or(i64::MAX)) }
-    }
-
     /// The server's time at `now`, by this machine's monotonic clock since the answer.
     pub(crate) fn at(&self, now: Instant) -> i64 {
         let since = now.saturating_duration_since(self.at).as_millis();
         self.ms.saturating_add(i64::try_from(since).unwrap_or(i64::MAX))
-    }
-}
-
-/// Of two views of the server's clock, the one that shows it later at `now`: neither runs
-/// ahead of the server, so the later is the closer.
-pub(crate) fn closer_clock(a: Option<ServerClock>, b: Option<ServerClock>, now: Instant) -> Option<ServerClock> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(if a.at(now) >= b.at(now) { a } else { b }),
-        (a, b) => a.or(b),
     }
 }
 

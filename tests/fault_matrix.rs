@@ -980,7 +980,7 @@ fn every_fault_converges_with_nothing_twice() {
 
 /// A wall clock ten minutes ahead of the server's, as on a router without a battery-backed
 /// clock. The server refuses a `finishedAt` more than five minutes ahead of its own time;
-/// the agent caps it with the server's clock as its lease answers showed it, so the run
+/// the agent caps it with the server's clock as its answers' `Date` showed it, so the run
 /// still succeeds rather than being refused and lost.
 #[test]
 fn a_clock_ten_minutes_ahead_still_completes_its_runs() {
@@ -999,9 +999,9 @@ fn a_clock_ten_minutes_ahead_still_completes_its_runs() {
 }
 
 /// The same clock, and the agent dies right after the running ACK; its job ends while it
-/// is down. Restarted, the agent has seen no lease answer yet when it records the exit:
-/// the `Date` of the server's first answer (the session's resumption) caps `finishedAt`, so
-/// the completion is accepted, not refused and lost.
+/// is down. Restarted, it records the exit before any lease answer: the `Date` of the
+/// server's first answer (the session's resumption) caps `finishedAt`, so the completion is
+/// accepted, not refused and lost.
 #[test]
 fn a_clock_ten_minutes_ahead_still_reports_a_job_that_ended_while_the_agent_was_down() {
     let root = TempDir::new("clock-ahead-restart");

@@ -927,9 +927,9 @@ fn ts(ms: i64) -> Timestamp {
 }
 
 #[test]
-fn a_lease_answer_shows_the_server_clock_and_time_moves_it_on_monotonically() {
+fn the_server_clock_moves_on_with_the_monotonic_clock() {
     let base = t0();
-    let clock = ServerClock::from_lease(ts(1_030_000), 30_000, base);
+    let clock = ServerClock { at: base, ms: 1_000_000 };
     assert_eq!(clock.at(base), 1_000_000);
     assert_eq!(clock.at(base + Duration::from_millis(4_500)), 1_004_500);
     // An instant before the answer (never asked for, but harmless): the answer's time.
@@ -939,27 +939,13 @@ fn a_lease_answer_shows_the_server_clock_and_time_moves_it_on_monotonically() {
 #[test]
 fn finished_at_is_the_wall_clock_unless_it_runs_ahead_of_the_server() {
     let base = t0();
-    let clock = Some(ServerClock::from_lease(ts(1_030_000), 30_000, base));
+    let clock = Some(ServerClock { at: base, ms: 1_000_000 });
     let later = base + Duration::from_secs(5);
-    // No lease answer seen yet: only the wall clock is known.
+    // No answer seen yet: only the wall clock is known.
     assert_eq!(evidence_time(ts(9_999_999), None, later), ts(9_999_999));
     // Behind the server or on time: the wall clock stands (the server takes the later).
     assert_eq!(evidence_time(ts(1_004_000), clock, later), ts(1_004_000));
     assert_eq!(evidence_time(ts(1_005_000), clock, later), ts(1_005_000));
     // Ahead (ten minutes, as on a router with a wrong clock): the server's time.
     assert_eq!(evidence_time(ts(1_605_000), clock, later), ts(1_005_000));
-}
-
-#[test]
-fn of_two_views_of_the_server_clock_the_later_is_taken() {
-    let base = t0();
-    let lease = ServerClock { at: base, ms: 1_000_000 };
-    let dated = ServerClock { at: base + Duration::from_secs(2), ms: 1_001_000 };
-    let now = base + Duration::from_secs(3);
-    // The lease view says 1_003_000 at `now`, the dated one 1_002_000.
-    assert_eq!(closer_clock(Some(lease), Some(dated), now), Some(lease));
-    assert_eq!(closer_clock(Some(dated), Some(lease), now), Some(lease));
-    assert_eq!(closer_clock(None, Some(dated), now), Some(dated));
-    assert_eq!(closer_clock(Some(lease), None, now), Some(lease));
-    assert_eq!(closer_clock(None, None, now), None);
 }
