@@ -495,3 +495,31 @@ async fn agents_ride_through_a_postgres_restart_and_converge() {
     stress(&env["QL_PG_URL"], 2, 6, 300, Some(Box::new(move || c.restart()))).await;
     drop(cluster);
 }
+
+/// The README's PostgreSQL commands as an operator types them: `migrate` as the owner
+/// (twice, as an upgrade does), then `serve`, `submit` and `runs` as the runtime role.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readmes_postgres_commands_migrate_then_serve_submit_and_list() {
+    let db = TestDb::unmigrated("readme").await;
+    let tmp = TempDir::new("pg-readme");
+    let dir = state_dir(&tmp);
+    let cli = |args: &[&str]| {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let owner = db.url("ql_owner");
+    let runtime = db.runtime_url();
+    let first = cli(&["migrate", "--database", &owner]);
+    let again = cli(&["migrate", "--database", &owner]);
+    let now = first.trim().strip_prefix("schema version 0 -> ").unwrap_or_else(|| panic!("first migrate: {first:?}"));
+    assert_eq!(again.trim(), format!("schema version {now} -> {now}"), "the second migrate has nothing to apply");
+    let _server = Server::start(&dir, &runtime);
+    let dir = dir.to_str().unwrap();
+    let run = cli(&["submit", "--dir", dir, "--database", &runtime, "--", "sh", "-c", "echo hello"]);
+    let run = run.trim();
+    assert!(run.starts_with("run_"), "submit printed {run:?}");
+    let runs = cli(&["runs", "--dir", dir, "--database", &runtime]);
+    let row = runs.lines().find(|l| l.starts_with(run)).unwrap_or_else(|| panic!("{run} not in:\n{runs}"));
+    assert!(row.contains("queued"), "{row}");
+}

@@ -79,6 +79,13 @@ pub struct TestDb {
 impl TestDb {
     /// Creates and migrates a fresh database.
     pub async fn new(tag: &str) -> Self {
+        let db = Self::unmigrated(tag).await;
+        migrate(&db.url("ql_owner")).await.expect("migrating as the owner");
+        db
+    }
+
+    /// Creates a fresh database owned by `ql_owner`, with no schema yet.
+    pub async fn unmigrated(tag: &str) -> Self {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
         let name = format!("ql_{tag}_{}_{}_{nanos}", std::process::id(), NEXT.fetch_add(1, Ordering::SeqCst));
@@ -97,9 +104,7 @@ impl TestDb {
             .await
             .expect("creating the roles");
         admin.batch_execute(&format!("CREATE DATABASE {name} OWNER ql_owner")).await.expect("creating the database");
-        let db = Self { name };
-        migrate(&db.url("ql_owner")).await.expect("migrating as the owner");
-        db
+        Self { name }
     }
 
     /// A connection string for `user` on this database.
