@@ -351,7 +351,7 @@ fn answer<Resp: Body>(
         return decode::<Resp>(&bytes).map_err(|e| CallError::Protocol(format!("answer to a {status}: {e}")));
     }
     match decode::<ErrorBody>(&bytes) {
-        Ok(ErrorBody { error }) => Err(CallError::Refused { status, code: error, retry_after: after }),
+        Ok(ErrorBody { error, .. }) => Err(CallError::Refused { status, code: error, retry_after: after }),
         Err(_) if status >= 500 => Err(CallError::Refused { status, code: ErrorCode::Unavailable, retry_after: after }),
         Err(e) => Err(CallError::Protocol(format!("status {status} without an error code: {e}"))),
     }

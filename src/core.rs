@@ -525,6 +525,7 @@ pub(crate) fn disposition(code: ErrorCode) -> Disposition {
         | ErrorCode::ReplayMismatch
         | ErrorCode::AlreadyTerminal
         | ErrorCode::ArtifactConflict
+        | ErrorCode::LogOffsetConflict
         | ErrorCode::InvalidRequest
         | ErrorCode::LengthRequired
         | ErrorCode::PayloadTooLarge

@@ -242,7 +242,10 @@ fn rows() -> Vec<Row> {
     }
     // The control plane and the network: each kind of fault at the routes in `routes` but
     // those it leaves out. Heartbeats are left out: they carry no part of a run.
-    let routes: Vec<&str> = Route::NAMES.into_iter().filter(|r| *r != "session.heartbeat").collect();
+    let routes: Vec<&str> = Route::NAMES
+        .into_iter()
+        .filter(|r| !["session.heartbeat", "log.append", "artifact.seal"].contains(r))
+        .collect();
     let before_spawn = &routes[..4];
     let kinds: &[(&str, &str, &[&str])] = &[
         ("drop", "", &[]),

@@ -7,13 +7,12 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use ql_wire::capability::Digest;
 use ql_wire::ids::{ProjectId, RunId};
 use ql_wire::spec::{EnvName, ExecutionSpec, Interpreter, Script, SpecSchema};
 use ql_wire::time::Timestamp;
 
 use crate::blob::fs::FsBlobStore;
-use crate::blob::{ArtifactKey, BlobStore};
+
 use crate::config::{Config, Layout};
 use crate::core::{CancelOutcome, Command, Reply, Submit};
 use crate::model::{Attempt, Millis};
@@ -133,6 +132,9 @@ impl Store for Authority {
     }
     async fn sessions(&self, limit: usize) -> Result<Vec<crate::model::Session>, StoreError> {
         either!(self, s => s.sessions(limit))
+    }
+    async fn log_chunks(&self, attempt: &ql_wire::ids::AttemptId) -> Result<Vec<crate::model::LogChunk>, StoreError> {
+        either!(self, s => s.log_chunks(attempt))
     }
     async fn snapshot(&self) -> Result<Snapshot, StoreError> {
         either!(self, s => s.snapshot())
@@ -349,36 +351,4 @@ pub async fn detail<S: Store>(store: &S, run: &RunId) -> Result<RunDetail, Strin
         .await
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("no run {run} (see `ql-control runs`)"))
-}
-
-/// Writes the run's stored log to `out` after checking it against its receipt.
-pub async fn logs<S: Store, B: BlobStore>(
-    store: &S,
-    blobs: &B,
-    run: &RunId,
-    out: &mut dyn std::io::Write,
-) -> Result<(), String> {
-    let d = detail(store, run).await?;
-    let Some((attempt, receipt)) = d.attempts.iter().rev().find_map(|a| a.artifact.as_ref().map(|r| (a, r))) else {
-        return Err(format!("run {run} has no stored log yet (status {})", d.run.status));
-    };
-    let key = ArtifactKey {
-        project: d.run.project.clone(),
-        run: d.run.id.clone(),
-        attempt: attempt.id.clone(),
-        artifact: receipt.artifact_id.clone(),
-    };
-    let content = blobs
-        .read(&key)
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("the log of {run} is recorded but missing from the artifact store"))?;
-    if content.len() as u64 != receipt.length || !Digest::of(&content).ct_eq(&receipt.sha256) {
-        return Err(format!("the stored log of {run} does not match its receipt (SHA-256 or length differs)"));
-    }
-    out.write_all(&content).map_err(|e| e.to_string())?;
-    if receipt.truncated {
-        eprintln!("(log truncated at {} bytes by the worker)", receipt.length);
-    }
-    Ok(())
 }

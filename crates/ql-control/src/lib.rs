@@ -6,7 +6,8 @@
 //! - [`blob`]: the artifact store seam and its local-files implementation;
 //! - [`pki`]: the worker CA, the server certificate and worker enrolment;
 //! - [`http`]: the worker ingress: TLS 1.3 mTLS, principal binding, framing, routes;
-//! - [`config`], [`admin`], [`serve`]: the state directory, operator commands and the server.
+//! - [`config`], [`admin`], [`logs`], [`serve`]: the state directory, operator commands (and
+//!   the log reader, stored or live) and the server.
 
 pub mod admin;
 pub mod blob;
@@ -14,6 +15,7 @@ pub mod config;
 pub mod core;
 pub mod fault;
 pub mod http;
+pub mod logs;
 pub mod model;
 pub mod pki;
 pub mod serve;

@@ -182,13 +182,20 @@ struct Show {
     json: bool,
 }
 
-/// Print a run's stored log, after checking its SHA-256 against the receipt.
+/// Print a run's log: the stored one, SHA-256 checked against its receipt, or what has
+/// arrived so far of a running job's; --follow prints it as it grows until the run ends.
 #[derive(FromArgs)]
 #[argh(subcommand, name = "logs")]
 struct Logs {
     /// the run
     #[argh(positional)]
     run: String,
+    /// keep printing the log as it arrives, until the run is terminal
+    #[argh(switch, short = 'f')]
+    follow: bool,
+    /// with --follow, how often to look for more (default 500 ms)
+    #[argh(option, default = "500")]
+    poll_ms: u64,
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
@@ -338,7 +345,8 @@ fn main() -> ExitCode {
         Cmd::Logs(cmd) => run_id(&cmd.run).and_then(|run| {
             let blobs = admin::open_blobs(&state_dir(cmd.dir.clone()))?;
             with_authority(cmd.dir, cmd.database, async |store| {
-                admin::logs(store, &blobs, &run, &mut std::io::stdout().lock()).await
+                let follow = cmd.follow.then(|| std::time::Duration::from_millis(cmd.poll_ms.max(1)));
+                ql_control::logs::logs(store, &blobs, &run, follow, &mut std::io::stdout().lock()).await
             })
         }),
         Cmd::Workers(cmd) => with_authority(cmd.dir, cmd.database, async |store| {

@@ -290,6 +290,10 @@ pub struct Attempt {
     pub worker_finished_at: Option<Millis>,
     /// The stored log's receipt.
     pub artifact: Option<Receipt>,
+    /// Bytes of the live log acknowledged so far (PROTOCOL §13), from offset 0.
+    pub log_acked: u64,
+    /// Whether the live log was sealed into the artifact: no chunk is accepted after.
+    pub log_sealed: bool,
     /// What ended it.
     pub end: Option<EndKind>,
     /// Created (offered) at.
@@ -302,6 +306,21 @@ pub struct Attempt {
     pub error_code: Option<String>,
     /// Low-sensitivity summary.
     pub summary: Option<String>,
+}
+
+/// One acknowledged chunk of an attempt's live log (PROTOCOL §13). Its bytes are in the
+/// artifact store under (attempt, offset, digest); the chunks of an attempt tile
+/// `0..log_acked` without gaps or overlaps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogChunk {
+    /// The attempt.
+    pub attempt: AttemptId,
+    /// Where the chunk starts.
+    pub offset: u64,
+    /// Its length, `1..=262144`.
+    pub length: u64,
+    /// SHA-256 of its bytes.
+    pub sha256: Digest,
 }
 
 /// An execution offer to one session.

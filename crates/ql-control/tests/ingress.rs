@@ -29,13 +29,14 @@ use ql_control::store::sqlite::{SqliteOptions, SqliteStore};
 use ql_control::store::{Snapshot, Store as _};
 use ql_wire::ack::{AckReply, Running, StartFailure};
 use ql_wire::artifact::{ArtifactHeader, ArtifactReply, ArtifactSchema, Receipt};
-use ql_wire::capability::Token;
+use ql_wire::capability::{Digest, Token};
 use ql_wire::completion::{Completion, CompletionReply, CompletionSchema, TerminalStatus};
 use ql_wire::frame::encode_prefix;
 use ql_wire::ids::{ArtifactId, Counter, ProjectId, RunId, SessionId, WorkerId};
 use ql_wire::lease::Renewed;
+use ql_wire::log::{LogAppendReply, LogChunkHeader, LogChunkSchema, Seal};
 use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
-use ql_wire::route::{AttemptCommand, AttemptPath, Route, ARTIFACT_MEDIA_TYPE, JSON_MEDIA_TYPE};
+use ql_wire::route::{AttemptCommand, AttemptPath, Route, ARTIFACT_MEDIA_TYPE, JSON_MEDIA_TYPE, LOG_CHUNK_MEDIA_TYPE};
 use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened, SessionStatus};
 use ql_wire::spec::{ExecutionSpec, SpecSchema};
 use ql_wire::text::{ExecutorHandle, Reason};
@@ -258,6 +259,12 @@ impl Answer {
         ql_wire::decode::<T>(&self.body).unwrap()
     }
 
+    /// The acknowledged length a `log_offset_conflict` carries.
+    fn log_conflict(&self) -> u64 {
+        assert_eq!(self.error(), ErrorCode::LogOffsetConflict);
+        ql_wire::decode::<ErrorBody>(&self.body).unwrap().acked.expect("the acknowledged length")
+    }
+
     fn error(&self) -> ErrorCode {
         let body: ErrorBody = serde_json::from_slice(&self.body)
             .unwrap_or_else(|_| panic!("not an error body: {}", String::from_utf8_lossy(&self.body)));
@@ -317,6 +324,28 @@ impl Client {
             .unwrap();
         let status = response.status().as_u16();
         Answer { status, body: response.body_mut().read_to_vec().unwrap() }
+    }
+
+    /// Sends one live-log chunk the way the agent does.
+    fn append(&self, job: &Job, offset: u64, chunk: &[u8]) -> Answer {
+        let header = LogChunkHeader::new(job.fence.clone(), LogChunkSchema, log_id(), offset, chunk.len() as u64);
+        let mut frame = encode_prefix(&header).unwrap().to_vec();
+        frame.extend_from_slice(chunk);
+        let mut reader = &frame[..];
+        let mut response = self
+            .agent
+            .post(format!("{}{}", self.base, Route::LogAppend(job.path.clone()).path()))
+            .header("content-type", LOG_CHUNK_MEDIA_TYPE)
+            .header("content-length", frame.len().to_string())
+            .header("expect", "100-continue")
+            .send(ureq::SendBody::from_reader(&mut reader))
+            .unwrap();
+        let status = response.status().as_u16();
+        Answer { status, body: response.body_mut().read_to_vec().unwrap() }
+    }
+
+    fn seal(&self, job: &Job, length: u64) -> Answer {
+        self.post(&Route::Seal(job.path.clone(), log_id()), &Seal::new(job.fence.clone(), length, false))
     }
 
     fn open(&self, capacity: u32) -> (SessionId, Counter) {
@@ -646,17 +675,28 @@ fn every_route_succeeds_over_one_keep_alive_connection() {
     assert_eq!(renewed.lease_version.get(), 2);
     assert_eq!(renewed.stop, None);
 
-    // The artifact, streamed with `Expect: 100-continue`, 1 MiB.
-    let log = content(1024 * 1024, 7);
-    let stored: ArtifactReply = client.put_artifact(&job.artifact_route(&log_id()), &job.frame(&log)).json(200);
+    // The live log: two chunks, then the seal makes them the artifact.
+    let (first, second) = (content(256 * 1024, 7), content(1000, 8));
+    let reply: LogAppendReply = client.append(&job, 0, &first).json(200);
+    assert_eq!((reply.result, reply.acked), (Outcome::Appended, first.len() as u64));
+    let acked: LogAppendReply = client.append(&job, first.len() as u64, &second).json(200);
+    let sealed: ArtifactReply = client.seal(&job, acked.acked).json(200);
+    assert_eq!(sealed.result, Outcome::Stored);
+    assert_eq!(sealed.receipt.sha256, Digest::of(&[first.as_slice(), &second].concat()));
+    assert_eq!(server.inspect(&job.key(&log_id())), Some(sealed.receipt.clone()));
+
+    // Another artifact in one frame, streamed with `Expect: 100-continue`, 1 MiB.
+    let trace = ArtifactId::parse("trace").unwrap();
+    let blob = content(1024 * 1024, 9);
+    let stored: ArtifactReply = client.put_artifact(&job.artifact_route(&trace), &job.frame(&blob)).json(200);
     assert_eq!(stored.result, Outcome::Stored);
-    assert_eq!(stored.receipt.length, log.len() as u64);
-    assert_eq!(stored.receipt.sha256, ql_wire::capability::Digest::of(&log));
-    assert_eq!(server.inspect(&job.key(&log_id())), Some(stored.receipt.clone()));
+    assert_eq!(stored.receipt.length, blob.len() as u64);
+    assert_eq!(stored.receipt.sha256, Digest::of(&blob));
+    assert_eq!(server.inspect(&job.key(&trace)), Some(stored.receipt.clone()));
 
     // Completion, with the receipt re-inspected by the server.
     let done: CompletionReply =
-        client.post(&job.route(AttemptCommand::Completion), &job.completion(0, Some(stored.receipt))).json(200);
+        client.post(&job.route(AttemptCommand::Completion), &job.completion(0, Some(sealed.receipt))).json(200);
     assert_eq!((done.result, done.status), (Outcome::Completed, TerminalStatus::Succeeded));
 
     // start-failure on the second attempt.
@@ -665,8 +705,8 @@ fn every_route_succeeds_over_one_keep_alive_connection() {
     let failed: AckReply = client.post(&failing.route(AttemptCommand::StartFailure), &body).json(200);
     assert_eq!(failed.result, Outcome::Failed);
 
-    // Ten routes, twelve requests, one TCP connection.
-    assert_eq!(server.stats().requests(), 12);
+    // Twelve routes, fifteen requests, one TCP connection.
+    assert_eq!(server.stats().requests(), 15);
     assert_eq!(server.stats().connections(), 1, "the agent's one keep-alive connection served everything");
     assert_eq!(server.stats().handshake_failures(), 0);
 
@@ -1120,6 +1160,75 @@ fn a_replayed_artifact_is_already_stored_and_other_content_conflicts() {
     assert_eq!(case.server.snapshot(), case.before, "uploads write no rows");
     // All three read their bodies to the end: one connection.
     assert_eq!(case.server.stats().connections(), 1);
+}
+
+#[test]
+fn the_live_log_is_appended_by_offset_then_sealed_into_the_artifact() {
+    let case = UploadCase::new("live-log");
+    let (a, b, c) = (content(1_000, 1), content(256 * 1024, 2), content(7, 3));
+    let appended = |answer: Answer, acked| {
+        let reply: LogAppendReply = answer.json(200);
+        assert_eq!((reply.result, reply.acked), (Outcome::Appended, acked));
+    };
+    appended(case.client.append(&case.job, 0, &a), 1_000);
+    appended(case.client.append(&case.job, 1_000, &b), 1_000 + 256 * 1024);
+    let acked = (1_000 + b.len() + c.len()) as u64;
+    appended(case.client.append(&case.job, 1_000 + b.len() as u64, &c), acked);
+    let after_appends = case.server.snapshot();
+
+    // A lost answer's repeat, and a repeat re-cut across chunks: already there.
+    let again: LogAppendReply = case.client.append(&case.job, 0, &a).json(200);
+    assert_eq!((again.result, again.acked), (Outcome::AlreadyAppended, acked));
+    let mut across = a[500..].to_vec();
+    across.extend_from_slice(&b[..100]);
+    let again: LogAppendReply = case.client.append(&case.job, 500, &across).json(200);
+    assert_eq!(again.result, Outcome::AlreadyAppended);
+    // A changed byte, a gap, an overlap: the acknowledged length, nothing changed.
+    let mut changed = a.clone();
+    changed[999] ^= 1;
+    assert_eq!(case.client.append(&case.job, 0, &changed).log_conflict(), acked);
+    assert_eq!(case.client.append(&case.job, acked + 1, b"x").log_conflict(), acked);
+    assert_eq!(case.client.append(&case.job, acked - 3, b"xyzw").log_conflict(), acked);
+    assert_eq!(case.client.seal(&case.job, acked - 1).log_conflict(), acked);
+    assert_eq!(case.server.snapshot(), after_appends, "refusals and repeats change nothing");
+    assert_eq!(case.server.inspect(&case.job.key(&log_id())), None, "nothing sealed yet");
+
+    let whole: Vec<u8> = [a.as_slice(), &b, &c].concat();
+    let sealed: ArtifactReply = case.client.seal(&case.job, acked).json(200);
+    assert_eq!(sealed.result, Outcome::Stored);
+    assert_eq!((sealed.receipt.length, sealed.receipt.sha256.clone()), (acked, Digest::of(&whole)));
+    let resealed: ArtifactReply = case.client.seal(&case.job, acked).json(200);
+    assert_eq!((resealed.result, &resealed.receipt), (Outcome::AlreadyStored, &sealed.receipt));
+    assert_eq!(case.client.append(&case.job, acked, b"late").error(), ErrorCode::StateConflict);
+
+    let done: CompletionReply = case
+        .client
+        .post(&case.job.route(AttemptCommand::Completion), &case.job.completion(0, Some(sealed.receipt.clone())))
+        .json(200);
+    assert_eq!(done.status, TerminalStatus::Succeeded);
+    let names: Vec<String> = case.server.audits().into_iter().map(|a| a.route).collect();
+    assert!(names.iter().filter(|n| *n == "log.append").count() >= 9, "every chunk is audited: {names:?}");
+    assert!(names.iter().any(|n| n == "artifact.seal"));
+}
+
+#[test]
+fn a_chunk_refused_on_its_header_sends_no_content() {
+    let case = UploadCase::new("live-log-fence");
+    // At a stale lease version, the fence is refused before the content is asked for.
+    let mut stale =
+        Job { fence: case.job.fence.clone(), path: case.job.path.clone(), callback: case.job.callback.clone() };
+    stale.fence.expected_lease_version = Counter::new(7).unwrap();
+    assert_eq!(case.client.append(&stale, 0, &content(200_000, 4)).error(), ErrorCode::LeaseConflict);
+    assert_eq!(case.server.snapshot(), case.before, "no row changed");
+    // The spec's log limit (1 MiB here) is the most a log may reach, not a byte more.
+    let chunk = content(256 * 1024, 5);
+    for i in 0..4u64 {
+        let reply: LogAppendReply = case.client.append(&case.job, i * chunk.len() as u64, &chunk).json(200);
+        assert_eq!(reply.acked, (i + 1) * chunk.len() as u64);
+    }
+    let full = case.server.snapshot();
+    assert_eq!(case.client.append(&case.job, 1024 * 1024, b"!").error(), ErrorCode::PayloadTooLarge);
+    assert_eq!(case.server.snapshot(), full, "no row changed");
 }
 
 #[test]

@@ -148,6 +148,7 @@ contract_suite!(
         the_whole_protocol_with_replays,
         completion_from_starting_registers_the_callback,
         artifacts_are_admitted_and_completions_match_their_receipt,
+        the_live_log_appends_at_the_acknowledged_offset_then_seals,
         start_failure_and_its_replay,
         stop_intents_decide_the_terminal_status,
         cancel_before_a_claim_ends_the_run,

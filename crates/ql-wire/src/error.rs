@@ -32,12 +32,23 @@ pub enum Outcome {
     Completed,
     /// The same completion applied before.
     AlreadyCompleted,
+    /// The log chunk was appended.
+    Appended,
+    /// The log chunk lies within what was acknowledged and equals it.
+    AlreadyAppended,
 }
 
 impl Outcome {
     /// Whether the command had been applied before (a replay after a lost response).
     pub fn is_replay(self) -> bool {
-        matches!(self, Self::AlreadyStarting | Self::AlreadyRunning | Self::AlreadyStored | Self::AlreadyCompleted)
+        matches!(
+            self,
+            Self::AlreadyStarting
+                | Self::AlreadyRunning
+                | Self::AlreadyStored
+                | Self::AlreadyCompleted
+                | Self::AlreadyAppended
+        )
     }
 }
 
@@ -67,6 +78,9 @@ pub enum ErrorCode {
     AlreadyTerminal,
     /// Same artifact identity, other content.
     ArtifactConflict,
+    /// A log chunk or seal that does not continue the acknowledged log; the answer says
+    /// how much is acknowledged.
+    LogOffsetConflict,
     /// Chunked or missing Content-Length.
     LengthRequired,
     /// Over the route's cap.
@@ -91,7 +105,8 @@ impl ErrorCode {
             | Self::StateConflict
             | Self::ReplayMismatch
             | Self::AlreadyTerminal
-            | Self::ArtifactConflict => 409,
+            | Self::ArtifactConflict
+            | Self::LogOffsetConflict => 409,
             Self::LengthRequired => 411,
             Self::PayloadTooLarge => 413,
             Self::UnsupportedMediaType => 415,
@@ -113,6 +128,7 @@ impl ErrorCode {
             Self::ReplayMismatch => "replay_mismatch",
             Self::AlreadyTerminal => "already_terminal",
             Self::ArtifactConflict => "artifact_conflict",
+            Self::LogOffsetConflict => "log_offset_conflict",
             Self::LengthRequired => "length_required",
             Self::PayloadTooLarge => "payload_too_large",
             Self::UnsupportedMediaType => "unsupported_media_type",
@@ -127,23 +143,41 @@ impl fmt::Display for ErrorCode {
     }
 }
 
-/// `{"error":"<code>"}`.
+/// `{"error":"<code>"}`, and for `log_offset_conflict` also `"acked"`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ErrorBody {
     /// The code.
     pub error: ErrorCode,
+    /// The acknowledged length of the log, with `log_offset_conflict` only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acked: Option<u64>,
+}
+
+impl ErrorBody {
+    /// The body of a refusal with `code`.
+    pub fn new(code: ErrorCode) -> Self {
+        Self { error: code, acked: None }
+    }
 }
 
 impl Body for ErrorBody {
     const CAP: usize = JSON_BODY_CAP;
+
+    fn validate(&self) -> Result<(), crate::Invalid> {
+        // Only the log conflict carries a length, and it always does.
+        if self.acked.is_some() != (self.error == ErrorCode::LogOffsetConflict) {
+            return Err(crate::Invalid::Schema);
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const ALL: [ErrorCode; 15] = [
+    const ALL: [ErrorCode; 16] = [
         ErrorCode::InvalidRequest,
         ErrorCode::Unauthenticated,
         ErrorCode::PrincipalMismatch,
@@ -155,6 +189,7 @@ mod tests {
         ErrorCode::ReplayMismatch,
         ErrorCode::AlreadyTerminal,
         ErrorCode::ArtifactConflict,
+        ErrorCode::LogOffsetConflict,
         ErrorCode::LengthRequired,
         ErrorCode::PayloadTooLarge,
         ErrorCode::UnsupportedMediaType,
@@ -179,6 +214,6 @@ mod tests {
         assert!(table.contains(&(413, "payload_too_large")));
         assert!(table.contains(&(415, "unsupported_media_type")));
         assert!(table.contains(&(503, "unavailable")));
-        assert_eq!(table.iter().filter(|(s, _)| *s == 409).count(), 7);
+        assert_eq!(table.iter().filter(|(s, _)| *s == 409).count(), 8);
     }
 }

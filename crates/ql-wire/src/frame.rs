@@ -1,4 +1,6 @@
 //! The artifact frame: `u32 BE header length H | header JSON (H bytes) | content (N bytes)`.
+//! The same frame carries a live-log chunk (PROTOCOL §13) with its own header type and a
+//! smaller cap: [`FrameHeader`] is what differs between the two.
 //!
 //! [`encode_prefix`] builds the length and header for a known content length; the caller
 //! streams the content after it. [`FrameDecoder`] takes the body as it arrives, in slices
@@ -13,8 +15,40 @@ use std::fmt;
 use zeroize::Zeroizing;
 
 use crate::artifact::ArtifactHeader;
-use crate::limits::{ARTIFACT_BODY_CAP, FRAME_HEADER_MAX};
-use crate::{decode, encode, DecodeError};
+use crate::limits::FRAME_HEADER_MAX;
+use crate::log::LogChunkHeader;
+use crate::{decode, encode, Body, DecodeError};
+
+/// A header that leads a frame: it declares the content's length, and its route caps the
+/// whole body.
+pub trait FrameHeader: Body {
+    /// The route's hard cap: length prefix, largest header, largest content.
+    const BODY_CAP: u64;
+
+    /// Bytes of content after the header.
+    fn content_length(&self) -> u64;
+}
+
+impl FrameHeader for ArtifactHeader {
+    const BODY_CAP: u64 = crate::limits::ARTIFACT_BODY_CAP;
+
+    fn content_length(&self) -> u64 {
+        self.content_length
+    }
+}
+
+impl FrameHeader for LogChunkHeader {
+    const BODY_CAP: u64 = crate::limits::LOG_CHUNK_BODY_CAP;
+
+    fn content_length(&self) -> u64 {
+        self.content_length
+    }
+}
+
+/// Decodes an artifact frame (PROTOCOL §9).
+pub type FrameDecoder = Decoder<ArtifactHeader>;
+/// Decodes a live-log chunk frame (PROTOCOL §13).
+pub type LogChunkDecoder = Decoder<LogChunkHeader>;
 
 /// Why a frame was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,7 +65,7 @@ pub enum FrameError {
     },
     /// The header length is 0 or over 4096.
     HeaderLength(u32),
-    /// The header is not a valid [`ArtifactHeader`].
+    /// The header is not a valid header of the route.
     Header(DecodeError),
     /// `4 + H + contentLength` differs from the declared body length.
     LengthMismatch {
@@ -72,8 +106,7 @@ impl std::error::Error for FrameError {}
 
 /// The length prefix and header for `header.content_length` bytes of content. It holds the
 /// raw lease token, so it wipes itself when dropped.
-pub fn encode_prefix(header: &ArtifactHeader) -> Result<Zeroizing<Vec<u8>>, FrameError> {
-    use crate::Body as _;
+pub fn encode_prefix<H: FrameHeader>(header: &H) -> Result<Zeroizing<Vec<u8>>, FrameError> {
     header.validate().map_err(|e| FrameError::Header(DecodeError::Invalid(e)))?;
     let json = Zeroizing::new(encode(header));
     if json.len() > FRAME_HEADER_MAX {
@@ -87,9 +120,9 @@ pub fn encode_prefix(header: &ArtifactHeader) -> Result<Zeroizing<Vec<u8>>, Fram
 
 /// One thing the decoder found.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Item<'a> {
+pub enum Item<'a, H = ArtifactHeader> {
     /// The header, once, before any content.
-    Header(ArtifactHeader),
+    Header(H),
     /// The next slice of content.
     Content(&'a [u8]),
 }
@@ -101,27 +134,28 @@ enum State {
     Refused,
 }
 
-/// Decodes one artifact body incrementally. See the module doc.
-pub struct FrameDecoder {
+/// Decodes one framed body incrementally. See the module doc.
+pub struct Decoder<H> {
     declared: u64,
     state: State,
+    header: std::marker::PhantomData<H>,
 }
 
-impl FrameDecoder {
+impl<H: FrameHeader> Decoder<H> {
     /// A decoder for a body whose Content-Length is `declared`.
     pub fn new(declared: u64) -> Result<Self, FrameError> {
-        if declared > ARTIFACT_BODY_CAP {
+        if declared > H::BODY_CAP {
             return Err(FrameError::TooLarge { declared });
         }
         if declared < 5 {
             return Err(FrameError::TooSmall { declared });
         }
-        Ok(Self { declared, state: State::Length { buf: [0; 4], have: 0 } })
+        Ok(Self { declared, state: State::Length { buf: [0; 4], have: 0 }, header: std::marker::PhantomData })
     }
 
     /// Consumes from the front of `input` and returns the next item, or `None` once
     /// `input` is empty. Call until it returns `None`, then feed the next slice.
-    pub fn next<'a>(&mut self, input: &mut &'a [u8]) -> Result<Option<Item<'a>>, FrameError> {
+    pub fn next<'a>(&mut self, input: &mut &'a [u8]) -> Result<Option<Item<'a, H>>, FrameError> {
         let result = self.step(input);
         if result.is_err() {
             self.state = State::Refused;
@@ -129,7 +163,7 @@ impl FrameDecoder {
         result
     }
 
-    fn step<'a>(&mut self, input: &mut &'a [u8]) -> Result<Option<Item<'a>>, FrameError> {
+    fn step<'a>(&mut self, input: &mut &'a [u8]) -> Result<Option<Item<'a, H>>, FrameError> {
         loop {
             match &mut self.state {
                 State::Refused => return Err(FrameError::Refused),
@@ -164,12 +198,13 @@ impl FrameDecoder {
                     buf.extend_from_slice(&input[..take]);
                     *input = &input[take..];
                     if buf.len() == *want {
-                        let header: ArtifactHeader = decode(buf).map_err(FrameError::Header)?;
-                        let implied = 4 + *want as u64 + header.content_length;
+                        let header: H = decode(buf).map_err(FrameError::Header)?;
+                        let content_length = header.content_length();
+                        let implied = 4 + *want as u64 + content_length;
                         if implied != self.declared {
                             return Err(FrameError::LengthMismatch { declared: self.declared, implied });
                         }
-                        self.state = State::Content { remaining: header.content_length };
+                        self.state = State::Content { remaining: content_length };
                         return Ok(Some(Item::Header(header)));
                     }
                 }

@@ -7,8 +7,8 @@
 //! made any other way would not be a capability.
 //!
 //! One file per message family, as the protocol groups them: [`session`], [`offer`] (with
-//! the execution [`spec`]), [`ack`], [`lease`], [`artifact`], [`completion`] and
-//! [`error`]. Every body type refuses unknown fields and validates its bounds when it is
+//! the execution [`spec`]), [`ack`], [`lease`], [`artifact`], the live [`log`],
+//! [`completion`] and [`error`]. Every body type refuses unknown fields and validates its bounds when it is
 //! decoded with [`decode`].
 
 pub mod ack;
@@ -21,6 +21,7 @@ pub mod frame;
 pub mod ids;
 pub mod lease;
 pub mod limits;
+pub mod log;
 pub mod offer;
 pub mod route;
 pub mod session;

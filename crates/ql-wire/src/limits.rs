@@ -16,6 +16,11 @@ pub const ARTIFACT_CONTENT_MAX: u64 = 64 * 1024 * 1024;
 /// The artifact route's hard cap: length prefix, largest header, largest content.
 pub const ARTIFACT_BODY_CAP: u64 = 4 + FRAME_HEADER_MAX as u64 + ARTIFACT_CONTENT_MAX;
 
+/// Largest content of one live-log chunk (PROTOCOL §13).
+pub const LOG_CHUNK_MAX: u64 = 256 * 1024;
+/// The `log:append` route's hard cap: length prefix, largest header, largest chunk.
+pub const LOG_CHUNK_BODY_CAP: u64 = 4 + FRAME_HEADER_MAX as u64 + LOG_CHUNK_MAX;
+
 /// Largest generation, version or sequence number (JSON-safe integers).
 pub const COUNTER_MAX: u64 = (1 << 53) - 1;
 

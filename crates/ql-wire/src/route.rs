@@ -17,16 +17,22 @@
 //! | POST | `/sessions/{s}/runs/{r}/attempts/{a}/lease:renew` |
 //! | POST | `/sessions/{s}/runs/{r}/attempts/{a}/completion` |
 //! | PUT  | `/sessions/{s}/runs/{r}/attempts/{a}/artifacts/{artifactId}` |
+//! | POST | `/sessions/{s}/runs/{r}/attempts/{a}/log:append` |
+//! | POST | `/sessions/{s}/runs/{r}/attempts/{a}/artifacts/{artifactId}:seal` |
 
 use std::fmt;
 
 use crate::ids::{ArtifactId, AttemptId, OfferId, RunId, SessionId, WorkerId};
-use crate::limits::{ARTIFACT_BODY_CAP, COMPLETION_BODY_CAP, JSON_BODY_CAP};
+use crate::limits::{ARTIFACT_BODY_CAP, COMPLETION_BODY_CAP, JSON_BODY_CAP, LOG_CHUNK_BODY_CAP};
 
 /// Media type of every JSON route.
 pub const JSON_MEDIA_TYPE: &str = "application/json";
 /// Media type of the artifact route.
 pub const ARTIFACT_MEDIA_TYPE: &str = "application/vnd.qinglong.worker-artifact";
+/// Media type of the live-log route.
+pub const LOG_CHUNK_MEDIA_TYPE: &str = "application/vnd.qinglong.worker-log-chunk";
+/// The suffix of the seal route's last segment.
+const SEAL_SUFFIX: &str = ":seal";
 
 /// The path of one attempt, shared by the attempt routes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -86,6 +92,10 @@ pub enum Route {
     Attempt(AttemptPath, AttemptCommand),
     /// Upload an artifact.
     Artifact(AttemptPath, ArtifactId),
+    /// Append a chunk to the live log.
+    LogAppend(AttemptPath),
+    /// Seal the live log into the artifact.
+    Seal(AttemptPath, ArtifactId),
 }
 
 /// A request that names no route.
@@ -126,6 +136,11 @@ impl Route {
                 };
                 match (method, tail) {
                     ("PUT", ["artifacts", id]) => Self::Artifact(at, ArtifactId::parse(*id).map_err(|_| UnknownRoute)?),
+                    ("POST", ["artifacts", last]) => {
+                        let id = last.strip_suffix(SEAL_SUFFIX).ok_or(UnknownRoute)?;
+                        Self::Seal(at, ArtifactId::parse(id).map_err(|_| UnknownRoute)?)
+                    }
+                    ("POST", ["log:append"]) => Self::LogAppend(at),
                     ("POST", [last]) => {
                         let cmd = AttemptCommand::ALL.into_iter().find(|c| c.segment() == *last).ok_or(UnknownRoute)?;
                         Self::Attempt(at, cmd)
@@ -158,6 +173,8 @@ impl Route {
             Self::Claim(w, s, o) => format!("/v1/workers/{w}/sessions/{s}/offers/{o}/claim"),
             Self::Attempt(p, cmd) => format!("{}/{}", attempt(p), cmd.segment()),
             Self::Artifact(p, id) => format!("{}/artifacts/{id}", attempt(p)),
+            Self::LogAppend(p) => format!("{}/log:append", attempt(p)),
+            Self::Seal(p, id) => format!("{}/artifacts/{id}{SEAL_SUFFIX}", attempt(p)),
         }
     }
 
@@ -165,12 +182,12 @@ impl Route {
     pub fn worker(&self) -> &WorkerId {
         match self {
             Self::OpenSession(w) | Self::Heartbeat(w, _) | Self::PollOffers(w, _) | Self::Claim(w, ..) => w,
-            Self::Attempt(p, _) | Self::Artifact(p, _) => &p.worker,
+            Self::Attempt(p, _) | Self::Artifact(p, _) | Self::LogAppend(p) | Self::Seal(p, _) => &p.worker,
         }
     }
 
     /// Every [`Route::name`], in the order of a run's life (heartbeat second).
-    pub const NAMES: [&'static str; 10] = [
+    pub const NAMES: [&'static str; 12] = [
         "session.open",
         "session.heartbeat",
         "offers.poll",
@@ -178,6 +195,8 @@ impl Route {
         "attempt.starting",
         "attempt.running",
         "lease.renew",
+        "log.append",
+        "artifact.seal",
         "artifact.put",
         "attempt.completion",
         "attempt.start_failure",
@@ -196,6 +215,8 @@ impl Route {
             Self::Attempt(_, AttemptCommand::RenewLease) => "lease.renew",
             Self::Attempt(_, AttemptCommand::Completion) => "attempt.completion",
             Self::Artifact(..) => "artifact.put",
+            Self::LogAppend(_) => "log.append",
+            Self::Seal(..) => "artifact.seal",
         }
     }
 
@@ -203,6 +224,7 @@ impl Route {
     pub fn media_type(&self) -> &'static str {
         match self {
             Self::Artifact(..) => ARTIFACT_MEDIA_TYPE,
+            Self::LogAppend(_) => LOG_CHUNK_MEDIA_TYPE,
             _ => JSON_MEDIA_TYPE,
         }
     }
@@ -211,6 +233,7 @@ impl Route {
     pub fn body_cap(&self) -> u64 {
         match self {
             Self::Artifact(..) => ARTIFACT_BODY_CAP,
+            Self::LogAppend(_) => LOG_CHUNK_BODY_CAP,
             Self::Attempt(_, AttemptCommand::Completion) => COMPLETION_BODY_CAP as u64,
             _ => JSON_BODY_CAP as u64,
         }
@@ -239,6 +262,8 @@ mod tests {
             Route::PollOffers(w.clone(), s.clone()),
             Route::Claim(w, s, OfferId::parse("o1").unwrap()),
             Route::Artifact(at(), ArtifactId::parse("log").unwrap()),
+            Route::LogAppend(at()),
+            Route::Seal(at(), ArtifactId::parse("log").unwrap()),
         ];
         all.extend(AttemptCommand::ALL.map(|c| Route::Attempt(at(), c)));
         all
@@ -268,6 +293,8 @@ mod tests {
         assert!(paths.contains(&"POST /v1/workers/r1/sessions/s1/runs/run1/attempts/a1/lease:renew".to_owned()));
         assert!(paths.contains(&"POST /v1/workers/r1/sessions/s1/runs/run1/attempts/a1/start-failure".to_owned()));
         assert!(paths.contains(&"PUT /v1/workers/r1/sessions/s1/runs/run1/attempts/a1/artifacts/log".to_owned()));
+        assert!(paths.contains(&"POST /v1/workers/r1/sessions/s1/runs/run1/attempts/a1/log:append".to_owned()));
+        assert!(paths.contains(&"POST /v1/workers/r1/sessions/s1/runs/run1/attempts/a1/artifacts/log:seal".to_owned()));
     }
 
     #[test]
@@ -303,6 +330,12 @@ mod tests {
             "/v1/workers/r1/sessions/s1/runs/run1/attempts/a1/artifacts/..",
             "/v1/workers/r1/sessions/s1/runs/run1/attempts/a1/artifacts/a/b",
             "/v1/workers/r1/sessions/s1/runs/run1/attempts/a1/STARTING",
+            "/v1/workers/r1/sessions/s1/runs/run1/attempts/a1/artifacts/log:seal/x",
+            "/v1/workers/r1/sessions/s1/runs/run1/attempts/a1/artifacts/:seal",
+            "/v1/workers/r1/sessions/s1/runs/run1/attempts/a1/artifacts/log:seal:seal",
+            "/v1/workers/r1/sessions/s1/runs/run1/attempts/a1/artifacts/log:unseal",
+            "/v1/workers/r1/sessions/s1/runs/run1/attempts/a1/log:append/",
+            "/v1/workers/r1/sessions/s1/runs/run1/attempts/a1/log",
             "/v1/workers/r1\\sessions",
             "//v1/workers/r1/sessions",
             "/v2/workers/r1/sessions",
@@ -321,5 +354,10 @@ mod tests {
         assert_eq!(artifact.body_cap(), 64 * 1024 * 1024 + 4096 + 4);
         assert_eq!(artifact.media_type(), ARTIFACT_MEDIA_TYPE);
         assert_eq!(completion.media_type(), JSON_MEDIA_TYPE);
+        let append = Route::LogAppend(at());
+        assert_eq!(append.body_cap(), 256 * 1024 + 4096 + 4);
+        assert_eq!(append.media_type(), LOG_CHUNK_MEDIA_TYPE);
+        let seal = Route::Seal(at(), ArtifactId::parse("log").unwrap());
+        assert_eq!((seal.body_cap(), seal.media_type()), (4 * 1024, JSON_MEDIA_TYPE));
     }
 }

@@ -10,6 +10,7 @@ use ql_wire::ack::{AckReply, Running, StartFailure};
 use ql_wire::artifact::{ArtifactHeader, ArtifactReply};
 use ql_wire::completion::{Completion, CompletionReply};
 use ql_wire::lease::Renewed;
+use ql_wire::log::{LogAppendReply, LogChunkHeader, Seal};
 use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
 use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened};
 use ql_wire::{decode, encode, Body, DecodeError, ErrorBody, Fence};
@@ -37,6 +38,9 @@ const TYPES: &[(&str, Check)] = &[
     ("renewed", check::<Renewed>),
     ("artifact_header", check::<ArtifactHeader>),
     ("artifact_reply", check::<ArtifactReply>),
+    ("log_chunk_header", check::<LogChunkHeader>),
+    ("log_append_reply", check::<LogAppendReply>),
+    ("seal", check::<Seal>),
     ("completion", check::<Completion>),
     ("completion_reply", check::<CompletionReply>),
     ("error_body", check::<ErrorBody>),
@@ -101,6 +105,15 @@ fn invalid_fixtures_fail_for_their_stated_reason() {
     assert_eq!(err, DecodeError::Invalid(ql_wire::Invalid::ArgvXorScript));
     let err = check::<OpenSession>(&find("open_session.seventeen_labels")).unwrap_err();
     assert_eq!(err, DecodeError::Invalid(ql_wire::Invalid::TooMany { max: 16 }));
+    let chunk = |stem| check::<LogChunkHeader>(&find(stem)).unwrap_err();
+    let chunk_range = DecodeError::Invalid(ql_wire::Invalid::OutOfRange { min: 1, max: 256 * 1024 });
+    assert_eq!(chunk("log_chunk_header.content_zero"), chunk_range);
+    assert_eq!(chunk("log_chunk_header.content_over_256kib"), chunk_range);
+    let past = DecodeError::Invalid(ql_wire::Invalid::OutOfRange { min: 0, max: 64 * 1024 * 1024 - 1 });
+    assert_eq!(chunk("log_chunk_header.past_64mib"), past);
+    for stem in ["error_body.conflict_without_acked", "error_body.acked_on_other_code"] {
+        assert_eq!(check::<ErrorBody>(&find(stem)).unwrap_err(), DecodeError::Invalid(ql_wire::Invalid::Schema));
+    }
     for (stem, needle) in [
         ("fence.unknown_field", "unknown field"),
         ("fence.missing_offer", "missing field"),
@@ -110,6 +123,11 @@ fn invalid_fixtures_fail_for_their_stated_reason() {
         ("completion.missing_exit_code", "missing field"),
         ("completion.wrong_schema", "schema"),
         ("heartbeat.duplicate_field", "duplicate field"),
+        ("log_chunk_header.wrong_schema", "schema"),
+        ("log_chunk_header.unknown_field", "unknown field"),
+        ("log_chunk_header.missing_offset", "missing field"),
+        ("seal.unknown_field", "unknown field"),
+        ("seal.missing_truncated", "missing field"),
     ] {
         let (_, check) = checker(stem);
         let err = check(&find(stem)).unwrap_err().to_string();

@@ -2,8 +2,10 @@
 
 use ql_wire::artifact::{ArtifactHeader, ArtifactSchema};
 use ql_wire::capability::Token;
-use ql_wire::frame::{encode_prefix, FrameDecoder, FrameError, Item};
+use ql_wire::frame::{encode_prefix, FrameDecoder, FrameError, Item, LogChunkDecoder};
+use ql_wire::ids::ArtifactId;
 use ql_wire::ids::{Counter, OfferId};
+use ql_wire::log::{LogChunkHeader, LogChunkSchema};
 use ql_wire::{DecodeError, Fence};
 
 fn fence() -> Fence {
@@ -207,4 +209,28 @@ fn the_encoded_prefix_starts_with_the_big_endian_header_length() {
     let json: serde_json::Value = serde_json::from_slice(&prefix[4..]).unwrap();
     assert_eq!(json["schema"], "qinglong/remote-worker-artifact-upload@v1");
     assert_eq!(json["contentLength"], 0);
+}
+
+#[test]
+fn a_log_chunk_travels_in_the_same_frame_with_its_own_header_and_cap() {
+    let header = LogChunkHeader::new(fence(), LogChunkSchema, ArtifactId::parse("log").unwrap(), 512, 3);
+    let mut body = encode_prefix(&header).unwrap().to_vec();
+    body.extend_from_slice(b"abc");
+    let mut dec = LogChunkDecoder::new(body.len() as u64).unwrap();
+    let mut input: &[u8] = &body;
+    assert_eq!(dec.next(&mut input).unwrap(), Some(Item::Header(header.clone())));
+    assert_eq!(dec.next(&mut input).unwrap(), Some(Item::Content(&b"abc"[..])));
+    dec.finish().unwrap();
+    assert_eq!(header.end(), 515);
+
+    // An artifact header is no chunk header, and a chunk frame has the smaller cap.
+    let artifact = frame(b"abc");
+    let mut dec = LogChunkDecoder::new(artifact.len() as u64).unwrap();
+    let mut input: &[u8] = &artifact;
+    assert!(matches!(dec.next(&mut input), Err(FrameError::Header(_))));
+    let cap = 4 + 4096 + 256 * 1024;
+    assert!(LogChunkDecoder::new(cap).is_ok());
+    assert_eq!(LogChunkDecoder::new(cap + 1).err(), Some(FrameError::TooLarge { declared: cap + 1 }));
+    let too_long = LogChunkHeader::new(fence(), LogChunkSchema, ArtifactId::parse("log").unwrap(), 0, 256 * 1024 + 1);
+    assert!(matches!(encode_prefix(&too_long), Err(FrameError::Header(DecodeError::Invalid(_)))));
 }

@@ -7,6 +7,7 @@
 //!     <artifact>.<sha256>             the content, named by its digest
 //!     <artifact>.receipt.json         {artifactId, length, sha256, truncated}: the commit
 //!     .<artifact>.<random>.tmp        an upload in progress (or a receipt being written)
+//!     <artifact>.chunk.<offset>.<sha256>  one live-log chunk (PROTOCOL §13)
 //! ```
 //!
 //! Every path part is a validated id (`[A-Za-z0-9_-]{1,64}`), so none can be empty, `.`,
@@ -120,6 +121,40 @@ fn receipt_path(dir: &Path, artifact: &ArtifactId) -> PathBuf {
 
 fn content_path(dir: &Path, artifact: &ArtifactId, sha256: &Digest) -> PathBuf {
     dir.join(format!("{artifact}.{}", sha256.as_str()))
+}
+
+fn chunk_path(dir: &Path, artifact: &ArtifactId, offset: u64, sha256: &Digest) -> PathBuf {
+    dir.join(format!("{artifact}.chunk.{offset}.{}", sha256.as_str()))
+}
+
+/// Writes a chunk under its digest's name: a temporary file, fsynced, linked (never
+/// overwriting: an existing file of that name holds these very bytes), then the
+/// directory chain fsynced, so the chunk is durable before the database acknowledges it.
+fn write_chunk(store: &FsBlobStore, dir: &Path, path: &Path, bytes: &[u8]) -> Result<(), BlobError> {
+    make_dirs(dir)?;
+    let tmp = dir.join(format!(".chunk.{}.tmp", random_suffix()?));
+    let written = (|| -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    })();
+    if let Err(e) = written {
+        remove_quietly(&tmp);
+        return Err(e.into());
+    }
+    let linked = std::fs::hard_link(&tmp, path);
+    remove_quietly(&tmp);
+    match linked {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            if std::fs::metadata(path)?.len() != bytes.len() as u64 {
+                return Err(err("chunk file of this digest has another length"));
+            }
+        }
+        Err(e) => return Err(e.into()),
+    }
+    store.sync_chain(dir)?;
+    Ok(())
 }
 
 /// The committed receipt for `artifact` in `dir`, checked against its content.
@@ -320,6 +355,36 @@ impl BlobStore for FsBlobStore {
         };
         let bytes = tokio::fs::read(content_path(&self.dir(key), &key.artifact, &receipt.sha256)).await?;
         Ok(Some(bytes))
+    }
+
+    async fn put_chunk(&self, key: &ArtifactKey, offset: u64, bytes: &[u8]) -> Result<Digest, BlobError> {
+        let sha256 = Digest::of(bytes);
+        let dir = self.dir(key);
+        let path = chunk_path(&dir, &key.artifact, offset, &sha256);
+        let (store, bytes) = (self.clone(), bytes.to_vec());
+        tokio::task::spawn_blocking(move || write_chunk(&store, &dir, &path, &bytes))
+            .await
+            .map_err(|e| err(format!("storing a chunk: {e}")))??;
+        Ok(sha256)
+    }
+
+    async fn read_chunk(
+        &self,
+        key: &ArtifactKey,
+        offset: u64,
+        length: u64,
+        sha256: &Digest,
+    ) -> Result<Vec<u8>, BlobError> {
+        let path = chunk_path(&self.dir(key), &key.artifact, offset, sha256);
+        let bytes = match tokio::fs::read(&path).await {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(err("acknowledged chunk missing")),
+            Err(e) => return Err(e.into()),
+        };
+        if bytes.len() as u64 != length || Digest::of(&bytes) != *sha256 {
+            return Err(err("stored chunk does not match its record"));
+        }
+        Ok(bytes)
     }
 }
 

@@ -4,12 +4,19 @@
 //! A put streams content in through [`BlobStore::begin`] and [`Upload::write`], hashing
 //! as it goes, and [`Upload::finish`] makes it visible atomically. Same key and same
 //! content again is a replay with the same receipt; same key, other content, a conflict.
+//!
+//! The chunks of a live log (PROTOCOL §13) live beside the artifact they are sealed into,
+//! each named by its offset and its SHA-256: immutable too, and put before the database
+//! acknowledges them, so an acknowledged chunk always exists. Which chunks make the log
+//! is the database's word (its `log_chunks` rows); a chunk the database never
+//! acknowledged (a crash between the put and the commit) is unreferenced garbage.
 
 pub mod fs;
 
 use std::future::Future;
 
 use ql_wire::artifact::Receipt;
+use ql_wire::capability::Digest;
 use ql_wire::ids::{ArtifactId, AttemptId, ProjectId, RunId};
 
 /// Where an artifact lives.
@@ -81,4 +88,23 @@ pub trait BlobStore: Clone + Send + Sync + 'static {
 
     /// The stored content (operators read logs with it).
     fn read(&self, key: &ArtifactKey) -> impl Future<Output = Result<Option<Vec<u8>>, BlobError>> + Send;
+
+    /// Stores one live-log chunk of the artifact `key` at `offset`, durably, and returns
+    /// its SHA-256. The same bytes again are stored once.
+    fn put_chunk(
+        &self,
+        key: &ArtifactKey,
+        offset: u64,
+        bytes: &[u8],
+    ) -> impl Future<Output = Result<Digest, BlobError>> + Send;
+
+    /// The bytes of the chunk at `offset` with digest `sha256`, checked against both
+    /// `length` and the digest (a missing or altered chunk is an error).
+    fn read_chunk(
+        &self,
+        key: &ArtifactKey,
+        offset: u64,
+        length: u64,
+        sha256: &Digest,
+    ) -> impl Future<Output = Result<Vec<u8>, BlobError>> + Send;
 }

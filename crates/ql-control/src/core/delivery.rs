@@ -116,6 +116,8 @@ fn place(run: &Run, session: &Session, now: Millis, timings: &Timings, ids: &mut
         signal: None,
         worker_finished_at: None,
         artifact: None,
+        log_acked: 0,
+        log_sealed: false,
         end: None,
         created_at: now,
         started_at: None,

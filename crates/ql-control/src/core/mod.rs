@@ -16,6 +16,7 @@
 mod delivery;
 mod fence;
 mod finish;
+mod log;
 mod operator;
 mod session;
 mod start;
@@ -24,21 +25,24 @@ mod sweep;
 pub(crate) mod testkit;
 
 pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
+pub use log::{same_bytes, ChunkAdmitted, ChunkPlan};
 pub use operator::{CancelOutcome, Submit};
 pub use start::{EXECUTION_CANCELLED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED};
 pub use sweep::{LEASE_LOST, OFFER_EXPIRED};
 
 use ql_wire::ack::{AckReply, Running, StartFailure};
 use ql_wire::artifact::{ArtifactHeader, Receipt};
+use ql_wire::capability::Digest;
 use ql_wire::completion::{Completion, CompletionReply};
 use ql_wire::ids::{ArtifactId, AttemptId, EventId, OfferId, ProjectId, RunId, SessionId, WorkerId};
 use ql_wire::lease::Renewed;
+use ql_wire::log::{LogAppendReply, LogChunkHeader, Seal};
 use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
 use ql_wire::route::AttemptPath;
 use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened};
 use ql_wire::{ErrorCode, Fence};
 
-use crate::model::{Attempt, Event, Lease, Millis, Offer, Run, Session};
+use crate::model::{Attempt, Event, Lease, LogChunk, Millis, Offer, Run, Session};
 
 /// Durations the authority hands out. Every one is configurable so tests run short.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +84,12 @@ pub enum Command {
     Renew(AttemptPath, Fence),
     /// The fence check before an artifact's content is read.
     AdmitArtifact(AttemptPath, ArtifactId, ArtifactHeader),
+    /// The checks before a live-log chunk's content is read.
+    AdmitLogChunk(AttemptPath, LogChunkHeader),
+    /// A live-log chunk whose content (with this digest) is durable in the artifact store.
+    AppendLog(AttemptPath, LogChunkHeader, Digest),
+    /// Seal the live log into the artifact.
+    SealLog(AttemptPath, ArtifactId, Seal),
     /// Completion, with what the artifact store holds for its receipt (inspected before
     /// the transaction, as ADR-0117 requires).
     Complete(AttemptPath, Completion, Option<Receipt>),
@@ -172,6 +182,16 @@ pub enum Reply {
     Renewed(Renewed),
     /// The artifact may be stored under this project.
     ArtifactAdmitted(ProjectId),
+    /// The live-log chunk may go on; what to do with its content.
+    ChunkAdmitted(ChunkAdmitted),
+    /// To `log:append`.
+    LogAppended(LogAppendReply),
+    /// The chunk or seal does not continue the log: `409 log_offset_conflict` with the
+    /// acknowledged length. An answer, not a refusal, because it carries that length; it
+    /// writes nothing either way.
+    LogOffsetConflict(u64),
+    /// The log is sealed: compose the artifact under this project.
+    SealAdmitted(ProjectId),
     /// To completion.
     Completed(CompletionReply),
     /// To submit.
@@ -199,6 +219,8 @@ pub enum Write {
     Lease(Lease),
     /// Append an event (never replaced).
     Event(Event),
+    /// Append an acknowledged live-log chunk (never replaced).
+    LogChunk(LogChunk),
 }
 
 /// The outcome of one command: a reply and its writes, or a refusal that writes nothing.
@@ -316,7 +338,10 @@ impl Command {
             | Self::Running(p, _)
             | Self::StartFailure(p, _)
             | Self::Renew(p, _)
-            | Self::AdmitArtifact(p, ..) => attempt(p),
+            | Self::AdmitArtifact(p, ..)
+            | Self::AdmitLogChunk(p, _)
+            | Self::AppendLog(p, ..)
+            | Self::SealLog(p, ..) => attempt(p),
             Self::Complete(p, ..) => Keys { completion_event: true, ..attempt(p) },
             Self::Submit(_) => Keys::default(),
             Self::Cancel(r) => Keys { run: Some(r.clone()), current_attempt: true, ..Keys::default() },
@@ -341,6 +366,9 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::AdmitArtifact(p, _, header) => {
             finish::admit_artifact(p, header, rows, now).unwrap_or_else(Decision::refuse)
         }
+        Command::AdmitLogChunk(p, header) => log::admit_chunk(p, header, rows, now),
+        Command::AppendLog(p, header, sha256) => log::append(p, header, sha256, rows, now),
+        Command::SealLog(p, artifact, body) => log::seal(p, artifact, body, rows, now),
         Command::Complete(p, body, stored) => {
             finish::complete(p, body, stored.as_ref(), rows, now, ids).unwrap_or_else(Decision::refuse)
         }

@@ -154,6 +154,8 @@ pub(crate) fn world(status: AttemptStatus) -> Rows {
         signal: None,
         worker_finished_at: None,
         artifact: None,
+        log_acked: 0,
+        log_sealed: false,
         end: None,
         created_at: NOW - 2_000,
         started_at: run.started_at,
@@ -239,7 +241,7 @@ pub(crate) fn applied(rows: &Rows, d: &super::Decision) -> Rows {
             super::Write::Offer(o) => next.offer = Some(o.clone()),
             super::Write::Lease(l) => next.lease = Some(l.clone()),
             super::Write::Event(e) if e.kind == super::COMPLETION_EVENT => next.completion_event = Some(e.clone()),
-            super::Write::Event(_) => {}
+            super::Write::Event(_) | super::Write::LogChunk(_) => {}
         }
     }
     next

@@ -13,7 +13,8 @@
 //! its transaction ([`Command::AdmitArtifact`]). A fence refusal is answered without
 //! reading any content. Only an admitted upload streams its content, frame by frame,
 //! through the [`FrameDecoder`] into the artifact store; memory stays bounded by one
-//! frame, whatever the artifact's size.
+//! frame, whatever the artifact's size. The live-log routes (PROTOCOL §13) are in
+//! [`super::log`]: a chunk is framed the same way and admitted the same way.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -33,14 +34,15 @@ use zeroize::Zeroizing;
 use ql_wire::ack::{Running, StartFailure};
 use ql_wire::artifact::ArtifactReply;
 use ql_wire::completion::Completion;
-use ql_wire::frame::{FrameDecoder, FrameError, Item};
+use ql_wire::frame::{Decoder, FrameDecoder, FrameError, FrameHeader, Item};
 use ql_wire::ids::{ArtifactId, SessionId, WorkerId};
+use ql_wire::log::Seal;
 use ql_wire::offer::{Claim, PollOffers};
 use ql_wire::route::{AttemptCommand, AttemptPath, Route, JSON_MEDIA_TYPE};
 use ql_wire::session::{Heartbeat, OpenSession};
 use ql_wire::{Body, ErrorBody, ErrorCode, Fence, Outcome};
 
-use super::{framing, IngressConfig, IngressStats};
+use super::{framing, log, IngressConfig, IngressStats};
 use crate::blob::{ArtifactKey, BlobStore, PutOutcome, Upload as _};
 use crate::core::{Command, Reply};
 use crate::fault::{self, Fault, Reset};
@@ -93,7 +95,7 @@ impl<S: Store, B: BlobStore> hyper::service::Service<Request<Incoming>> for Serv
 }
 
 /// A response about to be sent.
-struct Answer {
+pub(super) struct Answer {
     status: StatusCode,
     body: Vec<u8>,
     /// End the connection after this response (the request body was not read to its end).
@@ -101,18 +103,29 @@ struct Answer {
 }
 
 impl Answer {
-    fn ok<T: Body>(status: StatusCode, body: &T) -> Self {
+    pub(super) fn ok<T: Body>(status: StatusCode, body: &T) -> Self {
         Self { status, body: ql_wire::encode(body), close: false }
     }
 
-    fn refuse(code: ErrorCode) -> Self {
+    pub(super) fn refuse(code: ErrorCode) -> Self {
         let status = StatusCode::from_u16(code.status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-        Self { status, body: ql_wire::encode(&ErrorBody { error: code }), close: false }
+        Self { status, body: ql_wire::encode(&ErrorBody::new(code)), close: false }
     }
 
     /// A refusal whose request body was not read to its end.
-    fn refuse_and_close(code: ErrorCode) -> Self {
+    pub(super) fn refuse_and_close(code: ErrorCode) -> Self {
         Self { close: true, ..Self::refuse(code) }
+    }
+
+    /// `409 log_offset_conflict` with the acknowledged length.
+    pub(super) fn log_conflict(acked: u64) -> Self {
+        let body = ErrorBody { error: ErrorCode::LogOffsetConflict, acked: Some(acked) };
+        Self { status: StatusCode::CONFLICT, body: ql_wire::encode(&body), close: false }
+    }
+
+    /// The same, when the request body was not read to its end.
+    pub(super) fn closing(self) -> Self {
+        Self { close: true, ..self }
     }
 
     fn into_response(self) -> Response<Full<Bytes>> {
@@ -169,16 +182,17 @@ async fn handle<S: Store, B: BlobStore>(
     let fault = fault::on_request(route.name());
     match route {
         Route::Artifact(path, artifact) => put_artifact(shared, path, artifact, length, body, (fault, reset)).await,
+        Route::LogAppend(path) => log::append(shared, path, length, body, (fault, reset)).await,
         route => json_route(shared, route, length, body, (fault, reset)).await,
     }
 }
 
 /// The fault to inject into one request and the handle to reset its connection (test
 /// builds only; see [`crate::fault`]: without the feature, there is never a fault).
-type Injected<'a> = (Option<Fault>, &'a Reset);
+pub(super) type Injected<'a> = (Option<Fault>, &'a Reset);
 
 /// Acts out a fault that strikes after the command ran: its transaction has committed.
-async fn after_commit((fault, reset): Injected<'_>) {
+pub(super) async fn after_commit((fault, reset): Injected<'_>) {
     match fault {
         Some(Fault::Drop) => reset.fire().await,
         Some(Fault::Crash) => fault::crash(),
@@ -198,7 +212,7 @@ async fn audit_refusal<S: Store, B>(shared: &Shared<S, B>, principal: Option<Wor
 
 /// The next non-empty data frame, `None` at the end of the body. A stalled or broken body
 /// is `invalid_request`: it cannot be the exact body the headers declared.
-async fn next_data(body: &mut Incoming, idle: Duration) -> Result<Option<Bytes>, ErrorCode> {
+pub(super) async fn next_data(body: &mut Incoming, idle: Duration) -> Result<Option<Bytes>, ErrorCode> {
     loop {
         match timeout(idle, body.frame()).await {
             Err(_) | Ok(Some(Err(_))) => return Err(ErrorCode::InvalidRequest),
@@ -279,14 +293,15 @@ async fn json_command<S: Store, B: BlobStore>(
         Route::Attempt(path, AttemptCommand::Completion) => {
             return Ok(complete(shared, path, decode::<Completion>(bytes)?).await);
         }
+        Route::Seal(path, artifact) => return Ok(log::seal(shared, path, artifact, decode::<Seal>(bytes)?).await),
         // Dispatched before the body is read; never reaches here.
-        Route::Artifact(..) => return Err(Answer::refuse(ErrorCode::NotFound)),
+        Route::Artifact(..) | Route::LogAppend(_) => return Err(Answer::refuse(ErrorCode::NotFound)),
     };
     Ok(answer(shared.store.execute(command).await))
 }
 
 /// The wire answer to a store outcome.
-fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> Answer {
+pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> Answer {
     let reply = match result {
         Ok(Ok(reply)) => reply,
         Ok(Err(code)) => return Answer::refuse(code),
@@ -300,11 +315,16 @@ fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> Answer {
         Reply::Ack(body) => Answer::ok(StatusCode::OK, &body),
         Reply::Renewed(body) => Answer::ok(StatusCode::OK, &body),
         Reply::Completed(body) => Answer::ok(StatusCode::OK, &body),
+        Reply::LogAppended(body) => Answer::ok(StatusCode::OK, &body),
+        Reply::LogOffsetConflict(acked) => Answer::log_conflict(acked),
         // Operator and internal replies never answer a worker route; if one ever did, the
         // authority misbehaved and the worker should try again later.
-        Reply::ArtifactAdmitted(_) | Reply::Submitted(_) | Reply::Cancelled(_) | Reply::Swept(_) => {
-            Answer::refuse(ErrorCode::Unavailable)
-        }
+        Reply::ArtifactAdmitted(_)
+        | Reply::ChunkAdmitted(_)
+        | Reply::SealAdmitted(_)
+        | Reply::Submitted(_)
+        | Reply::Cancelled(_)
+        | Reply::Swept(_) => Answer::refuse(ErrorCode::Unavailable),
     }
 }
 
@@ -373,6 +393,34 @@ async fn complete<S: Store, B: BlobStore>(shared: &Shared<S, B>, path: AttemptPa
     answer(shared.store.execute(Command::Complete(path, body, stored)).await)
 }
 
+/// Reads a frame's header, and not a byte further than the data frame that carries it;
+/// returns the header and the rest of that data frame. This first poll of the body is
+/// what makes hyper send `100 Continue`.
+pub(super) async fn read_header<H: FrameHeader>(
+    decoder: &mut Decoder<H>,
+    body: &mut Incoming,
+    idle: Duration,
+) -> Result<(H, Bytes), Answer> {
+    loop {
+        let data = match next_data(body, idle).await {
+            Ok(Some(data)) => data,
+            Ok(None) | Err(_) => return Err(Answer::refuse_and_close(ErrorCode::InvalidRequest)),
+        };
+        let mut input: &[u8] = &data;
+        // The decoder consumes the slice until it completes the header (or runs out);
+        // it never yields content before the header.
+        let header = match decoder.next(&mut input) {
+            Ok(Some(Item::Header(header))) => Some(header),
+            Ok(None) => None,
+            Ok(Some(Item::Content(_))) | Err(_) => return Err(Answer::refuse_and_close(ErrorCode::InvalidRequest)),
+        };
+        if let Some(header) = header {
+            let consumed = data.len() - input.len();
+            return Ok((header, data.slice(consumed..)));
+        }
+    }
+}
+
 /// The artifact upload of ADR-0117: header, fence, then content. See the module doc.
 async fn put_artifact<S: Store, B: BlobStore>(
     shared: &Shared<S, B>,
@@ -392,25 +440,10 @@ async fn put_artifact<S: Store, B: BlobStore>(
         Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
     };
 
-    // 1. The frame header, and not a byte further than the frame that carries it. This
-    //    first poll of the body is what makes hyper send `100 Continue`.
-    let (header, mut pending) = loop {
-        let data = match next_data(&mut body, idle).await {
-            Ok(Some(data)) => data,
-            Ok(None) | Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
-        };
-        let mut input: &[u8] = &data;
-        // The decoder consumes the slice until it completes the header (or runs out);
-        // it never yields content before the header.
-        let header = match decoder.next(&mut input) {
-            Ok(Some(Item::Header(header))) => Some(header),
-            Ok(None) => None,
-            Ok(Some(Item::Content(_))) | Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
-        };
-        if let Some(header) = header {
-            let consumed = data.len() - input.len();
-            break (header, data.slice(consumed..));
-        }
+    // 1. The frame header, and not a byte further than the frame that carries it.
+    let (header, mut pending) = match read_header(&mut decoder, &mut body, idle).await {
+        Ok(found) => found,
+        Err(answer) => return answer,
     };
 
     // 2. The fence, re-checked under the store's transaction; the database is released

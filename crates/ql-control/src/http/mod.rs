@@ -22,6 +22,7 @@
 
 pub mod framing;
 mod ingress;
+mod log;
 pub mod tls;
 
 use std::future::Future;

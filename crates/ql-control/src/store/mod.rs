@@ -17,12 +17,12 @@ pub mod sqlite;
 
 use std::future::Future;
 
-use ql_wire::ids::RunId;
+use ql_wire::ids::{AttemptId, RunId};
 use ql_wire::ErrorCode;
 use tokio::sync::watch;
 
 use crate::core::{Command, Reply};
-use crate::model::{Attempt, AuditRecord, Event, Lease, Offer, Run, Session};
+use crate::model::{Attempt, AuditRecord, Event, Lease, LogChunk, Offer, Run, Session};
 
 /// The store could not reach or use its database. Maps to `503 unavailable`.
 #[derive(Debug)]
@@ -64,6 +64,8 @@ pub struct Snapshot {
     pub leases: Vec<Lease>,
     /// Events in commit order.
     pub events: Vec<Event>,
+    /// Live-log chunks by attempt and offset.
+    pub log_chunks: Vec<LogChunk>,
 }
 
 /// An authority store. Cheap to clone handles are expected (`Arc` inside).
@@ -82,6 +84,9 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// One run with its attempts, leases and events.
     fn run_detail(&self, run: &RunId) -> impl Future<Output = Result<Option<RunDetail>, StoreError>> + Send;
+
+    /// The acknowledged live-log chunks of an attempt, by offset.
+    fn log_chunks(&self, attempt: &AttemptId) -> impl Future<Output = Result<Vec<LogChunk>, StoreError>> + Send;
 
     /// Sessions, newest first, at most `limit`.
     fn sessions(&self, limit: usize) -> impl Future<Output = Result<Vec<Session>, StoreError>> + Send;

@@ -10,8 +10,8 @@ use ql_wire::lease::StopIntent;
 
 use super::columns::{Columns, Corrupt, Table, Value as V};
 use crate::model::{
-    Attempt, AttemptStatus, AuditRecord, ClaimFacts, EndKind, Event, Lease, LeaseFacts, LeaseState, Offer, OfferState,
-    Run, RunStatus, Session, SessionState,
+    Attempt, AttemptStatus, AuditRecord, ClaimFacts, EndKind, Event, Lease, LeaseFacts, LeaseState, LogChunk, Offer,
+    OfferState, Run, RunStatus, Session, SessionState,
 };
 
 /// A model type stored as one row of one table.
@@ -50,7 +50,8 @@ pub(super) const RUN_COLS: &str = "id, project, spec, labels, status, stop, retr
 pub(super) const ATTEMPT_COLS: &str = "id, run_id, number, executor_type, status, offer_id, session_id, worker, \
      lease_worker, lease_session_id, lease_session_generation, lease_offer_id, lease_generation, lease_token_digest, \
      lease_version, lease_expires_at, executor_handle, log_artifact_id, callback_sequence, callback_digest, \
-     exit_code, signal, worker_finished_at, artifact, end_kind, created_at, started_at, ended_at, error_code, summary";
+     exit_code, signal, worker_finished_at, artifact, end_kind, created_at, started_at, ended_at, error_code, summary, \
+     log_acked, log_sealed";
 /// Columns of `offers`, in select order.
 pub(super) const OFFER_COLS: &str = "id, run_id, attempt_id, worker, session_id, session_generation, state, \
      expires_at, claim_token_digest, claim_lease_generation, claim_lease_expires_at, claim_lease_ttl_ms";
@@ -59,6 +60,8 @@ pub(super) const LEASE_COLS: &str = "attempt_id, run_id, state, worker, session_
      lease_generation, token_digest, version, expires_at, ttl_ms";
 /// Columns of `events`, in select order (`seq` is storage order, not a model field).
 pub(super) const EVENT_COLS: &str = "id, run_id, attempt_id, kind, from_status, to_status, payload, at";
+/// Columns of `log_chunks`, in select order.
+pub(super) const LOG_CHUNK_COLS: &str = "attempt_id, byte_offset, length, sha256";
 /// Columns of `audit`, in select order (`seq` as for events).
 pub(super) const AUDIT_COLS: &str = "at, principal, route, outcome";
 
@@ -71,9 +74,12 @@ pub(super) const LEASES: Table = Table { name: "leases", key: Some("attempt_id")
 /// attempt, which rolls the whole command back.
 pub(super) const EVENTS: Table = Table { name: "events", key: None, cols: EVENT_COLS };
 pub(super) const AUDIT: Table = Table { name: "audit", key: None, cols: AUDIT_COLS };
+/// Never upserted: a chunk, once acknowledged, is never replaced (the primary key
+/// refuses a second one at the same offset).
+pub(super) const LOG_CHUNKS: Table = Table { name: "log_chunks", key: None, cols: LOG_CHUNK_COLS };
 
 /// Every table a model type is stored in.
-pub(super) const TABLES: [&Table; 7] = [&SESSIONS, &RUNS, &ATTEMPTS, &OFFERS, &LEASES, &EVENTS, &AUDIT];
+pub(super) const TABLES: [&Table; 8] = [&SESSIONS, &RUNS, &ATTEMPTS, &OFFERS, &LEASES, &EVENTS, &AUDIT, &LOG_CHUNKS];
 
 impl Stored for Session {
     const TABLE: &'static Table = &SESSIONS;
@@ -204,6 +210,8 @@ impl Stored for Attempt {
             ended_at: c.opt_int("ended_at")?,
             error_code: c.opt_text("error_code")?,
             summary: c.opt_text("summary")?,
+            log_acked: c.num("log_acked")?,
+            log_sealed: c.int("log_sealed")? != 0,
         })
     }
 
@@ -240,6 +248,30 @@ impl Stored for Attempt {
             V::opt_int(self.ended_at),
             V::opt_text(self.error_code.as_deref()),
             V::opt_text(self.summary.as_deref()),
+            V::big(self.log_acked)?,
+            V::int(i64::from(self.log_sealed)),
+        ])
+    }
+}
+
+impl Stored for LogChunk {
+    const TABLE: &'static Table = &LOG_CHUNKS;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(LogChunk {
+            attempt: c.valid("attempt_id")?,
+            offset: c.num("byte_offset")?,
+            length: c.num("length")?,
+            sha256: c.valid("sha256")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::text(self.attempt.as_str()),
+            V::big(self.offset)?,
+            V::big(self.length)?,
+            V::text(self.sha256.as_str()),
         ])
     }
 }
@@ -392,8 +424,16 @@ mod tests {
     /// missing, or a key not first, would fail only at its first write.
     #[test]
     fn every_stored_table_is_listed_with_unique_columns_and_its_key_first() {
-        let stored =
-            [Session::TABLE, Run::TABLE, Attempt::TABLE, Offer::TABLE, Lease::TABLE, Event::TABLE, AuditRecord::TABLE];
+        let stored = [
+            Session::TABLE,
+            Run::TABLE,
+            Attempt::TABLE,
+            Offer::TABLE,
+            Lease::TABLE,
+            Event::TABLE,
+            AuditRecord::TABLE,
+            LogChunk::TABLE,
+        ];
         assert_eq!(stored.len(), TABLES.len());
         for t in stored {
             assert!(TABLES.iter().any(|l| l.name == t.name), "{} is not in TABLES", t.name);

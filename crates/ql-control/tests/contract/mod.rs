@@ -137,6 +137,7 @@ pub fn assert_unchanged(before: &Snapshot, after: &Snapshot, what: &str) {
     assert_eq!(before.offers, after.offers, "{what}: offers changed");
     assert_eq!(before.leases, after.leases, "{what}: leases changed");
     assert_eq!(before.events, after.events, "{what}: events changed");
+    assert_eq!(before.log_chunks, after.log_chunks, "{what}: log chunks changed");
 }
 
 pub fn worker(name: &str) -> WorkerId {
@@ -456,6 +457,17 @@ pub fn check_invariants(snap: &Snapshot) {
             );
         }
     }
+
+    // An attempt's live-log chunks tile exactly what it acknowledged, from offset 0.
+    for attempt in &snap.attempts {
+        let mut at = 0;
+        for chunk in snap.log_chunks.iter().filter(|c| c.attempt == attempt.id) {
+            assert_eq!(chunk.offset, at, "attempt {}: a gap or an overlap at {at}", attempt.id);
+            at += chunk.length;
+        }
+        assert_eq!(at, attempt.log_acked, "attempt {}: chunks end at {at}", attempt.id);
+    }
+    assert!(snap.log_chunks.iter().all(|c| attempts.contains_key(&c.attempt)), "a chunk of no attempt");
 
     for run in &snap.runs {
         // A run's current attempt exists and belongs to it; at most one attempt is active.

@@ -183,6 +183,90 @@ pub async fn artifacts_are_admitted_and_completions_match_their_receipt<B: Backe
     check_invariants(&store.snapshot().await.unwrap());
 }
 
+// ------------------------------------------------------------------------- live log
+
+/// `log:append` and the seal (PROTOCOL §13): only while running, at exactly the
+/// acknowledged offset; repeats are compared, gaps and overlaps answered with the
+/// acknowledged length, the log limit and the seal hold, and every refusal changes
+/// nothing.
+pub async fn the_live_log_appends_at_the_acknowledged_offset_then_seals<B: Backend>(b: B) {
+    use ql_control::core::{ChunkAdmitted, ChunkPlan};
+    use ql_wire::log::{LogAppendReply, LogChunkHeader, LogChunkSchema, Seal};
+
+    let store = b.store();
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    let log = ArtifactId::parse("log").unwrap();
+    let header = |h: &Held, offset, len| LogChunkHeader::new(h.fence(), LogChunkSchema, log.clone(), offset, len);
+    let admit = |h: &Held, offset, len| Command::AdmitLogChunk(h.path.clone(), header(h, offset, len));
+    let append = |h: &Held, offset, len, bytes: &[u8]| {
+        Command::AppendLog(h.path.clone(), header(h, offset, len), Digest::of(bytes))
+    };
+    let admitted = |plan, acked| Reply::ChunkAdmitted(ChunkAdmitted { project: project(), plan, acked });
+
+    refused(&store, admit(&h, 0, 5), ErrorCode::StateConflict, "a chunk before starting").await;
+    to_starting(&store, &h).await;
+    refused(&store, admit(&h, 0, 5), ErrorCode::StateConflict, "a chunk before running").await;
+    let running = Running::new(h.fence(), Held::handle(), Some(log.clone()), Counter::ONE, h.callback_token.digest());
+    assert_eq!(exec(&store, Command::Running(h.path.clone(), running)).await, Ok(ack(Outcome::Running)));
+
+    replayed(&store, admit(&h, 0, 5), admitted(ChunkPlan::Append, 0), "admission writes nothing").await;
+    let first = Reply::LogAppended(LogAppendReply { result: Outcome::Appended, acked: 5 });
+    assert_eq!(exec(&store, append(&h, 0, 5, b"hello")).await, Ok(first));
+    let second = Reply::LogAppended(LogAppendReply { result: Outcome::Appended, acked: 11 });
+    assert_eq!(exec(&store, append(&h, 5, 6, b" world")).await, Ok(second));
+    let chunks = store.log_chunks(h.attempt()).await.unwrap();
+    assert_eq!(chunks.iter().map(|c| (c.offset, c.length)).collect::<Vec<_>>(), [(0, 5), (5, 6)]);
+    assert_eq!(chunks[1].sha256, Digest::of(b" world"));
+    assert_eq!(detail(&store, h.run()).await.attempts[0].log_acked, 11);
+
+    // A repeat lies within what is acknowledged: its bytes are compared by the caller.
+    replayed(&store, admit(&h, 0, 5), admitted(ChunkPlan::Replay, 11), "a repeated chunk").await;
+    replayed(&store, admit(&h, 3, 8), admitted(ChunkPlan::Replay, 11), "a repeat across chunks").await;
+    // Everything else that is not the acknowledged offset: the length, and no change.
+    for (offset, len, what) in [(12, 1, "a gap"), (9, 5, "an overlap past the end"), (0, 12, "a longer repeat")] {
+        replayed(&store, admit(&h, offset, len), Reply::LogOffsetConflict(11), what).await;
+    }
+    // A chunk that was admitted, but the log moved on before it was appended.
+    replayed(&store, append(&h, 5, 6, b" world"), Reply::LogOffsetConflict(11), "append behind the log").await;
+
+    // Fence, artifact and limit refusals.
+    let stale = Command::AdmitLogChunk(
+        h.path.clone(),
+        LogChunkHeader::new(h.fence_at(Counter::new(9).unwrap()), LogChunkSchema, log.clone(), 11, 1),
+    );
+    refused(&store, stale, ErrorCode::LeaseConflict, "a chunk at a stale lease version").await;
+    let other = Command::AdmitLogChunk(
+        h.path.clone(),
+        LogChunkHeader::new(h.fence(), LogChunkSchema, ArtifactId::parse("other").unwrap(), 11, 1),
+    );
+    refused(&store, other, ErrorCode::ArtifactConflict, "a chunk of an undeclared artifact").await;
+    let limit = spec(LONG_TIMEOUT_MS).log_limit_bytes;
+    refused(&store, admit(&h, 11, limit - 10), ErrorCode::PayloadTooLarge, "a chunk past the log limit").await;
+    refused(&store, append(&h, 11, limit - 10, b"x"), ErrorCode::PayloadTooLarge, "an append past the limit").await;
+
+    // The seal: exactly the acknowledged length, once; no chunk after it.
+    let seal = |len| Command::SealLog(h.path.clone(), log.clone(), Seal::new(h.fence(), len, false));
+    replayed(&store, seal(10), Reply::LogOffsetConflict(11), "a seal short of the log").await;
+    replayed(&store, seal(12), Reply::LogOffsetConflict(11), "a seal past the log").await;
+    let other_seal =
+        Command::SealLog(h.path.clone(), ArtifactId::parse("other").unwrap(), Seal::new(h.fence(), 11, false));
+    refused(&store, other_seal, ErrorCode::ArtifactConflict, "a seal of an undeclared artifact").await;
+    assert_eq!(exec(&store, seal(11)).await, Ok(Reply::SealAdmitted(project())));
+    assert!(detail(&store, h.run()).await.attempts[0].log_sealed);
+    replayed(&store, seal(11), Reply::SealAdmitted(project()), "a repeated seal").await;
+    refused(&store, admit(&h, 11, 1), ErrorCode::StateConflict, "a chunk after the seal").await;
+    refused(&store, append(&h, 11, 1, b"!"), ErrorCode::StateConflict, "an append after the seal").await;
+
+    let receipt =
+        Receipt { artifact_id: log.clone(), length: 11, sha256: Digest::of(b"hello world"), truncated: false };
+    let body = h.completion_body(h.fence(), Some(0), Some(receipt.clone()));
+    let done = Command::Complete(h.path.clone(), body, Some(receipt));
+    assert_eq!(exec(&store, done).await, Ok(completed(Outcome::Completed, TerminalStatus::Succeeded)));
+    refused(&store, admit(&h, 11, 1), ErrorCode::AlreadyTerminal, "a chunk after completion").await;
+    refused(&store, seal(11), ErrorCode::AlreadyTerminal, "a seal after completion").await;
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
 // --------------------------------------------------------------------- start failure
 
 /// start-failure ends attempt and run, and its replay at the original expected version

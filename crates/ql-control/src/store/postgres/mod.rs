@@ -60,13 +60,15 @@ use tokio::sync::watch;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Config, Row};
 
-use ql_wire::ids::RunId;
+use ql_wire::ids::{AttemptId, RunId};
 use ql_wire::ErrorCode;
 
-use super::records::{ATTEMPTS, AUDIT_COLS, EVENTS, EVENT_COLS, LEASES, OFFERS, RUNS, SESSIONS};
+use super::records::{
+    ATTEMPTS, AUDIT_COLS, EVENTS, EVENT_COLS, LEASES, LOG_CHUNKS, LOG_CHUNK_COLS, OFFERS, RUNS, SESSIONS,
+};
 use super::{RunDetail, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
-use crate::model::{AuditRecord, Run, Session};
+use crate::model::{AuditRecord, LogChunk, Run, Session};
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
 
@@ -414,6 +416,7 @@ impl<'a> Loaded<'a> {
             Write::Lease(x) => (&LEASES, self.leases.contains(x.attempt.as_str())),
             // History is only ever appended.
             Write::Event(_) => (&EVENTS, false),
+            Write::LogChunk(_) => (&LOG_CHUNKS, false),
         };
         if known {
             (rows::update(table), true)
@@ -432,6 +435,7 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
         Write::Offer(o) => rows::params(o),
         Write::Lease(l) => rows::params(l),
         Write::Event(e) => rows::params(e),
+        Write::LogChunk(c) => rows::params(c),
     }
 }
 
@@ -583,6 +587,14 @@ impl Store for PgStore {
         Ok(Some(RunDetail { run, attempts, leases, events }))
     }
 
+    async fn log_chunks(&self, attempt: &AttemptId) -> Result<Vec<LogChunk>, StoreError> {
+        let sql = format!("SELECT {LOG_CHUNK_COLS} FROM log_chunks WHERE attempt_id = $1 ORDER BY byte_offset");
+        let mut conn = self.reading().await?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&attempt.as_str()]).await?, rows::read)?;
+        Self::done(conn).await?;
+        Ok(found)
+    }
+
     async fn sessions(&self, n: usize) -> Result<Vec<Session>, StoreError> {
         let sql = format!("SELECT {} FROM sessions ORDER BY created_at DESC, id DESC LIMIT $1", *SESSION_COLS);
         let mut conn = self.reading().await?;
@@ -602,6 +614,10 @@ impl Store for PgStore {
             offers: map_all(tx.all(&q("offers", &OFFER_COLS, "id"), &[]).await?, rows::read)?,
             leases: map_all(tx.all(&q("leases", &LEASE_COLS, "attempt_id"), &[]).await?, rows::read)?,
             events: map_all(tx.all(&q("events", EVENT_COLS, "seq"), &[]).await?, rows::read)?,
+            log_chunks: map_all(
+                tx.all(&q("log_chunks", LOG_CHUNK_COLS, "attempt_id, byte_offset"), &[]).await?,
+                rows::read,
+            )?,
         };
         Self::done(conn).await?;
         Ok(snap)

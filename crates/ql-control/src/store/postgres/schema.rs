@@ -12,7 +12,10 @@ use tokio_postgres::{Client, GenericClient};
 use super::Error;
 
 /// Migrations in order; entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[include_str!("../../../migrations/postgres/0001_init.sql")];
+const MIGRATIONS: &[&str] = &[
+    include_str!("../../../migrations/postgres/0001_init.sql"),
+    include_str!("../../../migrations/postgres/0002_live_log.sql"),
+];
 
 /// The schema version this build reads and writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;

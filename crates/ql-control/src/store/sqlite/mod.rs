@@ -56,13 +56,15 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 use tokio::sync::{oneshot, watch};
 
-use ql_wire::ids::RunId;
+use ql_wire::ids::{AttemptId, RunId};
 use ql_wire::ErrorCode;
 
-use super::records::{ATTEMPT_COLS, AUDIT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+use super::records::{
+    ATTEMPT_COLS, AUDIT_COLS, EVENT_COLS, LEASE_COLS, LOG_CHUNK_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS,
+};
 use super::{RunDetail, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
-use crate::model::{AuditRecord, Run, Session};
+use crate::model::{AuditRecord, LogChunk, Run, Session};
 
 pub use schema::SCHEMA_VERSION;
 
@@ -339,6 +341,7 @@ fn apply(conn: &Connection, write: &Write) -> rusqlite::Result<()> {
         Write::Offer(o) => rows::write(conn, o),
         Write::Lease(l) => rows::write(conn, l),
         Write::Event(e) => rows::write(conn, e),
+        Write::LogChunk(c) => rows::write(conn, c),
     }
 }
 
@@ -356,7 +359,7 @@ fn limit(n: usize) -> i64 {
 }
 
 fn snapshot(tx: &Connection) -> rusqlite::Result<Snapshot> {
-    // Inside the batch's transaction: the six tables as of one state.
+    // Inside the batch's transaction: the seven tables as of one state.
     let snap = Snapshot {
         sessions: all(tx, &format!("SELECT {SESSION_COLS} FROM sessions ORDER BY id"), [], rows::read)?,
         runs: all(tx, &format!("SELECT {RUN_COLS} FROM runs ORDER BY id"), [], rows::read)?,
@@ -364,6 +367,12 @@ fn snapshot(tx: &Connection) -> rusqlite::Result<Snapshot> {
         offers: all(tx, &format!("SELECT {OFFER_COLS} FROM offers ORDER BY id"), [], rows::read)?,
         leases: all(tx, &format!("SELECT {LEASE_COLS} FROM leases ORDER BY attempt_id"), [], rows::read)?,
         events: all(tx, &format!("SELECT {EVENT_COLS} FROM events ORDER BY seq"), [], rows::read)?,
+        log_chunks: all(
+            tx,
+            &format!("SELECT {LOG_CHUNK_COLS} FROM log_chunks ORDER BY attempt_id, byte_offset"),
+            [],
+            rows::read,
+        )?,
     };
     Ok(snap)
 }
@@ -420,6 +429,15 @@ impl Store for SqliteStore {
     async fn run_detail(&self, run: &RunId) -> Result<Option<RunDetail>, StoreError> {
         let run = run.clone();
         self.call(move |w| run_detail(&w.conn, &run).map_err(sql)).await
+    }
+
+    async fn log_chunks(&self, attempt: &AttemptId) -> Result<Vec<LogChunk>, StoreError> {
+        let attempt = attempt.clone();
+        self.call(move |w| {
+            let q = format!("SELECT {LOG_CHUNK_COLS} FROM log_chunks WHERE attempt_id = ?1 ORDER BY byte_offset");
+            all(&w.conn, &q, [attempt.as_str()], rows::read).map_err(sql)
+        })
+        .await
     }
 
     async fn sessions(&self, n: usize) -> Result<Vec<Session>, StoreError> {

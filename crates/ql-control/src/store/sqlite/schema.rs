@@ -16,6 +16,7 @@ use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0001_init.sql"),
     include_str!("../../../migrations/sqlite/0002_fk_indexes.sql"),
+    include_str!("../../../migrations/sqlite/0003_live_log.sql"),
 ];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.

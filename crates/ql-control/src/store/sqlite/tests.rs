@@ -140,6 +140,8 @@ fn full_attempt() -> Attempt {
             sha256: digest(3),
             truncated: true,
         }),
+        log_acked: 12,
+        log_sealed: true,
         end: Some(EndKind::Completion),
         created_at: 1_100,
         started_at: Some(1_500),

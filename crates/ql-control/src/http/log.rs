@@ -1,0 +1,199 @@
+//! The live-log routes of PROTOCOL §13: `log:append` and `artifacts/{id}:seal`.
+//!
+//! A chunk is read like an artifact: the frame header first, then the fence and the
+//! offset are checked in the store's transaction ([`Command::AdmitLogChunk`]) before any
+//! content byte is read, so a refusal or an offset conflict costs the sender no upload.
+//! An admitted chunk (at most 256 KiB) is read whole, put into the artifact store — the
+//! storage every replica sees — and only then acknowledged in the database
+//! ([`Command::AppendLog`]), so an acknowledged byte is always durable. A chunk that
+//! repeats acknowledged bytes is compared with them and answered `already_appended`,
+//! changing nothing.
+//!
+//! The seal marks the log sealed in the database first ([`Command::SealLog`]: no chunk is
+//! accepted after it), then composes the artifact from the acknowledged chunks through
+//! the same put-if-absent upload a `PUT` uses, so it answers exactly as the `PUT` does; a
+//! repeated seal composes the same bytes again and is `already_stored`.
+
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper::StatusCode;
+
+use ql_wire::artifact::ArtifactReply;
+use ql_wire::frame::{FrameError, Item, LogChunkDecoder};
+use ql_wire::ids::{ArtifactId, ProjectId};
+use ql_wire::log::{LogAppendReply, LogChunkHeader, Seal};
+use ql_wire::route::AttemptPath;
+use ql_wire::{ErrorCode, Outcome};
+
+use super::ingress::{after_commit, answer, next_data, read_header, Answer, Injected, Shared};
+use crate::blob::{ArtifactKey, BlobStore, PutOutcome, Upload as _};
+use crate::core::{same_bytes, ChunkPlan, Command, Reply};
+use crate::fault::Fault;
+use crate::model::LogChunk;
+use crate::store::Store;
+
+/// `log:append`. See the module doc.
+pub(super) async fn append<S: Store, B: BlobStore>(
+    shared: &Shared<S, B>,
+    path: AttemptPath,
+    length: u64,
+    mut body: Incoming,
+    injected: Injected<'_>,
+) -> Answer {
+    if injected.0 == Some(Fault::Refuse) {
+        return Answer::refuse_and_close(ErrorCode::Unavailable);
+    }
+    let idle = shared.cfg.body_idle_timeout;
+    let mut decoder = match LogChunkDecoder::new(length) {
+        Ok(decoder) => decoder,
+        Err(FrameError::TooLarge { .. }) => return Answer::refuse_and_close(ErrorCode::PayloadTooLarge),
+        Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
+    };
+    let (header, pending) = match read_header(&mut decoder, &mut body, idle).await {
+        Ok(found) => found,
+        Err(answer) => return answer,
+    };
+    let admitted = shared.store.execute(Command::AdmitLogChunk(path.clone(), header.clone())).await;
+    let admitted = match admitted {
+        Ok(Ok(Reply::ChunkAdmitted(admitted))) => admitted,
+        Ok(Ok(Reply::LogOffsetConflict(acked))) => return Answer::log_conflict(acked).closing(),
+        Ok(Err(code)) => return Answer::refuse_and_close(code),
+        Ok(Ok(_)) | Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
+    };
+    let content = match read_content(&mut decoder, &mut body, pending, &header, injected, idle).await {
+        Ok(content) => content,
+        Err(answer) => return answer,
+    };
+    let key = key(admitted.project, &path, header.artifact_id.clone());
+    // The body was read to its end: the connection stays usable whatever the outcome.
+    if admitted.plan == ChunkPlan::Replay {
+        return match acknowledged_equals(shared, &key, &header, &content).await {
+            Ok(true) => {
+                Answer::ok(StatusCode::OK, &LogAppendReply { result: Outcome::AlreadyAppended, acked: admitted.acked })
+            }
+            Ok(false) => Answer::log_conflict(admitted.acked),
+            Err(()) => Answer::refuse(ErrorCode::Unavailable),
+        };
+    }
+    let sha256 = match shared.blobs.put_chunk(&key, header.offset, &content).await {
+        Ok(sha256) => sha256,
+        Err(_) => return Answer::refuse(ErrorCode::Unavailable),
+    };
+    let result = shared.store.execute(Command::AppendLog(path, header, sha256)).await;
+    after_commit(injected).await;
+    answer(result)
+}
+
+/// The chunk's content, whole. A `reset` fault strikes halfway through it.
+async fn read_content(
+    decoder: &mut LogChunkDecoder,
+    body: &mut Incoming,
+    mut pending: Bytes,
+    header: &LogChunkHeader,
+    injected: Injected<'_>,
+    idle: std::time::Duration,
+) -> Result<Vec<u8>, Answer> {
+    let declared = header.content_length as usize;
+    let mut content = Vec::with_capacity(declared);
+    loop {
+        let mut input: &[u8] = &pending;
+        loop {
+            match decoder.next(&mut input) {
+                Ok(Some(Item::Content(bytes))) => {
+                    content.extend_from_slice(bytes);
+                    if injected.0 == Some(Fault::Reset) && content.len() >= declared.div_ceil(2) {
+                        injected.1.fire().await;
+                    }
+                }
+                Ok(None) => break,
+                Ok(Some(Item::Header(_))) | Err(_) => return Err(Answer::refuse_and_close(ErrorCode::InvalidRequest)),
+            }
+        }
+        pending = match next_data(body, idle).await {
+            Ok(Some(data)) => data,
+            Ok(None) => break,
+            Err(code) => return Err(Answer::refuse_and_close(code)),
+        };
+    }
+    if decoder.finish().is_err() {
+        return Err(Answer::refuse_and_close(ErrorCode::InvalidRequest));
+    }
+    Ok(content)
+}
+
+fn key(project: ProjectId, path: &AttemptPath, artifact: ArtifactId) -> ArtifactKey {
+    ArtifactKey { project, run: path.run.clone(), attempt: path.attempt.clone(), artifact }
+}
+
+/// Whether a repeated chunk equals the acknowledged bytes it covers. `Err` when the
+/// stores could not tell.
+async fn acknowledged_equals<S: Store, B: BlobStore>(
+    shared: &Shared<S, B>,
+    key: &ArtifactKey,
+    header: &LogChunkHeader,
+    content: &[u8],
+) -> Result<bool, ()> {
+    let chunks = shared.store.log_chunks(&key.attempt).await.map_err(|_| ())?;
+    let mut stored = Vec::new();
+    for chunk in chunks.into_iter().filter(|c| c.offset < header.end() && c.offset + c.length > header.offset) {
+        let bytes = shared.blobs.read_chunk(key, chunk.offset, chunk.length, &chunk.sha256).await.map_err(|_| ())?;
+        stored.push((chunk, bytes));
+    }
+    Ok(same_bytes(header.offset, content, &stored))
+}
+
+/// `artifacts/{id}:seal`. See the module doc.
+pub(super) async fn seal<S: Store, B: BlobStore>(
+    shared: &Shared<S, B>,
+    path: AttemptPath,
+    artifact: ArtifactId,
+    body: Seal,
+) -> Answer {
+    let (length, truncated) = (body.content_length, body.truncated);
+    let project = match shared.store.execute(Command::SealLog(path.clone(), artifact.clone(), body)).await {
+        Ok(Ok(Reply::SealAdmitted(project))) => project,
+        other => return answer(other),
+    };
+    let key = key(project, &path, artifact);
+    let chunks = match shared.store.log_chunks(&path.attempt).await {
+        Ok(chunks) => chunks,
+        Err(_) => return Answer::refuse(ErrorCode::Unavailable),
+    };
+    match compose(&shared.blobs, &key, &chunks, length, truncated).await {
+        Ok(PutOutcome::Stored(receipt)) => {
+            Answer::ok(StatusCode::OK, &ArtifactReply { result: Outcome::Stored, receipt })
+        }
+        Ok(PutOutcome::AlreadyStored(receipt)) => {
+            Answer::ok(StatusCode::OK, &ArtifactReply { result: Outcome::AlreadyStored, receipt })
+        }
+        Ok(PutOutcome::Conflict) => Answer::refuse(ErrorCode::ArtifactConflict),
+        Err(()) => Answer::refuse(ErrorCode::Unavailable),
+    }
+}
+
+/// Streams the acknowledged chunks, in order, into one put-if-absent upload of `length`
+/// bytes. Chunks that do not tile `0..length` exactly are a corrupt store: refused.
+async fn compose<B: BlobStore>(
+    blobs: &B,
+    key: &ArtifactKey,
+    chunks: &[LogChunk],
+    length: u64,
+    truncated: bool,
+) -> Result<PutOutcome, ()> {
+    let mut at = 0;
+    for chunk in chunks {
+        if chunk.offset != at {
+            return Err(());
+        }
+        at += chunk.length;
+    }
+    if at != length {
+        return Err(());
+    }
+    let mut upload = blobs.begin(key, length, truncated).await.map_err(|_| ())?;
+    for chunk in chunks {
+        let bytes = blobs.read_chunk(key, chunk.offset, chunk.length, &chunk.sha256).await.map_err(|_| ())?;
+        upload.write(&bytes).await.map_err(|_| ())?;
+    }
+    upload.finish().await.map_err(|_| ())
+}
