@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ql_wire::artifact::ArtifactReply;
-use ql_wire::route::{Route, ARTIFACT_MEDIA_TYPE, JSON_MEDIA_TYPE};
+use ql_wire::log::LogAppendReply;
+use ql_wire::route::{Route, JSON_MEDIA_TYPE};
 use ql_wire::time::Timestamp;
 use ql_wire::{decode, encode, Body, ErrorBody, ErrorCode};
 use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig, TlsProvider};
@@ -110,6 +111,8 @@ pub(crate) enum CallError {
         code: ErrorCode,
         /// `Retry-After`, when the server sent one.
         retry_after: Option<Duration>,
+        /// The acknowledged length of the live log, with `log_offset_conflict`.
+        acked: Option<u64>,
     },
     /// The call did not complete: connection, TLS or timeout. Safe to repeat.
     Transport(String),
@@ -263,15 +266,44 @@ impl Client {
         content: &mut dyn Read,
         content_len: u64,
     ) -> Result<ArtifactReply, CallError> {
+        self.send_frame(route, prefix, content, content_len, self.timeouts.upload)
+    }
+
+    /// Sends one live-log chunk (PROTOCOL §13) within `within`: the frame prefix, then
+    /// `content_len` bytes from `content`.
+    pub(crate) fn append(
+        &self,
+        route: &Route,
+        prefix: &[u8],
+        content: &mut dyn Read,
+        content_len: u64,
+        within: Duration,
+    ) -> Result<LogAppendReply, CallError> {
+        self.send_frame(route, prefix, content, content_len, within)
+    }
+
+    /// A framed body with an exact length and `Expect: 100-continue`, so a refusal of the
+    /// header arrives before the content is sent.
+    fn send_frame<Resp: Body>(
+        &self,
+        route: &Route,
+        prefix: &[u8],
+        content: &mut dyn Read,
+        content_len: u64,
+        within: Duration,
+    ) -> Result<Resp, CallError> {
         let total = prefix.len() as u64 + content_len;
         let mut reader = std::io::Cursor::new(prefix).chain(content.take(content_len));
-        let response = self
-            .agent
-            .put(format!("{}{}", self.base, route.path()))
+        let url = format!("{}{}", self.base, route.path());
+        let request = match route.method() {
+            "PUT" => self.agent.put(url),
+            _ => self.agent.post(url),
+        };
+        let response = request
             .config()
-            .timeout_global(Some(self.timeouts.upload))
+            .timeout_global(Some(within))
             .build()
-            .header("Content-Type", ARTIFACT_MEDIA_TYPE)
+            .header("Content-Type", route.media_type())
             .header("Content-Length", total.to_string())
             .header("Expect", "100-continue")
             .send(ureq::SendBody::from_reader(&mut reader));
@@ -279,7 +311,7 @@ impl Client {
         if response.is_ok() {
             crate::fault::answered(route);
         }
-        answer(response, ArtifactReply::CAP)
+        answer(response, Resp::CAP)
     }
 }
 
@@ -351,8 +383,10 @@ fn answer<Resp: Body>(
         return decode::<Resp>(&bytes).map_err(|e| CallError::Protocol(format!("answer to a {status}: {e}")));
     }
     match decode::<ErrorBody>(&bytes) {
-        Ok(ErrorBody { error, .. }) => Err(CallError::Refused { status, code: error, retry_after: after }),
-        Err(_) if status >= 500 => Err(CallError::Refused { status, code: ErrorCode::Unavailable, retry_after: after }),
+        Ok(ErrorBody { error, acked }) => Err(CallError::Refused { status, code: error, retry_after: after, acked }),
+        Err(_) if status >= 500 => {
+            Err(CallError::Refused { status, code: ErrorCode::Unavailable, retry_after: after, acked: None })
+        }
         Err(e) => Err(CallError::Protocol(format!("status {status} without an error code: {e}"))),
     }
 }

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ql_wire::ids::WorkerId;
-use ql_wire::limits::{CAPACITY_MAX, LABELS_MAX, POLL_WAIT_MAX_MS};
+use ql_wire::limits::{CAPACITY_MAX, LABELS_MAX, LOG_CHUNK_MAX, LOG_LIMIT_MAX, POLL_WAIT_MAX_MS};
 use ql_wire::text::{LabelKey, LabelValue};
 
 use crate::log::Level;
@@ -55,12 +55,26 @@ pub(crate) const SETTINGS: &[(&str, Option<&str>, &str)] = &[
     ("busy_poll_wait_ms", Some("1000"), "long-poll wait while jobs run (the agent is single-threaded), 0..=30000"),
     ("connect_timeout_ms", Some("10000"), "TCP connect plus TLS handshake"),
     ("call_timeout_ms", Some("15000"), "a whole call; a long-poll gets its wait on top"),
-    ("upload_timeout_ms", Some("600000"), "a whole log upload"),
+    (
+        "upload_timeout_ms",
+        Some("600000"),
+        "a whole log upload in one frame (only a job that ends before its `running` ACK)",
+    ),
+    ("log_flush_bytes", Some("65536"), "while a job runs, send its log once this many bytes wait, 1..=67108864"),
+    ("log_flush_ms", Some("1000"), "while a job runs, send what waits of its log at least this often"),
+    (
+        "log_chunk_bytes",
+        Some("262144"),
+        "largest log chunk, 4096..=262144 (smaller on a slow uplink: the agent adapts)",
+    ),
     ("backoff_initial_ms", Some("500"), "first wait after a failed call"),
     ("backoff_max_ms", Some("30000"), "cap of the doubling wait between failed calls"),
     ("log_level", Some("info"), "error, warn, info or debug"),
     ("lock_wait_ms", Some("120000"), "at start, how long to wait for another agent using state_dir to exit"),
 ];
+
+/// The smallest log chunk: the agent shrinks chunks on a slow uplink, never below this.
+pub(crate) const MIN_CHUNK: u64 = 4096;
 
 /// The validated settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,6 +111,12 @@ pub(crate) struct Config {
     pub(crate) call_timeout: Duration,
     /// A whole upload.
     pub(crate) upload_timeout: Duration,
+    /// Unacknowledged log bytes that make a chunk worth sending while the job runs.
+    pub(crate) log_flush_bytes: u64,
+    /// The longest a running job's waiting log bytes wait.
+    pub(crate) log_flush: Duration,
+    /// The largest chunk.
+    pub(crate) log_chunk_bytes: u64,
     /// How long to wait at start for another agent on the state directory to exit.
     pub(crate) lock_wait: Duration,
     /// First backoff.
@@ -285,6 +305,9 @@ impl Sources {
             connect_timeout: ms("connect_timeout_ms", 1, HOUR)?,
             call_timeout: ms("call_timeout_ms", 1, HOUR)?,
             upload_timeout: ms("upload_timeout_ms", 1, 24 * HOUR)?,
+            log_flush_bytes: number("log_flush_bytes", 1, LOG_LIMIT_MAX)?,
+            log_flush: ms("log_flush_ms", 1, HOUR)?,
+            log_chunk_bytes: number("log_chunk_bytes", MIN_CHUNK, LOG_CHUNK_MAX)?,
             lock_wait: ms("lock_wait_ms", 0, HOUR)?,
             backoff_initial: ms("backoff_initial_ms", 1, HOUR)?,
             backoff_max: ms("backoff_max_ms", 1, HOUR)?,

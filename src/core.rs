@@ -8,9 +8,18 @@
 //! answer was lost is repeated with exactly the same fence and body. The life of a job:
 //!
 //! ```text
-//! Claim -> Starting -> Spawn -> MintCallback -> Running -> Wait/Renew ... exit
-//!       -> Upload (the log) -> Complete -> Drop
+//! Claim -> Starting -> Spawn -> MintCallback -> Running -> Wait/Renew/Append ... exit
+//!       -> Append ... (the rest of the log) -> Seal -> Complete -> Drop
 //! ```
+//!
+//! The log streams while the job runs (PROTOCOL §13): once [`LogPolicy::flush_bytes`] wait
+//! in the spool, or [`LogPolicy::flush`] after the last chunk, the next chunk goes out from
+//! the acknowledged offset the journal holds, at most the runtime's chunk cap. Renewals
+//! always come first, and a chunk is sized so that it takes about a sixth of the lease
+//! ([`adapt_chunk`]) and is given a third of it: no request that holds the one connection
+//! outlasts a third of the lease, however slow the uplink. A job that ends before its
+//! `running` ACK has no live log on the server and uploads its log in one frame (`Upload`)
+//! as before.
 //!
 //! and its detours:
 //!
@@ -49,6 +58,7 @@ use ql_wire::capability::Token;
 use ql_wire::completion::{Completion, CompletionSchema};
 use ql_wire::ids::{ArtifactId, Counter};
 use ql_wire::lease::{Renewed, StopIntent};
+use ql_wire::log::{LogChunkHeader, LogChunkSchema, Seal};
 use ql_wire::offer::{Claim, Claimed};
 use ql_wire::text::Reason;
 use ql_wire::time::Timestamp;
@@ -119,6 +129,13 @@ pub(crate) struct Runtime {
     /// The journal's `spawning` intent was never acted on (no run directory was made): the
     /// process may be started.
     pub(crate) unstarted: bool,
+    /// Bytes the running process has put in its spool so far.
+    pub(crate) spooled: u64,
+    /// When the last log chunk was acknowledged (or the process started): the flush
+    /// interval counts from it.
+    pub(crate) log_sent_at: Option<Instant>,
+    /// The largest chunk to send next (`0`: the policy's largest); see [`adapt_chunk`].
+    pub(crate) chunk_cap: u64,
 }
 
 impl Default for Runtime {
@@ -133,6 +150,9 @@ impl Default for Runtime {
             resumed: false,
             claim_sent_at: None,
             unstarted: false,
+            spooled: 0,
+            log_sent_at: None,
+            chunk_cap: 0,
         }
     }
 }
@@ -145,6 +165,20 @@ impl Runtime {
     }
 }
 
+/// When and how much of a running job's log is sent (the agent's settings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LogPolicy {
+    /// Waiting bytes that make a chunk worth sending at once.
+    pub(crate) flush_bytes: u64,
+    /// The longest waiting bytes wait.
+    pub(crate) flush: Duration,
+    /// The largest chunk.
+    pub(crate) chunk_max: u64,
+}
+
+/// The smallest chunk [`adapt_chunk`] chooses.
+pub(crate) const MIN_CHUNK: u64 = crate::config::MIN_CHUNK;
+
 /// The moment a decision is made, with the agent-wide facts that bear on every job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Now {
@@ -152,6 +186,8 @@ pub(crate) struct Now {
     pub(crate) at: Instant,
     /// While draining: when running jobs are stopped.
     pub(crate) drain_by: Option<Instant>,
+    /// The log streaming settings.
+    pub(crate) log: LogPolicy,
 }
 
 /// Why a process is being stopped.
@@ -197,8 +233,12 @@ pub(crate) enum Step {
     Stop(StopCause),
     /// Nothing to do before this instant, unless the process ends (`None`: only then).
     Wait(Option<Instant>),
-    /// Upload the log.
+    /// Upload the whole log in one frame (a job that never had its `running` ACK).
     Upload(ArtifactHeader),
+    /// Send the next chunk of the live log.
+    Append(LogChunkHeader),
+    /// Seal the acknowledged log into the artifact.
+    Seal(Seal),
     /// Send the completion.
     Complete(Completion),
     /// Forget the job: record `Dropped` and remove its run directory (local).
@@ -216,6 +256,8 @@ impl Step {
                 | Self::Running(_)
                 | Self::StartFailure(_)
                 | Self::Upload(_)
+                | Self::Append(_)
+                | Self::Seal(_)
                 | Self::Complete(_)
         )
     }
@@ -270,8 +312,15 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
             return Step::MintCallback;
         };
         let stored = job.artifact.clone();
-        if let (Some(_), None, false) = (&callback.log_artifact_id, &stored, rt.log_lost) {
-            return Step::Upload(ArtifactHeader::new(fence, ArtifactSchema, exit.log_len, exit.truncated));
+        if let (Some(artifact), None, false) = (&callback.log_artifact_id, &stored, rt.log_lost) {
+            if !job.running_acked {
+                return Step::Upload(ArtifactHeader::new(fence, ArtifactSchema, exit.log_len, exit.truncated));
+            }
+            if job.log_acked < exit.log_len {
+                let len = (exit.log_len - job.log_acked).min(chunk_cap(rt, now.log));
+                return Step::Append(LogChunkHeader::new(fence, LogChunkSchema, artifact.clone(), job.log_acked, len));
+            }
+            return Step::Seal(Seal::new(fence, exit.log_len, exit.truncated));
         }
         return Step::Complete(Completion::new(
             fence,
@@ -331,11 +380,59 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
                     callback.token.digest(),
                 ));
             }
-            Step::Wait(earliest([renew_at, rt.timeout_at, now.drain_by]))
+            let (chunk, flush_at) = live_chunk(job, rt, now, &fence);
+            if let Some(header) = chunk {
+                return Step::Append(header);
+            }
+            Step::Wait(earliest([renew_at, rt.timeout_at, now.drain_by, flush_at]))
         }
         Process::Stopping if renew_due => renew(),
         Process::Stopping => Step::Wait(renew_at),
     }
+}
+
+/// The chunk a running job's log is due to send now, or when to look again.
+fn live_chunk(job: &Job, rt: &Runtime, now: Now, fence: &Fence) -> (Option<LogChunkHeader>, Option<Instant>) {
+    let Some(artifact) = job.callback.as_ref().and_then(|c| c.log_artifact_id.as_ref()).filter(|_| !rt.log_lost) else {
+        return (None, None);
+    };
+    let waiting = rt.spooled.saturating_sub(job.log_acked);
+    let flush_at = rt.log_sent_at.map(|t| t + now.log.flush);
+    if waiting == 0 {
+        // Output may come at any moment: look again within the flush interval.
+        return (None, Some(flush_at.filter(|t| *t > now.at).unwrap_or(now.at + now.log.flush)));
+    }
+    if waiting >= now.log.flush_bytes || flush_at.is_none_or(|t| now.at >= t) {
+        let len = waiting.min(chunk_cap(rt, now.log));
+        let header = LogChunkHeader::new(fence.clone(), LogChunkSchema, artifact.clone(), job.log_acked, len);
+        return (Some(header), None);
+    }
+    (None, flush_at)
+}
+
+/// The largest chunk to send now.
+fn chunk_cap(rt: &Runtime, log: LogPolicy) -> u64 {
+    if rt.chunk_cap == 0 {
+        log.chunk_max
+    } else {
+        rt.chunk_cap.clamp(MIN_CHUNK.min(log.chunk_max), log.chunk_max)
+    }
+}
+
+/// The next chunk cap after `sent` bytes went through in `took`: what the uplink carries
+/// in a sixth of the lease (`lease_ttl`), within [`MIN_CHUNK`]..=`max`. A chunk is given a
+/// third of the lease, so one that takes a sixth leaves room for a slower moment; a
+/// renewal waits for at most one chunk.
+pub(crate) fn adapt_chunk(sent: u64, took: Duration, lease_ttl: Duration, max: u64) -> u64 {
+    let target = lease_ttl / 6;
+    let took_us = took.as_micros().max(1);
+    let fits = u128::from(sent).saturating_mul(target.as_micros()) / took_us;
+    u64::try_from(fits).unwrap_or(u64::MAX).clamp(MIN_CHUNK.min(max), max)
+}
+
+/// The next chunk cap after a chunk of `cap` bytes did not get through in time: half.
+pub(crate) fn shrink_chunk(cap: u64, max: u64) -> u64 {
+    (if cap == 0 { max } else { cap } / 2).max(MIN_CHUNK.min(max))
 }
 
 /// Why the running process must stop now, if it must: the server's intent first, then

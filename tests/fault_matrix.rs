@@ -87,7 +87,16 @@ const AGENT: &[(&str, &str)] = &[
     ("backoff_initial_ms", "30"),
     ("backoff_max_ms", "300"),
     ("log_level", "debug"),
+    // The log streams only once the process ended, in four 64 KiB chunks, so every fault
+    // point of the live log has one phase; rows that stream while the job runs say so
+    // (`Row::streams`, [`STREAMING`]).
+    ("log_flush_bytes", "67108864"),
+    ("log_flush_ms", "3600000"),
+    ("log_chunk_bytes", "65536"),
 ];
+
+/// What a row that streams the log while the job runs sets on top of [`AGENT`].
+const STREAMING: &[(&str, &str)] = &[("log_flush_bytes", "65536"), ("log_flush_ms", "50")];
 
 /// How long a delayed answer is held back: past the call and the upload timeouts.
 const DELAY_MS: &str = "1800";
@@ -172,6 +181,8 @@ struct Row {
     /// The job is let finish as soon as the agent died, and the agent is restarted only
     /// once the job's leader is gone (what it left behind must still be stopped).
     ends_while_down: bool,
+    /// The agent streams the log while the job runs ([`STREAMING`]).
+    streams: bool,
 }
 
 impl Row {
@@ -187,6 +198,7 @@ impl Row {
             table: 0,
             orphan: agent.is_some() && phase == Phase::During,
             ends_while_down: false,
+            streams: false,
         }
     }
 
@@ -230,7 +242,12 @@ fn rows() -> Vec<Row> {
         ("journal:stopSeen", During, &[Cancel]),
         ("journal:exited", After, &four),
         ("upload-body@65536", After, &four),
-        ("sent:artifact.put", After, &four),
+        ("sent:log.append@1", After, &four),
+        ("journal:logAcked@1", After, &four),
+        ("upload-body@100000", After, &four),
+        ("sent:log.append@4", After, &four),
+        ("journal:logAcked@4", After, &four),
+        ("sent:artifact.seal", After, &four),
         ("journal:artifactStored", After, &four),
         ("sent:attempt.completion", After, &four),
         ("journal:dropped", After, &four),
@@ -240,12 +257,19 @@ fn rows() -> Vec<Row> {
     for (point, phase, outcomes) in agent {
         rows.push(Row::new(&format!("agent {point}"), Some(point), None, *phase, outcomes));
     }
+    // The live log while the job runs: the agent dies after a chunk went out, and after one
+    // was journaled; the restarted agent goes on from the journal's offset.
+    for point in ["sent:log.append@1", "journal:logAcked@2"] {
+        let mut row = Row::new(&format!("agent {point} (while the job runs)"), Some(point), None, During, &four);
+        row.streams = true;
+        rows.push(row);
+    }
     // The control plane and the network: each kind of fault at the routes in `routes` but
     // those it leaves out. Heartbeats are left out: they carry no part of a run.
-    let routes: Vec<&str> = Route::NAMES
-        .into_iter()
-        .filter(|r| !["session.heartbeat", "log.append", "artifact.seal"].contains(r))
-        .collect();
+    // The one-frame upload is only for a job that ended before its `running` ACK: its
+    // faults are rows of the starting-only window below.
+    let routes: Vec<&str> =
+        Route::NAMES.into_iter().filter(|r| !["session.heartbeat", "artifact.put"].contains(r)).collect();
     let before_spawn = &routes[..4];
     let kinds: &[(&str, &str, &[&str])] = &[
         ("drop", "", &[]),
@@ -265,7 +289,7 @@ fn rows() -> Vec<Row> {
                 four.to_vec()
             };
             let name = match (*kind, *route) {
-                ("reset", "artifact.put") => "control reset:artifact.put (mid-upload)".to_owned(),
+                ("reset", "log.append") => "control reset:log.append (mid-chunk)".to_owned(),
                 ("reset", _) => format!("control {spec} (mid-request)"),
                 _ => format!("control {spec}"),
             };
@@ -290,6 +314,15 @@ fn rows() -> Vec<Row> {
     );
     starting_only.table = 1;
     rows.push(starting_only);
+    // The one-frame upload of that window, under each kind of control fault.
+    for (kind, count) in [("drop", ""), ("delay", ""), ("crash", ""), ("503", "@3"), ("reset", "")] {
+        let spec = format!("503:attempt.running@1000000,{kind}:artifact.put{count}");
+        let what = if kind == "reset" { " (mid-upload)" } else { "" };
+        let name = format!("starting-only window, control {kind}:artifact.put{count}{what}");
+        let mut row = Row::new(&name, None, Some(&spec), Phase::After, &[Success, Failure]);
+        row.table = 1;
+        rows.push(row);
+    }
     let mut expired =
         Row::new("restart after the lease was swept", Some("journal:renewed@1"), None, During, &[Success]);
     expired.special = Special::ExpiredLease;
@@ -310,6 +343,7 @@ fn rows() -> Vec<Row> {
         ("callbackMinted", During),
         ("runningAcked", During),
         ("exited", After),
+        ("logAcked", After),
         ("artifactStored", After),
         ("dropped", After),
     ];
@@ -391,7 +425,7 @@ impl<'a> Scenario<'a> {
         let listen = control.addr().to_owned();
         let state = root.0.join("agent-state");
         let agent_config = root.0.join("agent.conf");
-        fs::write(&agent_config, agent_config_text(&control.url, &root.0, &state)).unwrap();
+        fs::write(&agent_config, agent_config_text(&control.url, &root.0, &state, row.streams)).unwrap();
         let tag = format!("{}-{n}", std::process::id());
         Scenario {
             env,
@@ -517,8 +551,13 @@ impl Drop for Scenario<'_> {
     }
 }
 
-fn agent_config_text(url: &str, root: &Path, state: &Path) -> String {
-    agent_config(url, &root.join("creds"), state, AGENT)
+fn agent_config_text(url: &str, root: &Path, state: &Path, streams: bool) -> String {
+    let mut settings: Vec<(&str, &str)> = AGENT.to_vec();
+    if streams {
+        settings.retain(|(k, _)| !STREAMING.iter().any(|(s, _)| s == k));
+        settings.extend_from_slice(STREAMING);
+    }
+    agent_config(url, &root.join("creds"), state, &settings)
 }
 
 fn max_lease_version(shown: &Value) -> u64 {
@@ -841,7 +880,7 @@ fn drive_replaced_session(s: &mut Scenario<'_>) -> Result<Converged, String> {
     s.fault_at = Some(Instant::now());
     let other_state = s.path("other-state");
     let other_config = s.path("other.conf");
-    fs::write(&other_config, agent_config_text(&s.control.url, &s.root.0, &other_state)).unwrap();
+    fs::write(&other_config, agent_config_text(&s.control.url, &s.root.0, &other_state, false)).unwrap();
     let other = Agent::spawn_with(&s.env.agent_bin, &s.path("other.err"), other_config, &[]);
     poll(end, Duration::from_millis(20), "the second agent never opened a session", || {
         Ok(fs::read_to_string(s.path("other.err")).unwrap_or_default().contains("opened").then_some(()))

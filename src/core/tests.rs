@@ -57,8 +57,11 @@ fn t0() -> Instant {
     Instant::now()
 }
 
+/// The agent's default log settings.
+const POLICY: LogPolicy = LogPolicy { flush_bytes: 65_536, flush: Duration::from_millis(1_000), chunk_max: 262_144 };
+
 fn at(base: Instant, ms: u64) -> Now {
-    Now { at: base + Duration::from_millis(ms), drain_by: None }
+    Now { at: base + Duration::from_millis(ms), drain_by: None, log: POLICY }
 }
 
 fn fresh(base: Instant) -> Runtime {
@@ -102,6 +105,8 @@ fn kind(step: &Step) -> &'static str {
         Step::Stop(_) => "stop",
         Step::Wait(_) => "wait",
         Step::Upload(_) => "upload",
+        Step::Append(_) => "append",
+        Step::Seal(_) => "seal",
         Step::Complete(_) => "complete",
         Step::Drop => "drop",
     }
@@ -183,16 +188,78 @@ fn the_running_ack_registers_handle_log_sequence_and_digest() {
 }
 
 #[test]
-fn a_running_job_waits_for_the_earliest_of_renewal_timeout_and_drain() {
+fn a_running_job_waits_for_the_earliest_of_renewal_timeout_drain_and_a_look_at_its_log() {
     let (_, job) = after(6);
     let base = t0();
+    let log = POLICY.flush;
     let mut rt = running(base);
     rt.timeout_at = Some(base + Duration::from_millis(4_000));
-    assert_eq!(next(&k(), &job, &rt, at(base, 0)), Step::Wait(Some(base + Duration::from_millis(4_000))));
-    let now = Now { at: base, drain_by: Some(base + Duration::from_millis(2_000)) };
+    // Nothing in the spool: look again within the flush interval.
+    assert_eq!(next(&k(), &job, &rt, at(base, 0)), Step::Wait(Some(base + log)));
+    rt.log_sent_at = Some(base);
+    let late = at(base, 2_500);
+    assert_eq!(next(&k(), &job, &rt, late), Step::Wait(Some(late.at + log)));
+    assert_eq!(next(&k(), &job, &rt, at(base, 3_500)), Step::Wait(Some(base + Duration::from_millis(4_000))));
+    let slow = Now { log: LogPolicy { flush: Duration::from_secs(60), ..POLICY }, ..at(base, 0) };
+    assert_eq!(next(&k(), &job, &rt, slow), Step::Wait(Some(base + Duration::from_millis(4_000))));
+    let now = Now { drain_by: Some(base + Duration::from_millis(2_000)), ..slow };
     assert_eq!(next(&k(), &job, &rt, now), Step::Wait(Some(base + Duration::from_millis(2_000))));
     rt.timeout_at = None;
-    assert_eq!(next(&k(), &job, &rt, at(base, 0)), Step::Wait(Some(base + Duration::from_millis(TTL_MS / 3))));
+    assert_eq!(next(&k(), &job, &rt, slow), Step::Wait(Some(base + Duration::from_millis(TTL_MS / 3))));
+}
+
+#[test]
+fn a_running_job_streams_its_log_from_the_acknowledged_offset() {
+    let (_, job) = after(6);
+    let base = t0();
+    let rt = Runtime { spooled: 1_000, log_sent_at: Some(base), ..running(base) };
+    // A few bytes wait for the flush interval, then go as one chunk.
+    assert_eq!(next(&k(), &job, &rt, at(base, 999)), Step::Wait(Some(base + POLICY.flush)));
+    let Step::Append(h) = next(&k(), &job, &rt, at(base, 1_000)) else { panic!() };
+    assert_eq!((h.offset, h.content_length, h.artifact_id.as_str()), (0, 1_000, "log-1"));
+    assert_eq!((h.lease_token.clone(), h.expected_lease_version), (token(3), c(1)));
+    // Enough bytes go at once, at most a chunk, from where the journal says the server is.
+    let acked = with(&job, &[Record::LogAcked { job: k(), acked: 1_000 }]);
+    let busy = Runtime { spooled: 1_000 + 700_000, ..rt };
+    let Step::Append(h) = next(&k(), &acked, &busy, at(base, 1)) else { panic!() };
+    assert_eq!((h.offset, h.content_length), (1_000, 262_144));
+    let small = Runtime { chunk_cap: 10_000, ..busy };
+    let Step::Append(h) = next(&k(), &acked, &small, at(base, 1)) else { panic!() };
+    assert_eq!(h.content_length, 10_000);
+    // A renewal that is due goes first; a lost log is not streamed.
+    assert!(matches!(next(&k(), &acked, &busy, at(base, TTL_MS / 3)), Step::Renew(_)));
+    let lost = Runtime { log_lost: true, ..busy };
+    assert!(matches!(next(&k(), &acked, &lost, at(base, 1)), Step::Wait(_)));
+}
+
+#[test]
+fn an_ended_job_sends_the_rest_of_its_log_then_seals_then_completes() {
+    let (_, job) = after(6);
+    let base = t0();
+    let ended = with(&job, &[Record::LogAcked { job: k(), acked: 5 }, exited_record(Some(0), None)]);
+    let Step::Append(h) = next(&k(), &ended, &fresh(base), at(base, 0)) else { panic!() };
+    assert_eq!((h.offset, h.content_length), (5, 7));
+    let all = with(&ended, &[Record::LogAcked { job: k(), acked: 12 }]);
+    let Step::Seal(seal) = next(&k(), &all, &fresh(base), at(base, 0)) else { panic!() };
+    assert_eq!((seal.content_length, seal.truncated, seal.lease_token.clone()), (12, false, token(3)));
+    let stored = with(&all, &[fixtures::stored(&k())]);
+    let Step::Complete(body) = next(&k(), &stored, &fresh(base), at(base, 0)) else { panic!() };
+    assert_eq!(body.artifact.unwrap().length, 12);
+}
+
+#[test]
+fn chunks_are_sized_to_a_sixth_of_the_lease_at_the_uplinks_pace() {
+    let ttl = Duration::from_millis(TTL_MS);
+    // 256 KiB/s: 5 s of it is more than a chunk may be.
+    assert_eq!(adapt_chunk(262_144, Duration::from_secs(1), ttl, 262_144), 262_144);
+    // 16 KiB/s: 80 KiB in 5 s.
+    assert_eq!(adapt_chunk(16_384, Duration::from_secs(1), ttl, 262_144), 81_920);
+    // Never below the floor, never above the policy, whatever was measured.
+    assert_eq!(adapt_chunk(1, Duration::from_secs(100), ttl, 262_144), MIN_CHUNK);
+    assert_eq!(adapt_chunk(262_144, Duration::ZERO, ttl, 100_000), 100_000);
+    assert_eq!(shrink_chunk(0, 262_144), 131_072);
+    assert_eq!(shrink_chunk(131_072, 262_144), 65_536);
+    assert_eq!(shrink_chunk(MIN_CHUNK, 262_144), MIN_CHUNK);
 }
 
 #[test]
@@ -201,7 +268,7 @@ fn stop_causes_rank_intent_then_timeout_then_drain() {
     let base = t0();
     let mut rt = running(base);
     rt.timeout_at = Some(base);
-    let drained = Now { at: base, drain_by: Some(base) };
+    let drained = Now { at: base, drain_by: Some(base), log: POLICY };
     assert_eq!(next(&k(), &job, &rt, drained), Step::Stop(StopCause::Timeout));
     rt.timeout_at = None;
     assert_eq!(next(&k(), &job, &rt, drained), Step::Stop(StopCause::Drain));
@@ -248,9 +315,9 @@ fn a_stop_seen_before_the_spawn_reports_a_start_failure() {
 fn a_drain_that_ran_out_before_the_spawn_reports_a_start_failure() {
     let (_, job) = after(3);
     let base = t0();
-    let now = Now { at: base, drain_by: Some(base) };
+    let now = Now { at: base, drain_by: Some(base), log: POLICY };
     assert_eq!(next(&k(), &job, &fresh(base), now), Step::SkipSpawn(Reason::summarise(SHUT_DOWN_BEFORE_START)));
-    let later = Now { at: base, drain_by: Some(base + Duration::from_millis(1)) };
+    let later = Now { at: base, drain_by: Some(base + Duration::from_millis(1)), log: POLICY };
     assert_eq!(next(&k(), &job, &fresh(base), later), Step::Spawn, "a drain with time left still starts claimed jobs");
 }
 
@@ -288,7 +355,7 @@ fn an_exited_job_needs_no_renewal_even_when_one_would_be_due() {
     let (_, job) = after(6);
     let ended = with(&job, &[exited_record(Some(3), None)]);
     let base = t0();
-    assert!(matches!(next(&k(), &ended, &Runtime::default(), at(base, 0)), Step::Upload(_)));
+    assert!(matches!(next(&k(), &ended, &Runtime::default(), at(base, 0)), Step::Append(_)));
 }
 
 #[test]
@@ -363,7 +430,7 @@ fn a_restarted_job_settles_a_renewal_lost_in_the_crash_with_the_next_version() {
     let resumed = Runtime::resumed();
     assert_eq!(resumed.renew_doubt, RenewDoubt::AnswerLost);
     // No renewal first: the session may be gone, and these need none.
-    let Step::Upload(h) = next(&k(), &ended, &resumed, at(base, 0)) else { panic!() };
+    let Step::Append(h) = next(&k(), &ended, &resumed, at(base, 0)) else { panic!() };
     assert_eq!(h.expected_lease_version, c(1));
     let Step::StartFailure(b) = next(&k(), &failed, &resumed, at(base, 0)) else { panic!() };
     assert_eq!(b.expected_lease_version, c(1));
@@ -372,7 +439,7 @@ fn a_restarted_job_settles_a_renewal_lost_in_the_crash_with_the_next_version() {
     assert!(!retry_next_version(RenewDoubt::Sure, ErrorCode::LeaseConflict));
     assert!(!retry_next_version(RenewDoubt::AnswerLost, ErrorCode::SessionConflict));
     let next_one = Runtime { renew_doubt: RenewDoubt::TryNext, ..resumed };
-    let Step::Upload(h) = next(&k(), &ended, &next_one, at(base, 0)) else { panic!() };
+    let Step::Append(h) = next(&k(), &ended, &next_one, at(base, 0)) else { panic!() };
     assert_eq!(h.expected_lease_version, c(2));
     let Step::StartFailure(b) = next(&k(), &failed, &next_one, at(base, 0)) else { panic!() };
     assert_eq!(b.expected_lease_version, c(2));
@@ -396,14 +463,14 @@ fn an_ended_process_keeps_its_lease_alive_while_it_is_reported() {
     let ended = with(&job, &[exited_record(Some(0), None)]);
     let third = TTL_MS / 3;
     let kept = fresh(base);
-    assert!(matches!(next(&k(), &ended, &kept, at(base, third - 1)), Step::Upload(_)));
+    assert!(matches!(next(&k(), &ended, &kept, at(base, third - 1)), Step::Append(_)));
     assert!(matches!(next(&k(), &ended, &kept, at(base, third)), Step::Renew(_)));
     let stored = with(&ended, &[fixtures::stored(&k())]);
     assert!(matches!(next(&k(), &stored, &kept, at(base, third)), Step::Renew(_)));
     assert!(matches!(next(&k(), &stored, &kept, at(base, 0)), Step::Complete(_)));
     // Age unknown (a restart, or renewals refused): report at once.
     let unknown = Runtime { lease_fresh_at: None, ..kept };
-    assert!(matches!(next(&k(), &ended, &unknown, at(base, third)), Step::Upload(_)));
+    assert!(matches!(next(&k(), &ended, &unknown, at(base, third)), Step::Append(_)));
     // A refused renewal ends a running job, not the report of an ended one.
     assert!(renewal_refused_ends_job(&job));
     assert!(!renewal_refused_ends_job(&ended));
@@ -621,7 +688,7 @@ impl Sim {
                 }
             }
             let Some(job) = self.state.jobs.get(&k()).cloned() else { return self.trace };
-            let now = Now { at: self.now, drain_by: self.drain_by };
+            let now = Now { at: self.now, drain_by: self.drain_by, log: POLICY };
             let step = next(&k(), &job, &self.rt, now);
             self.trace.push(kind(&step));
             if step.is_remote() {
@@ -688,6 +755,8 @@ impl Sim {
                 } else {
                     self.commit(fixtures::spawned(&key));
                     self.rt.process = Process::Running;
+                    // The process prints its whole log at once.
+                    self.rt.spooled = 5;
                     self.rt.timeout_at = Some(self.now + Duration::from_millis(fixtures::spec().timeout_ms));
                     self.spawned_at = Some(self.now);
                     self.exit_at = Some((self.now + Duration::from_millis(s.run_ms), Some(0), None));
@@ -732,6 +801,26 @@ impl Sim {
                 let exit = job.exit.as_ref().unwrap();
                 assert_eq!((h.content_length, h.truncated), (exit.log_len, exit.truncated));
                 assert_eq!(h.expected_lease_version.get(), self.server_version);
+                let receipt = Receipt {
+                    artifact_id: ArtifactId::parse(LOG_ARTIFACT_ID).unwrap(),
+                    length: exit.log_len,
+                    sha256: Digest::of(b""),
+                    truncated: exit.truncated,
+                };
+                self.commit(Record::ArtifactStored { job: key, receipt });
+            }
+            Step::Append(h) => {
+                assert_eq!(h.offset, job.log_acked, "a chunk not at the acknowledged offset");
+                let have = job.exit.as_ref().map_or(self.rt.spooled, |e| e.log_len);
+                assert!(h.content_length > 0 && h.end() <= have, "a chunk past the spool: {h:?}");
+                assert_eq!(h.expected_lease_version.get(), self.server_version);
+                self.commit(Record::LogAcked { job: key, acked: h.end() });
+                self.rt.log_sent_at = Some(self.now);
+            }
+            Step::Seal(b) => {
+                let exit = job.exit.as_ref().unwrap();
+                assert_eq!((b.content_length, b.truncated), (exit.log_len, exit.truncated));
+                assert_eq!(job.log_acked, exit.log_len, "a seal before the whole log was acknowledged");
                 let receipt = Receipt {
                     artifact_id: ArtifactId::parse(LOG_ARTIFACT_ID).unwrap(),
                     length: exit.log_len,
@@ -788,7 +877,7 @@ fn squeeze(trace: &[&'static str]) -> Vec<&'static str> {
 fn a_normal_life() {
     assert_eq!(
         squeeze(&walk(plain())),
-        ["claim", "starting", "spawn", "mint", "running", "upload", "complete", "drop"]
+        ["claim", "starting", "spawn", "mint", "running", "append", "seal", "complete", "drop"]
     );
 }
 
@@ -809,7 +898,10 @@ fn a_failed_spawn_life() {
 #[test]
 fn a_cancelled_life_stops_then_completes() {
     let trace = squeeze(&walk(Scenario { stop: Some(StopIntent::Cancel), run_ms: 100_000, ..plain() }));
-    assert_eq!(trace, ["claim", "starting", "spawn", "mint", "running", "renew", "stop", "upload", "complete", "drop"]);
+    assert_eq!(
+        trace,
+        ["claim", "starting", "spawn", "mint", "running", "append", "renew", "stop", "seal", "complete", "drop"]
+    );
 }
 
 #[test]
@@ -817,13 +909,13 @@ fn a_local_timeout_stops_then_completes() {
     let trace = squeeze(&walk(Scenario { run_ms: 100_000, ..plain() }));
     // Renewals go on while the group stops: the lease must outlive the stop.
     let tail: Vec<_> = trace.iter().skip_while(|t| **t != "stop").filter(|t| **t != "renew").collect();
-    assert_eq!(tail, [&"stop", &"upload", &"complete", &"drop"], "{trace:?}");
+    assert_eq!(tail, [&"stop", &"seal", &"complete", &"drop"], "{trace:?}");
 }
 
 #[test]
 fn a_drain_stops_a_long_job_and_still_completes_it() {
     let trace = squeeze(&walk(Scenario { run_ms: 100_000, drain_at: Some(1_000), ..plain() }));
-    assert_eq!(trace, ["claim", "starting", "spawn", "mint", "running", "stop", "upload", "complete", "drop"]);
+    assert_eq!(trace, ["claim", "starting", "spawn", "mint", "running", "append", "stop", "seal", "complete", "drop"]);
 }
 
 #[test]
@@ -835,7 +927,7 @@ fn a_stop_after_a_restart_before_the_spawn_is_a_start_failure() {
 #[test]
 fn lost_answers_repeat_the_same_request() {
     let trace = walk(Scenario { lose_answers: true, ..plain() });
-    for cmd in ["claim", "starting", "running", "upload", "complete"] {
+    for cmd in ["claim", "starting", "running", "append", "seal", "complete"] {
         assert_eq!(trace.iter().filter(|t| **t == cmd).count(), 2, "{cmd}: {trace:?}");
     }
 }
@@ -860,7 +952,7 @@ fn every_path_ends_in_one_terminal_command_and_a_drop() {
                             let spawned = t.contains(&"mint");
                             assert_eq!(spawned, t.contains(&"complete"), "{s:?}: {trace:?}");
                             if spawned {
-                                let up = t.iter().position(|x| *x == "upload").unwrap();
+                                let up = t.iter().position(|x| matches!(*x, "upload" | "seal")).unwrap();
                                 let done = t.iter().position(|x| *x == "complete").unwrap();
                                 assert!(up < done, "{s:?}: {trace:?}");
                             }
@@ -912,6 +1004,8 @@ fn truncation_at_every_offset_resumes_from_the_complete_prefix_and_never_spawns_
             let version = match &step {
                 Step::Renew(f) | Step::Starting(f) => Some(f.expected_lease_version),
                 Step::Upload(h) => Some(h.expected_lease_version),
+                Step::Append(h) => Some(h.expected_lease_version),
+                Step::Seal(b) => Some(b.expected_lease_version),
                 Step::Complete(b) => Some(b.expected_lease_version),
                 _ => None,
             };

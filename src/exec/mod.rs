@@ -7,7 +7,11 @@
 //! through a fixed 8 KiB buffer and stops keeping bytes at the spec's `logLimitBytes`
 //! (it keeps reading and discarding them, so the child never blocks on a full pipe, and
 //! marks the log truncated). Disk and memory stay bounded whatever the job prints, which
-//! matters where the spool lives in RAM (`/tmp` on OpenWrt).
+//! matters where the spool lives in RAM (`/tmp` on OpenWrt). The bytes written so far are
+//! counted where the agent can read them ([`Job::spooled`]) to stream the log while the job
+//! runs, and [`release_spool`] gives back the disk (or RAM) of the part the server
+//! acknowledged, by punching a hole: offsets stay as they were, so the spool holds only
+//! what is not acknowledged yet.
 //!
 //! Layout of a run, under the agent's state directory:
 //!
@@ -51,6 +55,7 @@ use rustix::process::Signal;
 use smol::io::AsyncReadExt;
 use smol::process::{Child, Command, Stdio};
 use smol::{future, Async, Timer};
+use std::cell::Cell;
 use std::ffi::OsString;
 use std::fmt;
 use std::fs::{self, DirBuilder, File, OpenOptions};
@@ -59,6 +64,7 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
+use std::rc::Rc;
 use std::time::Duration;
 
 use ql_wire::ids::AttemptId;
@@ -172,6 +178,8 @@ struct Spool {
     file: File,
     limit: u64,
     written: u64,
+    /// `written`, for the agent's loop to read.
+    shared: Rc<Cell<u64>>,
     truncated: bool,
     buf: Box<[u8]>,
 }
@@ -191,6 +199,7 @@ impl Spool {
                 return;
             }
             self.written += take as u64;
+            self.shared.set(self.written);
         }
         if take < n {
             self.truncated = true;
@@ -290,6 +299,7 @@ impl Job {
             file: spool,
             limit: spec.log_limit_bytes,
             written: 0,
+            shared: Rc::new(Cell::new(0)),
             truncated: false,
             buf: vec![0; COPY_BUFFER].into_boxed_slice(),
         };
@@ -324,6 +334,11 @@ impl Job {
     /// The run's files.
     pub(crate) fn run_dir(&self) -> &RunDir {
         &self.run_dir
+    }
+
+    /// The count of bytes in the spool, kept current as output is copied.
+    pub(crate) fn spooled(&self) -> Rc<Cell<u64>> {
+        self.spool.shared.clone()
     }
 
     /// Copies output until every writer has closed the pipe, then waits for the leader to
@@ -418,6 +433,25 @@ impl Job {
         };
         self.exit = Some(exit);
         Ok(exit)
+    }
+}
+
+/// Gives back the storage of the spool's first `upto` bytes (whole blocks of them), which
+/// the server acknowledged; reading them afterwards gives zeros. `Ok(false)` when the file
+/// system cannot punch holes (jffs2, ubifs): the spool then keeps them, bounded as always
+/// by the log limit.
+pub(crate) fn release_spool(spool: &Path, upto: u64) -> io::Result<bool> {
+    use rustix::fs::{fallocate, FallocateFlags};
+    const BLOCK: u64 = 4096;
+    let len = upto / BLOCK * BLOCK;
+    if len == 0 {
+        return Ok(true);
+    }
+    let file = OpenOptions::new().write(true).open(spool)?;
+    match fallocate(&file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, 0, len) {
+        Ok(()) => Ok(true),
+        Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -145,6 +145,14 @@ pub(crate) enum Record {
         /// Whether the log was cut at its limit.
         truncated: bool,
     },
+    /// The server acknowledged the live log up to `acked` bytes (PROTOCOL §13): the next
+    /// chunk starts there, and the spool may let go of everything before it.
+    LogAcked {
+        /// The job.
+        job: JobKey,
+        /// Bytes acknowledged from offset 0.
+        acked: u64,
+    },
     /// The log was stored; the completion must present this receipt.
     ArtifactStored {
         /// The job.
@@ -260,6 +268,8 @@ pub(crate) struct Job {
     pub(crate) running_acked: bool,
     /// Set once the process ended.
     pub(crate) exit: Option<ExitEvidence>,
+    /// Bytes of the live log the server acknowledged.
+    pub(crate) log_acked: u64,
     /// Set once the log was stored.
     pub(crate) artifact: Option<Receipt>,
     /// The strongest stop intent seen.
@@ -323,6 +333,7 @@ impl Record {
             | Self::CallbackMinted { job, .. }
             | Self::RunningAcked { job }
             | Self::Exited { job, .. }
+            | Self::LogAcked { job, .. }
             | Self::ArtifactStored { job, .. }
             | Self::StopSeen { job, .. }
             | Self::Dropped { job } => Some(job.clone()),
@@ -384,6 +395,12 @@ impl JournalState {
                 require(job.spawn.is_some(), Refused::TooEarly)?;
                 require(job.exit.is_none(), Refused::Repeated)
             }
+            Record::LogAcked { acked, .. } => {
+                require(job.running_acked, Refused::TooEarly)?;
+                require(job.artifact.is_none() && *acked > job.log_acked, Refused::Repeated)?;
+                // After the exit the spool's length is known: nothing past it was sent.
+                require(job.exit.as_ref().is_none_or(|e| *acked <= e.log_len), Refused::TooEarly)
+            }
             Record::ArtifactStored { .. } => {
                 require(job.exit.is_some(), Refused::TooEarly)?;
                 require(job.artifact.is_none(), Refused::Repeated)
@@ -418,6 +435,7 @@ impl JournalState {
                 callback: None,
                 running_acked: false,
                 exit: None,
+                log_acked: 0,
                 artifact: None,
                 stop: None,
             };
@@ -467,6 +485,7 @@ impl JournalState {
                     truncated: *truncated,
                 });
             }
+            Record::LogAcked { acked, .. } => job.log_acked = *acked,
             Record::ArtifactStored { receipt, .. } => job.artifact = Some(receipt.clone()),
             Record::StopSeen { intent, .. } => job.stop = StopIntent::strongest(job.stop, Some(*intent)),
         }
@@ -539,6 +558,10 @@ pub(crate) fn job_records(key: &JobKey, job: &Job) -> Vec<Record> {
     }
     if job.running_acked {
         out.push(Record::RunningAcked { job: k() });
+    }
+    if job.log_acked > 0 {
+        // The last acknowledgement stands in for every one before it.
+        out.push(Record::LogAcked { job: k(), acked: job.log_acked });
     }
     if let Some(e) = &job.exit {
         out.push(Record::Exited {
@@ -672,9 +695,11 @@ pub(crate) mod fixtures {
             spawned(k),
             minted(k, 9),
             Record::RunningAcked { job: k.clone() },
+            Record::LogAcked { job: k.clone(), acked: 5 },
             Record::Renewed { job: k.clone(), lease_version: c(2) },
             Record::StopSeen { job: k.clone(), intent: StopIntent::Cancel },
             exited(k),
+            Record::LogAcked { job: k.clone(), acked: 12 },
             stored(k),
         ]
     }
@@ -720,8 +745,31 @@ mod tests {
         assert_eq!((cb.sequence, &cb.token), (c(1), &token(9)));
         assert_eq!(job.exit.as_ref().unwrap().exit_code, Some(0));
         assert_eq!(job.artifact.as_ref().unwrap().length, 12);
+        assert_eq!(job.log_acked, 12);
         assert_eq!(job.stop, Some(StopIntent::Cancel));
         assert_eq!(job.spawn_failure, None);
+    }
+
+    #[test]
+    fn log_acknowledgements_only_advance_and_never_pass_the_spool() {
+        let k = key("s1", "a1");
+        let life = lifecycle(&k);
+        let running = life.iter().position(|r| matches!(r, Record::RunningAcked { .. })).unwrap();
+        let mut state = replay(&life[..running]);
+        let acked = |n| Record::LogAcked { job: k.clone(), acked: n };
+        expect(&mut state, &acked(1), Err(Refused::TooEarly));
+        expect(&mut state, &life[running], Ok(()));
+        expect(&mut state, &acked(0), Err(Refused::Repeated));
+        expect(&mut state, &acked(7), Ok(()));
+        expect(&mut state, &acked(7), Err(Refused::Repeated));
+        expect(&mut state, &acked(6), Err(Refused::Repeated));
+        expect(&mut state, &exited(&k), Ok(()));
+        expect(&mut state, &acked(13), Err(Refused::TooEarly));
+        expect(&mut state, &acked(12), Ok(()));
+        expect(&mut state, &stored(&k), Ok(()));
+        assert_eq!(state.jobs[&k].log_acked, 12);
+        let compacted = replay(&state.to_records());
+        assert_eq!(compacted, state, "compaction keeps the last acknowledgement");
     }
 
     #[test]

@@ -20,8 +20,13 @@
 //!
 //! **Persist, then act.** Every fact is committed to the journal (fsynced) before the
 //! command that depends on it: the offer and a fresh lease token before the claim, the
-//! callback token before `running`, the exit evidence before the upload, the receipt before
-//! the completion. An answer is committed before the next command uses it.
+//! callback token before `running`, the exit evidence before the last chunks and the seal,
+//! each acknowledged log offset before the next chunk, the receipt before the completion.
+//! An answer is committed before the next command uses it.
+//!
+//! **The live log** ([`live_log`]): while a job runs and after, its spool goes out in
+//! chunks from the journal's acknowledged offset; each chunk is a turn of its own, so
+//! renewals, heartbeats and other jobs' steps go between chunks however long the log.
 //!
 //! **Lost answers.** A call that fails in transport, or with 503, blocks every call for a
 //! backoff (capped doubling with jitter, at least the server's `Retry-After`); the next turn
@@ -70,9 +75,15 @@ use ql_wire::text::{AgentVersion, Arch, Reason};
 use ql_wire::time::Timestamp;
 use ql_wire::{ErrorCode, Fence, Outcome};
 
+mod live_log;
+
+use std::cell::Cell;
+
 use crate::client::{CallError, Client};
 use crate::config::Config;
-use crate::core::{self, Disposition, Ending, Now, Process, RenewDoubt, Runtime, ServerClock, Step, StopCause};
+use crate::core::{
+    self, Disposition, Ending, LogPolicy, Now, Process, RenewDoubt, Runtime, ServerClock, Step, StopCause,
+};
 use crate::exec::{self, RunDir};
 use crate::journal::{CommitError, CurrentSession, Job, JobKey, Journal, JournalState, Record};
 
@@ -120,6 +131,9 @@ enum Turn {
     Idle(Option<Instant>),
     /// A call failed: no more calls this turn.
     Blocked,
+    /// Something changed, and the job's next step waits for the next turn, so that a
+    /// heartbeat and the other jobs' steps can go first (a long log streams chunk by chunk).
+    Yield,
 }
 
 /// The running agent.
@@ -132,6 +146,8 @@ pub(crate) struct Agent {
     state: JournalState,
     rts: BTreeMap<JobKey, Runtime>,
     stops: BTreeMap<JobKey, Sender<()>>,
+    /// Each supervised process's spool length, as its supervision task counts it.
+    spooled: BTreeMap<JobKey, Rc<Cell<u64>>>,
     ended_tx: Sender<Ended>,
     ended_rx: Receiver<Ended>,
     ex: Rc<LocalExecutor<'static>>,
@@ -244,6 +260,7 @@ impl Agent {
             state,
             rts,
             stops: BTreeMap::new(),
+            spooled: BTreeMap::new(),
             ended_tx,
             ended_rx,
             ex,
@@ -301,6 +318,13 @@ impl Agent {
             }
             let (moved, due) = self.work(blocked).await?;
             if moved {
+                // A heartbeat that is due goes out even while jobs keep moving: a long log
+                // streams for minutes, and the session must not lapse meanwhile.
+                let t = Instant::now();
+                let due = self.session.as_ref().is_some_and(|l| t >= l.contact + l.heartbeat);
+                if due && self.net.until.is_none_or(|u| t >= u) {
+                    self.heartbeat(t).await;
+                }
                 continue;
             }
             let blocked = self.net.until.is_some_and(|u| now < u);
@@ -680,7 +704,15 @@ impl Agent {
                 // when its request was sent.
                 let now = Instant::now();
                 let rt = self.rts.entry(key.clone()).or_default();
-                let step = core::next(&key, job, rt, Now { at: now, drain_by: self.drain_by });
+                if let Some(spooled) = self.spooled.get(&key) {
+                    rt.spooled = spooled.get();
+                }
+                let log = LogPolicy {
+                    flush_bytes: self.cfg.log_flush_bytes,
+                    flush: self.cfg.log_flush,
+                    chunk_max: self.cfg.log_chunk_bytes,
+                };
+                let step = core::next(&key, job, rt, Now { at: now, drain_by: self.drain_by, log });
                 if step.is_remote() && blocked {
                     break;
                 }
@@ -692,6 +724,10 @@ impl Agent {
                     }
                     Turn::Blocked => {
                         blocked = true;
+                        break;
+                    }
+                    Turn::Yield => {
+                        moved = true;
                         break;
                     }
                 }
@@ -801,6 +837,7 @@ impl Agent {
                         let rt = self.rt(key);
                         rt.process = Process::Running;
                         rt.timeout_at = Some(now + timeout);
+                        rt.log_sent_at = Some(now);
                     }
                     Err(e) => {
                         warn!("{who}: {e}");
@@ -911,6 +948,8 @@ impl Agent {
                 Ok(Turn::Moved)
             }
             Step::Upload(header) => self.upload(key, &job, &who, header),
+            Step::Append(header) => self.append(key, &job, &who, header, now),
+            Step::Seal(body) => self.seal(key, &job, &who, body),
             Step::Complete(body) => {
                 let route = attempt_route(&self.cfg, key, &job, AttemptCommand::Completion);
                 match self.client.call::<_, CompletionReply>(&route, &body) {
@@ -932,6 +971,7 @@ impl Agent {
                 self.commit(&Record::Dropped { job: key.clone() })?;
                 self.rts.remove(key);
                 self.stops.remove(key);
+                self.spooled.remove(key);
                 if let Err(e) = RunDir::new(&self.cfg.state_dir, &key.attempt_id).remove() {
                     warn!("{who}: could not remove its run directory: {e}");
                 }
@@ -1008,6 +1048,7 @@ impl Agent {
     }
 
     fn supervise(&mut self, key: JobKey, mut process: exec::Job) {
+        self.spooled.insert(key.clone(), process.spooled());
         let (stop_tx, stop_rx) = channel::bounded::<()>(1);
         let ended = self.ended_tx.clone();
         let grace = self.cfg.stop_grace;

@@ -1,0 +1,151 @@
+//! The live log's two steps (PROTOCOL §13): send the next chunk of a job's spool, and
+//! seal what the server acknowledged into the artifact.
+//!
+//! A chunk is read from the spool at the journal's acknowledged offset and sent with a
+//! third of the lease to get through; its answer (or a `log_offset_conflict`, which says
+//! where the server's log stands) is journaled before the next chunk, and only then is
+//! the acknowledged part of the spool released. A chunk that did not get through in time
+//! halves the next one; one that did sizes the next to the uplink ([`core::adapt_chunk`]).
+//! Each chunk ends the job's turn ([`Turn::Yield`]): heartbeats, renewals and other jobs
+//! go between chunks.
+
+use std::fs::File;
+use std::io::{self, Seek, SeekFrom};
+use std::time::{Duration, Instant};
+
+use ql_wire::artifact::ArtifactReply;
+use ql_wire::log::{LogChunkHeader, Seal};
+use ql_wire::route::Route;
+use ql_wire::{ErrorCode, Outcome};
+
+use super::{attempt_path, Agent, Counted, Fatal, Turn};
+use crate::client::CallError;
+use crate::core;
+use crate::exec::{self, RunDir};
+use crate::journal::{Job, JobKey, Record};
+
+impl Agent {
+    /// Sends one chunk of the live log.
+    pub(super) fn append(
+        &mut self,
+        key: &JobKey,
+        job: &Job,
+        who: &str,
+        header: LogChunkHeader,
+        now: Instant,
+    ) -> Result<Turn, Fatal> {
+        let spool = RunDir::new(&self.cfg.state_dir, &key.attempt_id).spool;
+        let (offset, len) = (header.offset, header.content_length);
+        let file = File::open(&spool).and_then(|mut f| {
+            let have = f.metadata()?.len();
+            if have < offset + len {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("{have} of {} bytes left", offset + len),
+                ));
+            }
+            f.seek(SeekFrom::Start(offset))?;
+            Ok(f)
+        });
+        let file = match file {
+            Ok(f) => f,
+            Err(e) => {
+                warn!("{who}: its log spool is unusable ({e}); completing without a log");
+                self.rt(key).log_lost = true;
+                return Ok(Turn::Moved);
+            }
+        };
+        let prefix = ql_wire::frame::encode_prefix(&header).map_err(|e| Fatal(format!("log chunk header: {e}")))?;
+        let ttl = Duration::from_millis(job.lease.as_ref().map_or(0, |l| l.ttl_ms));
+        // No request that holds the one connection may outlast a third of the lease.
+        let within = (ttl / 3).max(Duration::from_millis(1));
+        let route = Route::LogAppend(attempt_path(&self.cfg, key, job));
+        let started = Instant::now();
+        let answer = self.client.append(&route, &prefix[..], &mut Counted(file), len, within);
+        let max = self.cfg.log_chunk_bytes;
+        match answer {
+            Ok(reply) if matches!(reply.result, Outcome::Appended | Outcome::AlreadyAppended) => {
+                self.call_ok();
+                self.settle_version(key, job)?;
+                let cap = core::adapt_chunk(len, started.elapsed(), ttl, max);
+                self.rt(key).chunk_cap = cap;
+                debug!(
+                    "{who}: log acknowledged to {} ({len} bytes in {} ms)",
+                    reply.acked,
+                    started.elapsed().as_millis()
+                );
+                self.acknowledged(key, job, who, reply.acked, now)?;
+                Ok(Turn::Yield)
+            }
+            Ok(other) => Ok(self.unexpected(key, who, "log chunk", other.result)),
+            Err(CallError::Refused { code: ErrorCode::LogOffsetConflict, acked: Some(acked), .. }) => {
+                self.call_ok();
+                self.settle_version(key, job)?;
+                info!("{who}: the server holds {acked} bytes of the log, not {offset}; going on from there");
+                self.acknowledged(key, job, who, acked, now)?;
+                Ok(Turn::Yield)
+            }
+            Err(e) => {
+                if matches!(e, CallError::Transport(_)) {
+                    let cap = core::shrink_chunk(self.rt(key).chunk_cap, max);
+                    warn!(
+                        "{who}: a {len}-byte log chunk did not get through in {} ms; next ones at most {cap} bytes",
+                        within.as_millis()
+                    );
+                    self.rt(key).chunk_cap = cap;
+                }
+                Ok(self.job_call_failed(key, who, "log chunk", e))
+            }
+        }
+    }
+
+    /// The server holds `acked` bytes of the log: journal that, then let the spool go of
+    /// them. Less than the journal already holds means the server lost acknowledged bytes,
+    /// which the spool no longer has: the job completes without a log.
+    fn acknowledged(&mut self, key: &JobKey, job: &Job, who: &str, acked: u64, now: Instant) -> Result<(), Fatal> {
+        let sent = job.exit.as_ref().map_or(self.rt(key).spooled, |e| e.log_len);
+        if acked < job.log_acked || acked > sent {
+            warn!(
+                "{who}: the server says it holds {acked} bytes of the log, the agent sent {}; completing without a log",
+                job.log_acked
+            );
+            self.rt(key).log_lost = true;
+            return Ok(());
+        }
+        if acked > job.log_acked {
+            self.commit(&Record::LogAcked { job: key.clone(), acked })?;
+        }
+        self.rt(key).log_sent_at = Some(now);
+        let spool = RunDir::new(&self.cfg.state_dir, &key.attempt_id).spool;
+        match exec::release_spool(&spool, acked) {
+            Ok(true) => {}
+            Ok(false) => debug!("{who}: this file system cannot release acknowledged spool bytes"),
+            Err(e) => warn!("{who}: could not release acknowledged spool bytes: {e}"),
+        }
+        Ok(())
+    }
+
+    /// Seals the acknowledged log into the artifact.
+    pub(super) fn seal(&mut self, key: &JobKey, job: &Job, who: &str, body: Seal) -> Result<Turn, Fatal> {
+        let artifact = job.callback.as_ref().and_then(|c| c.log_artifact_id.clone()).expect("a log artifact");
+        let route = Route::Seal(attempt_path(&self.cfg, key, job), artifact);
+        match self.client.call::<Seal, ArtifactReply>(&route, &body) {
+            Ok(reply) if matches!(reply.result, Outcome::Stored | Outcome::AlreadyStored) => {
+                self.call_ok();
+                self.settle_version(key, job)?;
+                let r = &reply.receipt;
+                info!("{who}: log sealed ({} bytes{})", r.length, if r.truncated { ", truncated" } else { "" });
+                self.commit(&Record::ArtifactStored { job: key.clone(), receipt: reply.receipt })?;
+                Ok(Turn::Moved)
+            }
+            Ok(other) => Ok(self.unexpected(key, who, "log seal", other.result)),
+            Err(CallError::Refused { code: ErrorCode::LogOffsetConflict, acked: Some(acked), .. }) => {
+                self.call_ok();
+                info!("{who}: the server holds {acked} bytes of the log before the seal");
+                self.acknowledged(key, job, who, acked, Instant::now())?;
+                Ok(Turn::Moved)
+            }
+            Err(e) => Ok(self.job_call_failed(key, who, "log seal", e)),
+        }
+    }
+}
