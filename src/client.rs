@@ -235,7 +235,8 @@ impl Client {
         self.call_within(route, body, self.timeouts.call + wait + self.timeouts.poll_slack)
     }
 
-    fn call_within<Req: Body, Resp: Body>(
+    /// Like [`Client::call`] with a time limit of the caller's.
+    pub(crate) fn call_within<Req: Body, Resp: Body>(
         &self,
         route: &Route,
         body: &Req,

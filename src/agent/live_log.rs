@@ -57,8 +57,7 @@ impl Agent {
         };
         let prefix = ql_wire::frame::encode_prefix(&header).map_err(|e| Fatal(format!("log chunk header: {e}")))?;
         let ttl = Duration::from_millis(job.lease.as_ref().map_or(0, |l| l.ttl_ms));
-        // No request that holds the one connection may outlast a third of the lease.
-        let within = (ttl / 3).max(Duration::from_millis(1));
+        let within = self.third_of_lease(job);
         let route = Route::LogAppend(attempt_path(&self.cfg, key, job));
         let started = Instant::now();
         let answer = self.client.append(&route, &prefix[..], &mut Counted(file), len, within);
@@ -99,6 +98,13 @@ impl Agent {
         }
     }
 
+    /// No request that holds the one connection may outlast a third of the lease: the
+    /// renewal waits for it.
+    fn third_of_lease(&self, job: &Job) -> Duration {
+        let ttl = Duration::from_millis(job.lease.as_ref().map_or(0, |l| l.ttl_ms));
+        (ttl / 3).max(Duration::from_millis(1))
+    }
+
     /// The server holds `acked` bytes of the log: journal that, then let the spool go of
     /// them. Less than the journal already holds means the server lost acknowledged bytes,
     /// which the spool no longer has: the job completes without a log.
@@ -129,7 +135,10 @@ impl Agent {
     pub(super) fn seal(&mut self, key: &JobKey, job: &Job, who: &str, body: Seal) -> Result<Turn, Fatal> {
         let artifact = job.callback.as_ref().and_then(|c| c.log_artifact_id.clone()).expect("a log artifact");
         let route = Route::Seal(attempt_path(&self.cfg, key, job), artifact);
-        match self.client.call::<Seal, ArtifactReply>(&route, &body) {
+        // The server composes the artifact meanwhile; a seal that takes longer than a third
+        // of the lease is repeated after a renewal, and joins the composition in progress.
+        let within = self.third_of_lease(job).min(self.cfg.call_timeout);
+        match self.client.call_within::<Seal, ArtifactReply>(&route, &body, within) {
             Ok(reply) if matches!(reply.result, Outcome::Stored | Outcome::AlreadyStored) => {
                 self.call_ok();
                 self.settle_version(key, job)?;

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod scratch;
+pub mod throttle;
 pub use scratch::TempDir;
 
 /// How long any one condition may take before the test fails.
@@ -412,6 +413,8 @@ pub struct JournalView {
     pub frames: Vec<(u64, u64)>,
     pub jobs: Vec<String>,
     pub torn: u64,
+    /// The last acknowledged live-log offset on record (any job).
+    pub log_acked: u64,
 }
 
 pub fn read_journal(state_dir: &Path) -> JournalView {
@@ -435,6 +438,7 @@ pub fn read_journal(state_dir: &Path) -> JournalView {
             |r: &Value| format!("{}/{}", r["sessionId"].as_str().unwrap_or(""), r["attemptId"].as_str().unwrap_or(""));
         match kind.as_str() {
             "offered" => view.jobs.push(job(&record)),
+            "logAcked" => view.log_acked = record["acked"].as_u64().unwrap_or_default(),
             "dropped" => {
                 let key = job(&record["job"]);
                 view.jobs.retain(|j| *j != key);

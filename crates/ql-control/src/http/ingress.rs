@@ -55,6 +55,8 @@ pub(super) struct Shared<S, B> {
     pub(super) blobs: B,
     pub(super) cfg: IngressConfig,
     pub(super) stats: Arc<IngressStats>,
+    /// The seals being composed in this process (see [`super::log`]).
+    pub(super) sealing: log::Sealing,
 }
 
 /// The per-connection hyper service: the shared parts and the connection's principal,
@@ -145,7 +147,7 @@ impl Answer {
 }
 
 async fn handle<S: Store, B: BlobStore>(
-    shared: &Shared<S, B>,
+    shared: &Arc<Shared<S, B>>,
     principal: Option<WorkerId>,
     req: Request<Incoming>,
     reset: &Reset,
@@ -250,7 +252,7 @@ fn decode<T: Body>(bytes: &[u8]) -> Result<T, Answer> {
 }
 
 async fn json_route<S: Store, B: BlobStore>(
-    shared: &Shared<S, B>,
+    shared: &Arc<Shared<S, B>>,
     route: Route,
     length: u64,
     mut body: Incoming,
@@ -273,7 +275,7 @@ async fn json_route<S: Store, B: BlobStore>(
 }
 
 async fn json_command<S: Store, B: BlobStore>(
-    shared: &Shared<S, B>,
+    shared: &Arc<Shared<S, B>>,
     route: Route,
     bytes: &[u8],
 ) -> Result<Answer, Answer> {

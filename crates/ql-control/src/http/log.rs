@@ -11,12 +11,19 @@
 //!
 //! The seal marks the log sealed in the database first ([`Command::SealLog`]: no chunk is
 //! accepted after it), then composes the artifact from the acknowledged chunks through
-//! the same put-if-absent upload a `PUT` uses, so it answers exactly as the `PUT` does; a
-//! repeated seal composes the same bytes again and is `already_stored`.
+//! the same put-if-absent upload a `PUT` uses, so it answers exactly as the `PUT` does.
+//! Composing 64 MiB takes a while, and the agent gives a request only a third of its
+//! lease: the composition runs as a task of its own that outlives a request that gave up
+//! ([`Sealing`]), a repeated seal joins the one in progress, and once the artifact is
+//! stored a repeat is answered from its receipt (`already_stored`) without composing.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::StatusCode;
+use tokio::sync::watch;
 
 use ql_wire::artifact::ArtifactReply;
 use ql_wire::frame::{FrameError, Item, LogChunkDecoder};
@@ -142,9 +149,17 @@ async fn acknowledged_equals<S: Store, B: BlobStore>(
     Ok(same_bytes(header.offset, content, &stored))
 }
 
+/// How a composition ended: the store's outcome, or `Err` when the stores failed.
+type Composed = Option<Result<PutOutcome, ()>>;
+
+/// The compositions in progress in this process, by artifact: a repeated seal waits for
+/// the one already running instead of composing the same bytes again.
+#[derive(Default)]
+pub(super) struct Sealing(Mutex<HashMap<ArtifactKey, watch::Receiver<Composed>>>);
+
 /// `artifacts/{id}:seal`. See the module doc.
 pub(super) async fn seal<S: Store, B: BlobStore>(
-    shared: &Shared<S, B>,
+    shared: &Arc<Shared<S, B>>,
     path: AttemptPath,
     artifact: ArtifactId,
     body: Seal,
@@ -155,11 +170,15 @@ pub(super) async fn seal<S: Store, B: BlobStore>(
         other => return answer(other),
     };
     let key = key(project, &path, artifact);
-    let chunks = match shared.store.log_chunks(&path.attempt).await {
-        Ok(chunks) => chunks,
-        Err(_) => return Answer::refuse(ErrorCode::Unavailable),
+    let outcome = match shared.blobs.inspect(&key).await {
+        Err(_) => Err(()),
+        Ok(Some(receipt)) if receipt.length == length && receipt.truncated == truncated => {
+            Ok(PutOutcome::AlreadyStored(receipt))
+        }
+        Ok(Some(_)) => Ok(PutOutcome::Conflict),
+        Ok(None) => composed(shared, key, length, truncated).await,
     };
-    match compose(&shared.blobs, &key, &chunks, length, truncated).await {
+    match outcome {
         Ok(PutOutcome::Stored(receipt)) => {
             Answer::ok(StatusCode::OK, &ArtifactReply { result: Outcome::Stored, receipt })
         }
@@ -169,6 +188,41 @@ pub(super) async fn seal<S: Store, B: BlobStore>(
         Ok(PutOutcome::Conflict) => Answer::refuse(ErrorCode::ArtifactConflict),
         Err(()) => Answer::refuse(ErrorCode::Unavailable),
     }
+}
+
+/// The outcome of composing `key`: joins the composition in progress, or starts one as a
+/// task of its own, which finishes even if this request is abandoned.
+async fn composed<S: Store, B: BlobStore>(
+    shared: &Arc<Shared<S, B>>,
+    key: ArtifactKey,
+    length: u64,
+    truncated: bool,
+) -> Result<PutOutcome, ()> {
+    let mut done = {
+        let mut sealing = shared.sealing.0.lock().unwrap_or_else(|e| e.into_inner());
+        match sealing.get(&key) {
+            Some(running) => running.clone(),
+            None => {
+                let (tx, rx) = watch::channel(None);
+                sealing.insert(key.clone(), rx.clone());
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    let outcome = match shared.store.log_chunks(&key.attempt).await {
+                        Ok(chunks) => compose(&shared.blobs, &key, &chunks, length, truncated).await,
+                        Err(_) => Err(()),
+                    };
+                    shared.sealing.0.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+                    let _ = tx.send(Some(outcome));
+                });
+                rx
+            }
+        }
+    };
+    let outcome = match done.wait_for(Option::is_some).await {
+        Ok(outcome) => outcome.clone().unwrap_or(Err(())),
+        Err(_) => Err(()),
+    };
+    outcome
 }
 
 /// Streams the acknowledged chunks, in order, into one put-if-absent upload of `length`

@@ -34,6 +34,7 @@ use std::time::Duration;
 
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use log::Sealing;
 use rustls::ServerConfig;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
@@ -156,7 +157,7 @@ pub async fn serve_until<S: Store, B: BlobStore>(
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
     let (stop, stopped) = watch::channel(false);
-    let shared = Arc::new(Shared { store, blobs, cfg, stats: Arc::default() });
+    let shared = Arc::new(Shared { store, blobs, cfg, stats: Arc::default(), sealing: Sealing::default() });
     let server = run(listener, TlsAcceptor::from(tls), shared, stopped);
     tokio::pin!(server);
     tokio::select! {
@@ -179,7 +180,7 @@ pub fn spawn<S: Store, B: BlobStore>(
     let local_addr = listener.local_addr()?;
     let stats = Arc::<IngressStats>::default();
     let (stop, stopped) = watch::channel(false);
-    let shared = Arc::new(Shared { store, blobs, cfg, stats: stats.clone() });
+    let shared = Arc::new(Shared { store, blobs, cfg, stats: stats.clone(), sealing: Sealing::default() });
     let task = tokio::spawn(run(listener, TlsAcceptor::from(tls), shared, stopped));
     Ok(Ingress { local_addr, stats, stop, task })
 }
