@@ -3,7 +3,8 @@
 //! against a deadline (nothing sleeps to synchronise).
 //!
 //! The `ql-control` binary is built on first use (`cargo build -p ql-control`, with the
-//! same profile and target directory as the test), or taken from `QL_CONTROL_BIN`.
+//! same profile and target directory as the test), or taken from `QL_CONTROL_BIN`; the
+//! agent is this build's, or `QL_AGENT_BIN`.
 // Each test crate uses a different part of this module.
 #![allow(dead_code, unreachable_pub)]
 
@@ -64,6 +65,12 @@ pub fn control_bin() -> &'static Path {
         Some(bin) => PathBuf::from(bin),
         None => build_control(&[]),
     })
+}
+
+/// The `ql-agent` under test: this build's, or `QL_AGENT_BIN` (to hold another build, an
+/// older release say, to the same tests).
+pub fn agent_bin() -> PathBuf {
+    std::env::var_os("QL_AGENT_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ql-agent")), PathBuf::from)
 }
 
 /// Polls `f` until it yields a value or [`DEADLINE`] passes.
@@ -283,11 +290,11 @@ impl Agent {
             defaults.iter().filter(|(k, _)| !extra.iter().any(|(e, _)| e == k)).chain(extra).copied().collect();
         let text = agent_config(&control.url, &root.join("creds"), &root.join("agent-state"), &settings);
         fs::write(&config, text).unwrap();
-        Self::spawn_with(Path::new(env!("CARGO_BIN_EXE_ql-agent")), &root.join("agent.err"), config, env)
+        Self::spawn_with(&agent_bin(), &root.join("agent.err"), config, env)
     }
 
     pub fn spawn(root: &Path, config: PathBuf) -> Agent {
-        Self::spawn_with(Path::new(env!("CARGO_BIN_EXE_ql-agent")), &root.join("agent.err"), config, &[])
+        Self::spawn_with(&agent_bin(), &root.join("agent.err"), config, &[])
     }
 
     /// `ql-agent run --config config` with `env` added; stderr appended to `log`.

@@ -176,8 +176,86 @@ pub fn same_bytes(offset: u64, content: &[u8], stored: &[(LogChunk, Vec<u8>)]) -
 
 #[cfg(test)]
 mod tests {
+    use super::super::testkit::{applied, fence, path, world, NOW};
     use super::*;
     use ql_wire::ids::AttemptId;
+    use ql_wire::log::LogChunkSchema;
+
+    fn log_id() -> ArtifactId {
+        ArtifactId::parse("log").unwrap()
+    }
+
+    /// A running attempt that declared the log artifact, with `acked` bytes acknowledged.
+    fn running(acked: u64) -> Rows {
+        let mut rows = world(AttemptStatus::Running);
+        let attempt = rows.attempt.as_mut().unwrap();
+        attempt.log_artifact = Some(log_id());
+        attempt.log_acked = acked;
+        rows
+    }
+
+    fn header(offset: u64, len: u64) -> LogChunkHeader {
+        LogChunkHeader::new(fence(), LogChunkSchema, log_id(), offset, len)
+    }
+
+    #[test]
+    fn a_chunk_is_placed_by_its_offset_against_the_acknowledged_length() {
+        let rows = running(100);
+        let p = path(&rows);
+        let plan = |offset, len| match admit_chunk(&p, &header(offset, len), &rows, NOW).reply {
+            Ok(Reply::ChunkAdmitted(a)) => Ok(a.plan),
+            Ok(Reply::LogOffsetConflict(acked)) => Err(Some(acked)),
+            Ok(other) => panic!("{other:?}"),
+            Err(_) => Err(None),
+        };
+        assert_eq!(plan(100, 1), Ok(ChunkPlan::Append));
+        assert_eq!(plan(0, 100), Ok(ChunkPlan::Replay));
+        assert_eq!(plan(99, 1), Ok(ChunkPlan::Replay));
+        for (offset, len) in [(101, 1), (99, 2), (0, 101), (200, 5)] {
+            assert_eq!(plan(offset, len), Err(Some(100)), "{offset}+{len}");
+        }
+        // No admission ever writes.
+        assert!(admit_chunk(&p, &header(100, 1), &rows, NOW).writes.is_empty());
+    }
+
+    #[test]
+    fn an_append_writes_the_length_and_the_chunk_and_a_repeat_then_conflicts() {
+        let rows = running(0);
+        let p = path(&rows);
+        let sha = Digest::of(b"hello");
+        let d = append(&p, &header(0, 5), &sha, &rows, NOW);
+        assert_eq!(d.reply, Ok(Reply::LogAppended(LogAppendReply { result: Outcome::Appended, acked: 5 })));
+        let after = applied(&rows, &d);
+        assert_eq!(after.attempt.as_ref().unwrap().log_acked, 5);
+        assert!(d
+            .writes
+            .iter()
+            .any(|w| matches!(w, Write::LogChunk(c) if c.offset == 0 && c.length == 5 && c.sha256 == sha)));
+        let again = append(&p, &header(0, 5), &sha, &after, NOW);
+        assert_eq!((again.reply, again.writes.len()), (Ok(Reply::LogOffsetConflict(5)), 0));
+    }
+
+    #[test]
+    fn the_log_limit_the_seal_and_the_state_refuse_without_writes() {
+        let limit = running(0).run.unwrap().spec.log_limit_bytes;
+        let full = running(limit);
+        let p = path(&full);
+        let refused = |d: Decision, code| {
+            assert_eq!(d.reply, Err(code));
+            assert!(d.writes.is_empty());
+        };
+        refused(admit_chunk(&p, &header(limit, 1), &full, NOW), ErrorCode::PayloadTooLarge);
+        let seal_body = |len| Seal::new(fence(), len, false);
+        assert_eq!(seal(&p, &log_id(), &seal_body(limit - 1), &full, NOW).reply, Ok(Reply::LogOffsetConflict(limit)));
+        let sealed = applied(&full, &seal(&p, &log_id(), &seal_body(limit), &full, NOW));
+        assert!(sealed.attempt.as_ref().unwrap().log_sealed);
+        refused(admit_chunk(&p, &header(limit, 1), &sealed, NOW), ErrorCode::StateConflict);
+        assert!(seal(&p, &log_id(), &seal_body(limit), &sealed, NOW).writes.is_empty(), "a repeated seal");
+        let other = ArtifactId::parse("other").unwrap();
+        refused(seal(&p, &other, &seal_body(limit), &full, NOW), ErrorCode::ArtifactConflict);
+        let starting = world(AttemptStatus::Starting);
+        refused(admit_chunk(&path(&starting), &header(0, 1), &starting, NOW), ErrorCode::StateConflict);
+    }
 
     fn chunk(offset: u64, bytes: &[u8]) -> (LogChunk, Vec<u8>) {
         let c = LogChunk {
