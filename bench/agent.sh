@@ -10,8 +10,8 @@
 #     is its own; the most threads seen while the jobs ran, and (with strace, which the
 #     1 MiB agent runs under) every thread the agent created in its life;
 #   - the live log (PROTOCOL section 13): for each 64 MiB job, the time from its last byte
-#     (the process's end, the completion's `finishedAt` evidence) to `succeeded` (the run's
-#     `finishedAt`), and the whole run from `running` to `succeeded` (the log streams
+#     (the job stamps the wall clock into a file once `head` has written it) to `succeeded`
+#     (the run's `finishedAt`), and the whole run from `running` to `succeeded` (the log streams
 #     while the job runs; the job is held back by its pipe as fast as the log goes out);
 #     next to it a `curl --data-binary` of the same 64 MiB as one artifact frame to the same
 #     server (`ack_bench --frame-out` prepares the attempt), timed after the TLS handshake:
@@ -134,10 +134,12 @@ sample_threads() {
     sleep 0.02
   done
 }
-# Submits a job printing $1 bytes and waits until its run has succeeded; sets $run.
+# Submits a job printing $1 bytes (then stamping the time into $work/last-byte) and waits
+# until its run has succeeded; sets $run.
 run_job() {
   local status=
-  run=$("$control" submit --dir "$work/control" --log-limit "$1" -- head -c "$1" /dev/zero)
+  run=$("$control" submit --dir "$work/control" --log-limit "$1" -- sh -c \
+    "head -c $1 /dev/zero; date +%s%3N >$work/last-byte")
   for _ in $(seq 1200); do
     status=$("$control" show "$run" --dir "$work/control" --json | sed -n 's/^  "status": "\(.*\)",$/\1/p')
     case "$status" in succeeded) return 0 ;; failed | cancelled | timed_out) break ;; esac
@@ -147,15 +149,16 @@ run_job() {
   "$control" show "$run" --dir "$work/control" >&2
   exit 1
 }
-# The run's times, from `show --json`: "<last byte to succeeded ms> <running to succeeded ms>".
+# The run's times, from `show --json` and the job's stamp of its last byte (ms since the
+# epoch, in file $2): "<last byte to succeeded ms> <running to succeeded ms>".
 run_times() {
   "$control" show "$1" --dir "$work/control" --json | python3 -c '
 import json, sys
-from datetime import datetime
-t = lambda s: datetime.strptime(s, "%Y-%m-%dT%H:%M:%S.%fZ").timestamp() * 1000
+from datetime import datetime, timezone
+t = lambda s: datetime.strptime(s, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp() * 1000
 run = json.load(sys.stdin)
-done = next(e for e in run["events"] if e["type"] == "attempt.completed")
-print(round(t(run["finishedAt"]) - t(done["payload"]["finishedAt"])), round(t(run["finishedAt"]) - t(run["startedAt"])))'
+last = int(open(sys.argv[1]).read())
+print(round(t(run["finishedAt"]) - last), round(t(run["finishedAt"]) - t(run["startedAt"])))' "$2"
 }
 
 echo "# ql-agent footprint on $(uname -m), $(nproc) cores, Linux $(uname -r); load $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -211,7 +214,7 @@ for case in 1 64; do
   for i in $(seq 0 $((n - 1))); do
     run_job "$bytes"
     [ "$case" = 64 ] || continue
-    read -r tail whole < <(run_times "$run")
+    read -r tail whole < <(run_times "$run" "$work/last-byte")
     tail_ms+=("$tail")
     whole_ms+=("$whole")
     # The same bytes with curl, right after the agent's upload, to the same server.

@@ -138,12 +138,14 @@ impl Agent {
         // The server composes the artifact meanwhile; a seal that takes longer than a third
         // of the lease is repeated after a renewal, and joins the composition in progress.
         let within = self.third_of_lease(job).min(self.cfg.call_timeout);
+        let started = Instant::now();
         match self.client.call_within::<Seal, ArtifactReply>(&route, &body, within) {
             Ok(reply) if matches!(reply.result, Outcome::Stored | Outcome::AlreadyStored) => {
                 self.call_ok();
                 self.settle_version(key, job)?;
                 let r = &reply.receipt;
-                info!("{who}: log sealed ({} bytes{})", r.length, if r.truncated { ", truncated" } else { "" });
+                let truncated = if r.truncated { ", truncated" } else { "" };
+                info!("{who}: log sealed ({} bytes{truncated}) in {} ms", r.length, started.elapsed().as_millis());
                 self.commit(&Record::ArtifactStored { job: key.clone(), receipt: reply.receipt })?;
                 Ok(Turn::Moved)
             }

@@ -131,6 +131,9 @@ fn chunk_path(dir: &Path, artifact: &ArtifactId, offset: u64, sha256: &Digest) -
 /// overwriting: an existing file of that name holds these very bytes), then the
 /// directory chain fsynced, so the chunk is durable before the database acknowledges it.
 fn write_chunk(store: &FsBlobStore, dir: &Path, path: &Path, bytes: &[u8]) -> Result<(), BlobError> {
+    // Only a directory made now needs its ancestors synced; after the first chunk of an
+    // attempt, syncing the attempt's own directory is enough.
+    let fresh = !dir.is_dir();
     make_dirs(dir)?;
     let tmp = dir.join(format!(".chunk.{}.tmp", random_suffix()?));
     let written = (|| -> std::io::Result<()> {
@@ -153,7 +156,11 @@ fn write_chunk(store: &FsBlobStore, dir: &Path, path: &Path, bytes: &[u8]) -> Re
         }
         Err(e) => return Err(e.into()),
     }
-    store.sync_chain(dir)?;
+    if fresh {
+        store.sync_chain(dir)?;
+    } else {
+        sync_dir(dir)?;
+    }
     Ok(())
 }
 
