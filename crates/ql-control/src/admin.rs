@@ -63,6 +63,9 @@ pub fn submit_request(args: &SubmitArgs) -> Result<Submit, String> {
             };
             (None, Some(Script { interpreter, source }))
         }
+        (None, false) if args.interpreter.is_some() => {
+            return Err("--interpreter runs a --script; a program after `--` runs as it is".into());
+        }
         (None, false) => (Some(args.argv.clone()), None),
         (Some(_), false) => return Err("give either a program after `--` or --script, not both".into()),
         (None, true) => return Err("nothing to run: give a program after `--`, or --script FILE".into()),
@@ -73,6 +76,7 @@ pub fn submit_request(args: &SubmitArgs) -> Result<Submit, String> {
         env.insert(EnvName::parse(k.as_str()).map_err(|e| format!("--env {k:?}: {e}"))?, v);
     }
     let labels = args.labels.iter().map(|l| pair(l, "--label")).collect::<Result<_, _>>()?;
+    crate::core::check_labels(&labels).map_err(|e| format!("--label: {e}"))?;
     let spec = ExecutionSpec {
         schema: SpecSchema,
         project_id: project.clone(),

@@ -26,7 +26,7 @@ pub(crate) mod testkit;
 
 pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
 pub use log::{same_bytes, ChunkAdmitted, ChunkPlan};
-pub use operator::{CancelOutcome, Submit};
+pub use operator::{check_labels, CancelOutcome, Submit};
 pub use start::{EXECUTION_CANCELLED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED};
 pub use sweep::{LEASE_LOST, OFFER_EXPIRED};
 

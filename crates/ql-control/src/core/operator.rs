@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 
 use ql_wire::ids::ProjectId;
 use ql_wire::lease::StopIntent;
+use ql_wire::limits::LABELS_MAX;
 use ql_wire::spec::ExecutionSpec;
+use ql_wire::text::{LabelKey, LabelValue};
 
 use super::start::{run_transition, transition, EXECUTION_CANCELLED};
 use super::{event, Decision, IdGen, Reply, Rows, Write};
@@ -36,8 +38,23 @@ pub enum CancelOutcome {
     AlreadyEnded(RunStatus),
 }
 
+/// Why a run's labels could never be matched: a session declares at most
+/// [`LABELS_MAX`] labels, each a valid [`LabelKey`] and [`LabelValue`], so a run asking for
+/// anything else would stay queued for ever.
+pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), String> {
+    if labels.len() > LABELS_MAX {
+        return Err(format!("at most {LABELS_MAX} labels, not {}: no worker could carry them all", labels.len()));
+    }
+    for (key, value) in labels {
+        LabelKey::parse(key.as_str()).map_err(|e| format!("label {key:?}: {e}; no worker could declare it"))?;
+        LabelValue::parse(value.as_str())
+            .map_err(|e| format!("label {key:?} value {value:?}: {e}; no worker could declare it"))?;
+    }
+    Ok(())
+}
+
 pub(super) fn submit(s: &Submit, now: Millis, ids: &mut IdGen) -> Decision {
-    if s.spec.project_id != s.project || s.spec.validate().is_err() {
+    if s.spec.project_id != s.project || s.spec.validate().is_err() || check_labels(&s.labels).is_err() {
         return Decision::refuse(ErrorCode::InvalidRequest);
     }
     let run = Run {
@@ -164,6 +181,25 @@ mod tests {
         let mut bad = submit_req();
         bad.spec.timeout_ms = 0;
         assert_eq!(submit(&bad, NOW, &mut ids()), Decision::refuse(ErrorCode::InvalidRequest));
+    }
+
+    #[test]
+    fn submit_refuses_labels_no_worker_could_ever_declare() {
+        let with = |pairs: Vec<(String, String)>| Submit { labels: pairs.into_iter().collect(), ..submit_req() };
+        let ok = with(vec![("site".into(), "attic".into()), ("arch/mips".into(), "24kc".into())]);
+        assert!(submit(&ok, NOW, &mut ids()).reply.is_ok());
+        let many = with((0..17).map(|i| (format!("l{i}"), "v".into())).collect());
+        let refused = [
+            with(vec![("A".into(), "b".into())]),
+            with(vec![("site".into(), "a\nb".into())]),
+            with(vec![("".into(), "x".into())]),
+            with(vec![("k".into(), "v".repeat(129))]),
+            many,
+        ];
+        for bad in refused {
+            assert_eq!(submit(&bad, NOW, &mut ids()), Decision::refuse(ErrorCode::InvalidRequest), "{:?}", bad.labels);
+            assert!(check_labels(&bad.labels).is_err());
+        }
     }
 
     #[test]

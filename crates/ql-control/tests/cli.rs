@@ -1,0 +1,49 @@
+//! The operator CLI refuses what could never run, says why, and changes nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ql-control");
+
+struct Dir(PathBuf);
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `ql-control <args[0]> --dir <dir> <args[1..]>`: the directory before any `--`.
+fn cli(dir: &Path, args: &[&str]) -> Output {
+    Command::new(BIN).arg(args[0]).arg("--dir").arg(dir).args(&args[1..]).output().unwrap()
+}
+
+#[test]
+fn submit_refuses_labels_no_worker_carries_and_an_interpreter_without_a_script() {
+    let root = Dir(std::env::temp_dir().join(format!("ql-cli-submit-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&root.0);
+    let dir = root.0.join("state");
+    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&dir).output().unwrap();
+    assert!(init.status.success(), "{}", String::from_utf8_lossy(&init.stderr));
+    let before = cli(&dir, &["runs"]).stdout;
+    let many: Vec<String> = (0..17).map(|i| format!("l{i}=v")).collect();
+    let mut seventeen = vec!["submit"];
+    for label in &many {
+        seventeen.extend(["--label", label]);
+    }
+    seventeen.extend(["--", "true"]);
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["submit", "--label", "A=b", "--", "true"], "no worker could declare it"),
+        (vec!["submit", "--label", "site=a\nb", "--", "true"], "no worker could declare it"),
+        (seventeen, "at most 16 labels"),
+        (vec!["submit", "--interpreter", "bash", "--", "true"], "--interpreter runs a --script"),
+    ];
+    for (args, says) in cases {
+        let out = cli(&dir, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+    }
+    assert_eq!(cli(&dir, &["runs"]).stdout, before, "nothing was queued");
+    let ok = cli(&dir, &["submit", "--label", "site=attic", "--", "true"]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+}
