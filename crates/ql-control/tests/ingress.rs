@@ -654,19 +654,21 @@ fn every_route_succeeds_over_one_keep_alive_connection() {
     let client = server.client("router-1");
     server.submit();
     server.submit();
+    server.submit();
 
     // Sessions.
-    let (session, generation) = client.open(2);
+    let (session, generation) = client.open(3);
     let hb: HeartbeatReply = client
         .post(&Route::Heartbeat(wid("router-1"), session.clone()), &Heartbeat { generation, draining: false })
         .json(200);
     assert_eq!(hb.status, SessionStatus::Online);
 
     // Delivery.
-    let offers = client.poll(&session, generation, 0, 2);
-    assert_eq!(offers.offers.len(), 2);
+    let offers = client.poll(&session, generation, 0, 3);
+    assert_eq!(offers.offers.len(), 3);
     let mut job = client.claim(&session, generation, &offers.offers[0]);
     let failing = client.claim(&session, generation, &offers.offers[1]);
+    let framed = client.claim(&session, generation, &offers.offers[2]);
 
     // Start ACKs, renewal.
     assert_eq!(client.starting(&job).result, Outcome::Started);
@@ -685,18 +687,22 @@ fn every_route_succeeds_over_one_keep_alive_connection() {
     assert_eq!(sealed.receipt.sha256, Digest::of(&[first.as_slice(), &second].concat()));
     assert_eq!(server.inspect(&job.key(&log_id())), Some(sealed.receipt.clone()));
 
-    // Another artifact in one frame, streamed with `Expect: 100-continue`, 1 MiB.
-    let trace = ArtifactId::parse("trace").unwrap();
-    let blob = content(1024 * 1024, 9);
-    let stored: ArtifactReply = client.put_artifact(&job.artifact_route(&trace), &job.frame(&blob)).json(200);
-    assert_eq!(stored.result, Outcome::Stored);
-    assert_eq!(stored.receipt.length, blob.len() as u64);
-    assert_eq!(stored.receipt.sha256, Digest::of(&blob));
-    assert_eq!(server.inspect(&job.key(&trace)), Some(stored.receipt.clone()));
-
     // Completion, with the receipt re-inspected by the server.
     let done: CompletionReply =
         client.post(&job.route(AttemptCommand::Completion), &job.completion(0, Some(sealed.receipt))).json(200);
+    assert_eq!((done.result, done.status), (Outcome::Completed, TerminalStatus::Succeeded));
+
+    // A job that ends before its `running` ACK: its log in one frame, streamed with
+    // `Expect: 100-continue`, 1 MiB, then the completion from `starting`.
+    assert_eq!(client.starting(&framed).result, Outcome::Started);
+    let blob = content(1024 * 1024, 9);
+    let stored: ArtifactReply = client.put_artifact(&framed.artifact_route(&log_id()), &framed.frame(&blob)).json(200);
+    assert_eq!(stored.result, Outcome::Stored);
+    assert_eq!(stored.receipt.length, blob.len() as u64);
+    assert_eq!(stored.receipt.sha256, Digest::of(&blob));
+    assert_eq!(server.inspect(&framed.key(&log_id())), Some(stored.receipt.clone()));
+    let done: CompletionReply =
+        client.post(&framed.route(AttemptCommand::Completion), &framed.completion(0, Some(stored.receipt))).json(200);
     assert_eq!((done.result, done.status), (Outcome::Completed, TerminalStatus::Succeeded));
 
     // start-failure on the second attempt.
@@ -705,8 +711,8 @@ fn every_route_succeeds_over_one_keep_alive_connection() {
     let failed: AckReply = client.post(&failing.route(AttemptCommand::StartFailure), &body).json(200);
     assert_eq!(failed.result, Outcome::Failed);
 
-    // Twelve routes, fifteen requests, one TCP connection.
-    assert_eq!(server.stats().requests(), 15);
+    // Twelve routes, eighteen requests, one TCP connection.
+    assert_eq!(server.stats().requests(), 18);
     assert_eq!(server.stats().connections(), 1, "the agent's one keep-alive connection served everything");
     assert_eq!(server.stats().handshake_failures(), 0);
 
@@ -1090,6 +1096,30 @@ fn a_body_cut_off_by_the_client_stores_nothing() {
     }
     case.server.wait_for("the connection to end", |st| st.closed() == 1);
     case.assert_untouched();
+}
+
+#[test]
+fn an_upload_that_outlives_its_run_is_refused_at_its_end_and_not_stored() {
+    let case = UploadCase::new("artifact-outlived");
+    let frame = case.job.frame(&content(100_000, 4));
+    let mut raw = case.server.raw("router-1");
+    let ct = format!("content-type: {ARTIFACT_MEDIA_TYPE}");
+    let cl = format!("content-length: {}", frame.len());
+    raw.head("PUT", &case.path(), &[&ct, &cl]).unwrap();
+    raw.send(&frame[..frame.len() / 2]).unwrap();
+    // The upload was admitted and its content is arriving (the store holds it aside)...
+    let dir = case.server.dir.path().join("artifacts").join("default").join(case.job.path.run.as_str());
+    let dir = dir.join(case.job.path.attempt.as_str());
+    let pending = || std::fs::read_dir(&dir).map_or(0, |d| d.filter_map(Result::ok).count());
+    wait_until("the upload to be admitted", || pending() > 0);
+    // ...when the run ends some other way.
+    let done: CompletionReply =
+        case.client.post(&case.job.route(AttemptCommand::Completion), &case.job.completion(0, None)).json(200);
+    assert_eq!(done.status, TerminalStatus::Succeeded);
+    raw.send(&frame[frame.len() / 2..]).unwrap();
+    assert_eq!(raw.response().unwrap().error(), ErrorCode::AlreadyTerminal);
+    assert_eq!(case.server.inspect(&case.job.key(&log_id())), None, "nothing stored");
+    assert_eq!(pending(), 0, "the content held aside is gone");
 }
 
 #[test]

@@ -4,6 +4,7 @@ use serde_json::json;
 
 use ql_wire::artifact::{ArtifactHeader, Receipt};
 use ql_wire::completion::{Completion, CompletionReply, TerminalStatus};
+use ql_wire::ids::ArtifactId;
 use ql_wire::lease::StopIntent;
 use ql_wire::limits::FINISHED_AT_SKEW_MS;
 use ql_wire::route::AttemptPath;
@@ -20,11 +21,18 @@ pub const EXECUTION_FAILED: &str = "EXECUTION_FAILED";
 /// The event type of a completion; replays compare against it.
 pub const COMPLETION_EVENT: &str = "attempt.completed";
 
+/// Before any content is read: the fence, a live lease, and a quota — the log artifact
+/// the `running` ACK declared (once declared, no other id), no longer than the spec's
+/// log limit. With `confirm`, the same once the content has arrived, except that a lease
+/// that lapsed meanwhile still counts until it is swept (as for the completion): an upload
+/// that outlived its lease's sweep is not stored.
 pub(super) fn admit_artifact(
     path: &AttemptPath,
+    artifact: &ArtifactId,
     header: &ArtifactHeader,
     rows: &Rows,
     now: Millis,
+    confirm: bool,
 ) -> Result<Decision, ErrorCode> {
     let fence = header.fence();
     let held = identify(path, &fence, rows, now, SessionNeed::SameGeneration)?;
@@ -34,7 +42,13 @@ pub(super) fn admit_artifact(
     if !matches!(held.attempt.status, AttemptStatus::Starting | AttemptStatus::Running) {
         return Err(ErrorCode::StateConflict);
     }
-    live(&held, &fence, now, true)?;
+    live(&held, &fence, now, !confirm)?;
+    if held.attempt.log_artifact.as_ref().is_some_and(|declared| declared != artifact) {
+        return Err(ErrorCode::ArtifactConflict);
+    }
+    if header.content_length > held.run.spec.log_limit_bytes {
+        return Err(ErrorCode::PayloadTooLarge);
+    }
     Ok(Decision::answer(Reply::ArtifactAdmitted(held.run.project.clone())))
 }
 

@@ -84,6 +84,8 @@ pub enum Command {
     Renew(AttemptPath, Fence),
     /// The fence check before an artifact's content is read.
     AdmitArtifact(AttemptPath, ArtifactId, ArtifactHeader),
+    /// The same check once the content has arrived, before it is stored.
+    ConfirmArtifact(AttemptPath, ArtifactId, ArtifactHeader),
     /// The checks before a live-log chunk's content is read.
     AdmitLogChunk(AttemptPath, LogChunkHeader),
     /// A live-log chunk whose content (with this digest) is durable in the artifact store.
@@ -339,6 +341,7 @@ impl Command {
             | Self::StartFailure(p, _)
             | Self::Renew(p, _)
             | Self::AdmitArtifact(p, ..)
+            | Self::ConfirmArtifact(p, ..)
             | Self::AdmitLogChunk(p, _)
             | Self::AppendLog(p, ..)
             | Self::SealLog(p, ..) => attempt(p),
@@ -363,8 +366,11 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
             start::start_failure(p, body, rows, now, ids).unwrap_or_else(Decision::refuse)
         }
         Command::Renew(p, fence) => start::renew(p, fence, rows, now).unwrap_or_else(Decision::refuse),
-        Command::AdmitArtifact(p, _, header) => {
-            finish::admit_artifact(p, header, rows, now).unwrap_or_else(Decision::refuse)
+        Command::AdmitArtifact(p, artifact, header) => {
+            finish::admit_artifact(p, artifact, header, rows, now, false).unwrap_or_else(Decision::refuse)
+        }
+        Command::ConfirmArtifact(p, artifact, header) => {
+            finish::admit_artifact(p, artifact, header, rows, now, true).unwrap_or_else(Decision::refuse)
         }
         Command::AdmitLogChunk(p, header) => log::admit_chunk(p, header, rows, now),
         Command::AppendLog(p, header, sha256) => log::append(p, header, sha256, rows, now),

@@ -13,7 +13,9 @@
 //! its transaction ([`Command::AdmitArtifact`]). A fence refusal is answered without
 //! reading any content. Only an admitted upload streams its content, frame by frame,
 //! through the [`FrameDecoder`] into the artifact store; memory stays bounded by one
-//! frame, whatever the artifact's size. The live-log routes (PROTOCOL §13) are in
+//! frame, whatever the artifact's size. Before the upload is made visible the fence is
+//! checked once more ([`Command::ConfirmArtifact`]): content that trickled in until after
+//! its lease was swept, or its run ended, is discarded. The live-log routes (PROTOCOL §13) are in
 //! [`super::log`]: a chunk is framed the same way and admitted the same way.
 
 use std::convert::Infallible;
@@ -451,6 +453,7 @@ async fn put_artifact<S: Store, B: BlobStore>(
     // 2. The fence, re-checked under the store's transaction; the database is released
     //    before any content moves.
     let (content_length, truncated) = (header.content_length, header.truncated);
+    let confirm = Command::ConfirmArtifact(path.clone(), artifact.clone(), header.clone());
     let admitted = shared.store.execute(Command::AdmitArtifact(path.clone(), artifact.clone(), header)).await;
     let project = match admitted {
         Ok(Ok(Reply::ArtifactAdmitted(project))) => project,
@@ -493,6 +496,13 @@ async fn put_artifact<S: Store, B: BlobStore>(
     }
 
     // The body was read to its end, so the connection stays usable whatever the outcome.
+    // The lease may have been swept (or the run ended) while the content crawled in: then
+    // it is not stored.
+    match shared.store.execute(confirm).await {
+        Ok(Ok(Reply::ArtifactAdmitted(_))) => {}
+        Ok(Err(code)) => return Answer::refuse(code),
+        Ok(Ok(_)) | Err(_) => return Answer::refuse(ErrorCode::Unavailable),
+    }
     let finished = upload.finish().await;
     after_commit(injected).await;
     match finished {

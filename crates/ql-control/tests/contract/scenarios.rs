@@ -244,6 +244,16 @@ pub async fn the_live_log_appends_at_the_acknowledged_offset_then_seals<B: Backe
     refused(&store, admit(&h, 11, limit - 10), ErrorCode::PayloadTooLarge, "a chunk past the log limit").await;
     refused(&store, append(&h, 11, limit - 10, b"x"), ErrorCode::PayloadTooLarge, "an append past the limit").await;
 
+    // The one-frame upload has a quota too: the declared artifact, within the log limit.
+    let frame = |len| ArtifactHeader::new(h.fence(), ArtifactSchema, len, false);
+    let put = |id: &ArtifactId, len| Command::AdmitArtifact(h.path.clone(), id.clone(), frame(len));
+    let other_id = ArtifactId::parse("other").unwrap();
+    refused(&store, put(&other_id, 5), ErrorCode::ArtifactConflict, "an undeclared artifact").await;
+    refused(&store, put(&log, limit + 1), ErrorCode::PayloadTooLarge, "an artifact past the log limit").await;
+    replayed(&store, put(&log, limit), Reply::ArtifactAdmitted(project()), "the declared artifact").await;
+    let confirm = Command::ConfirmArtifact(h.path.clone(), log.clone(), frame(5));
+    replayed(&store, confirm.clone(), Reply::ArtifactAdmitted(project()), "confirmed, writing nothing").await;
+
     // The seal: exactly the acknowledged length, once; no chunk after it.
     let seal = |len| Command::SealLog(h.path.clone(), log.clone(), Seal::new(h.fence(), len, false));
     replayed(&store, seal(10), Reply::LogOffsetConflict(11), "a seal short of the log").await;
@@ -264,6 +274,7 @@ pub async fn the_live_log_appends_at_the_acknowledged_offset_then_seals<B: Backe
     assert_eq!(exec(&store, done).await, Ok(completed(Outcome::Completed, TerminalStatus::Succeeded)));
     refused(&store, admit(&h, 11, 1), ErrorCode::AlreadyTerminal, "a chunk after completion").await;
     refused(&store, seal(11), ErrorCode::AlreadyTerminal, "a seal after completion").await;
+    refused(&store, confirm, ErrorCode::AlreadyTerminal, "an upload that outlived its run").await;
     check_invariants(&store.snapshot().await.unwrap());
 }
 
