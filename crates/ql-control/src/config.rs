@@ -75,6 +75,42 @@ impl Layout {
     pub fn artifacts(&self) -> PathBuf {
         self.dir.join("artifacts")
     }
+
+    /// Refuses a state directory that someone else could change: the directory, its
+    /// settings, its database and its artifact store must belong to this process's user
+    /// and be writable by nobody else. Otherwise a local user could swap in a database
+    /// whose runs every worker then executes, or settings that disarm the leases.
+    pub fn check_private(&self) -> Result<(), String> {
+        use std::os::unix::fs::MetadataExt as _;
+        // This process's effective user, as Linux shows it: the owner of /proc/self.
+        let me = std::fs::metadata("/proc/self").map_err(|e| format!("/proc/self: {e}"))?.uid();
+        for path in [self.dir.clone(), self.config(), self.database(), self.artifacts()] {
+            let meta = match std::fs::symlink_metadata(&path) {
+                Ok(meta) => meta,
+                // What does not exist yet is made private when it is made.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(format!("{}: {e}", path.display())),
+            };
+            if meta.uid() != me {
+                return Err(format!(
+                    "{} belongs to user {}, not to this user ({me}): refusing a state directory another user controls",
+                    path.display(),
+                    meta.uid()
+                ));
+            }
+            if meta.mode() & 0o022 != 0 {
+                return Err(format!(
+                    "{} is writable by {} (mode {:o}): refusing a state directory others can change; \
+                     `chmod go-w {}` if that is not meant",
+                    path.display(),
+                    if meta.mode() & 0o002 != 0 { "everyone" } else { "its group" },
+                    meta.mode() & 0o7777,
+                    path.display()
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Config {
@@ -109,8 +145,9 @@ impl Config {
         Ok(())
     }
 
-    /// Reads `<dir>/control.json`.
+    /// Reads `<dir>/control.json`, once the state directory proved private.
     pub fn load(layout: &Layout) -> Result<Self, String> {
+        layout.check_private()?;
         let path = layout.config();
         let text = std::fs::read(&path).map_err(|e| {
             format!("{}: {e} (run `ql-control init --dir {}` first)", path.display(), layout.dir.display())
@@ -120,11 +157,24 @@ impl Config {
         Ok(config)
     }
 
-    /// Writes the settings as pretty JSON.
+    /// Writes the settings as pretty JSON, readable and writable by the owner only
+    /// (whatever the umask).
     pub fn save(&self, layout: &Layout) -> Result<(), String> {
+        use std::io::Write as _;
+        use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
         let mut text = serde_json::to_vec_pretty(self).expect("settings serialise");
         text.push(b'\n');
-        std::fs::write(layout.config(), text).map_err(|e| format!("{}: {e}", layout.config().display()))
+        let path = layout.config();
+        let fail = |e: std::io::Error| format!("{}: {e}", path.display());
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(fail)?;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(fail)?;
+        file.write_all(&text).map_err(fail)
     }
 }
 

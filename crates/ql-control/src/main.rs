@@ -264,12 +264,20 @@ fn init(cmd: Init) -> Result<(), String> {
     if layout.config().exists() {
         return Err(format!("{} is already initialised (found {})", dir.display(), layout.config().display()));
     }
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // Owner only, whatever the umask: the directory holds the CA key and the database.
+    let private_dir = |path: &std::path::Path| {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::create_dir_all(path)
+            .and_then(|()| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)))
+            .map_err(|e| format!("{}: {e}", path.display()))
+    };
+    private_dir(&dir)?;
+    layout.check_private()?;
     let hosts = if cmd.host.is_empty() { vec!["localhost".into(), "127.0.0.1".into()] } else { cmd.host };
     ql_control::pki::init_pki(&dir, &hosts).map_err(|e| e.to_string())?;
     let config = Config { listen: cmd.listen.unwrap_or_else(|| Config::default().listen), ..Config::default() };
     config.save(&layout)?;
-    std::fs::create_dir_all(layout.artifacts()).map_err(|e| format!("{}: {e}", layout.artifacts().display()))?;
+    private_dir(&layout.artifacts())?;
     // Creating the store applies the schema now, so a broken disk shows up at init.
     let (_store, _) = admin::open_store(&dir)?;
     println!("initialised {} for {}", dir.display(), hosts.join(", "));

@@ -47,3 +47,40 @@ fn submit_refuses_labels_no_worker_carries_and_an_interpreter_without_a_script()
     let ok = cli(&dir, &["submit", "--label", "site=attic", "--", "true"]);
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
 }
+
+#[test]
+fn init_makes_a_private_state_directory_whatever_the_umask_and_others_are_refused() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let root = Dir(std::env::temp_dir().join(format!("ql-cli-private-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&root.0);
+    std::fs::create_dir_all(&root.0).unwrap();
+    let dir = root.0.join("state");
+    let init = Command::new("sh")
+        .arg("-c")
+        .arg(format!("umask 000; exec {BIN} init --host 127.0.0.1 --dir {}", dir.display()))
+        .output()
+        .unwrap();
+    assert!(init.status.success(), "{}", String::from_utf8_lossy(&init.stderr));
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir), 0o700);
+    assert_eq!(mode(&dir.join("control.json")), 0o600);
+    assert_eq!(mode(&dir.join("control.db")), 0o600);
+    assert_eq!(mode(&dir.join("artifacts")), 0o700);
+
+    let before = cli(&dir, &["runs"]);
+    assert!(before.status.success());
+    for (path, loose) in [(dir.clone(), 0o777), (dir.join("control.json"), 0o666), (dir.join("control.db"), 0o620)] {
+        let was = mode(&path);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(loose)).unwrap();
+        for args in [vec!["runs"], vec!["submit", "--", "true"], vec!["serve", "--listen", "127.0.0.1:0"]] {
+            let out = cli(&dir, &args);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !out.status.success() && err.contains("refusing a state directory"),
+                "{args:?} with {path:?}: {err}"
+            );
+        }
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(was)).unwrap();
+    }
+    assert_eq!(cli(&dir, &["runs"]).stdout, before.stdout, "nothing changed");
+}
