@@ -29,6 +29,18 @@ pub struct Config {
     pub read_timeout_ms: u64,
     /// Idle keep-alive connections are closed after this long.
     pub idle_timeout_ms: u64,
+    /// The TLS handshake must finish within this.
+    pub handshake_timeout_ms: u64,
+    /// Connections served at once, after their handshake.
+    pub max_connections: u64,
+    /// TLS handshakes in progress at once.
+    pub max_handshakes: u64,
+    /// TLS handshakes in progress at once from one IP address.
+    pub max_handshakes_per_ip: u64,
+    /// Connections one worker may hold; a further one closes its oldest.
+    pub max_connections_per_worker: u64,
+    /// The largest request head, in bytes (at least 8192).
+    pub max_header_bytes: u64,
 }
 
 impl Default for Config {
@@ -44,6 +56,12 @@ impl Default for Config {
             change_poll_ms: 250,
             read_timeout_ms: 60_000,
             idle_timeout_ms: 300_000,
+            handshake_timeout_ms: 10_000,
+            max_connections: 1024,
+            max_handshakes: 256,
+            max_handshakes_per_ip: 32,
+            max_connections_per_worker: 4,
+            max_header_bytes: 16 * 1024,
         }
     }
 }
@@ -135,9 +153,17 @@ impl Config {
             ("change_poll_ms", self.change_poll_ms),
             ("read_timeout_ms", self.read_timeout_ms),
             ("idle_timeout_ms", self.idle_timeout_ms),
+            ("handshake_timeout_ms", self.handshake_timeout_ms),
+            ("max_connections", self.max_connections),
+            ("max_handshakes", self.max_handshakes),
+            ("max_handshakes_per_ip", self.max_handshakes_per_ip),
+            ("max_connections_per_worker", self.max_connections_per_worker),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be greater than 0"));
+        }
+        if self.max_header_bytes < 8192 {
+            return Err("max_header_bytes must be at least 8192".into());
         }
         if self.heartbeat_ms >= self.session_ttl_ms {
             return Err("heartbeat_ms must be shorter than session_ttl_ms, or every session lapses".into());

@@ -30,9 +30,16 @@ use crate::store::Store;
 
 /// The ingress settings a [`Config`] implies.
 pub fn ingress_config(config: &Config) -> IngressConfig {
+    let count = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
     IngressConfig {
         header_read_timeout: Duration::from_millis(config.idle_timeout_ms),
         body_idle_timeout: Duration::from_millis(config.read_timeout_ms),
+        handshake_timeout: Duration::from_millis(config.handshake_timeout_ms),
+        max_connections: count(config.max_connections),
+        max_handshakes: count(config.max_handshakes),
+        max_handshakes_per_ip: count(config.max_handshakes_per_ip),
+        max_connections_per_worker: count(config.max_connections_per_worker),
+        max_header_bytes: count(config.max_header_bytes),
         ..IngressConfig::default()
     }
 }

@@ -83,6 +83,10 @@ fn test_config() -> IngressConfig {
         max_poll_wait: Duration::from_secs(10),
         linger_timeout: Duration::from_secs(2),
         max_connections: 64,
+        max_handshakes: 64,
+        max_handshakes_per_ip: 64,
+        max_connections_per_worker: 64,
+        max_header_bytes: 16 * 1024,
         shutdown_grace: Duration::from_secs(2),
         accept_backoff: Duration::from_millis(10),
     }
@@ -1120,6 +1124,57 @@ fn an_upload_that_outlives_its_run_is_refused_at_its_end_and_not_stored() {
     assert_eq!(raw.response().unwrap().error(), ErrorCode::AlreadyTerminal);
     assert_eq!(case.server.inspect(&case.job.key(&log_id())), None, "nothing stored");
     assert_eq!(pending(), 0, "the content held aside is gone");
+}
+
+#[test]
+fn a_request_head_over_the_cap_is_refused_with_431() {
+    let server = Server::start("head-cap");
+    let mut raw = server.raw("router-1");
+    let long = format!("x-padding: {}", "a".repeat(20 * 1024));
+    raw.head("POST", "/v1/workers/router-1/sessions", &[&long, "content-length: 0"]).unwrap();
+    assert_eq!(raw.response().unwrap().status, 431);
+    assert_eq!(server.snapshot(), Snapshot::default(), "nothing was read as a request");
+}
+
+#[test]
+fn connections_from_one_address_without_a_certificate_cannot_crowd_out_workers() {
+    let cfg = IngressConfig { max_connections: 8, max_handshakes: 16, max_handshakes_per_ip: 4, ..test_config() };
+    let server = Server::start_with("crowd", cfg);
+    // Fifty plain TCP connections from another loopback address, holding their
+    // handshakes open and sending nothing.
+    let addr = server.addr;
+    let crowd: Vec<tokio::net::TcpStream> = server.rt.block_on(async {
+        let mut all = Vec::new();
+        for _ in 0..50 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            all.push(socket.connect(addr).await.unwrap());
+        }
+        all
+    });
+    server.wait_for("the crowd beyond four to be turned away", |st| st.turned_away() >= 46);
+    // A worker still gets in, and is served.
+    let client = server.client("router-1");
+    let (_, generation) = client.open(1);
+    assert_eq!(generation, Counter::ONE);
+    drop(crowd);
+}
+
+#[test]
+fn one_worker_cannot_hold_more_than_its_share_of_connections() {
+    let cfg = IngressConfig { max_connections: 6, max_connections_per_worker: 2, ..test_config() };
+    let server = Server::start_with("share", cfg);
+    // router-1 opens six connections; each beyond two closes its oldest.
+    let mut held: Vec<Raw> = (0..6).map(|_| server.raw("router-1")).collect();
+    server.wait_for("router-1's oldest connections to be closed", |st| st.evicted() == 4);
+    // router-2 still gets in (two slots of six are router-1's), and so does router-1's
+    // newest connection.
+    let other = server.client("router-2");
+    assert_eq!(other.open(1).1, Counter::ONE);
+    let newest = held.last_mut().unwrap();
+    newest.head("POST", "/v1/workers/router-1/sessions", &["content-length: 0"]).unwrap();
+    assert_eq!(newest.response().unwrap().status, 415, "served (and refused for its framing)");
+    assert!(held[0].ended(), "the oldest was closed");
 }
 
 #[test]

@@ -59,6 +59,8 @@ pub(super) struct Shared<S, B> {
     pub(super) stats: Arc<IngressStats>,
     /// The seals being composed in this process (see [`super::log`]).
     pub(super) sealing: log::Sealing,
+    /// Handshakes and connections held, for the limits of [`super`].
+    pub(super) occupancy: super::Occupancy,
 }
 
 /// The per-connection hyper service: the shared parts and the connection's principal,

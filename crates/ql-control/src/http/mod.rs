@@ -4,10 +4,21 @@
 //! - [`framing`]: the header rules every request body must meet;
 //! - `ingress`: one request, from route and principal binding to the store's answer.
 //!
-//! Per connection: accept (at most [`IngressConfig::max_connections`] at once), the TLS
-//! handshake within [`IngressConfig::handshake_timeout`], the principal read once from
-//! the verified client certificate, then hyper's HTTP/1 server with keep-alive — the
-//! agent keeps one connection for all its requests. When a connection ends after an
+//! Per connection: accept, the TLS handshake within
+//! [`IngressConfig::handshake_timeout`], the principal read once from the verified client
+//! certificate, then hyper's HTTP/1 server with keep-alive — the agent keeps one
+//! connection for all its requests — and request heads of at most
+//! [`IngressConfig::max_header_bytes`].
+//!
+//! Nobody can starve the others of connections. A handshake in progress takes no
+//! connection slot, and there are at most [`IngressConfig::max_handshakes`] of them, at
+//! most [`IngressConfig::max_handshakes_per_ip`] from one address: anyone who can reach
+//! the port, certificate or not, can hold only a few. A connection takes one of
+//! [`IngressConfig::max_connections`] slots only once its handshake succeeded (beyond
+//! that it is closed, and the agent comes back after its backoff), and one worker holds
+//! at most [`IngressConfig::max_connections_per_worker`]: a further one closes that
+//! worker's oldest, so a worker's newest connection — the live one, after a reconnect —
+//! always gets through, and one certificate can never lock out another. When a connection ends after an
 //! answer that left request bytes unread (a refusal before or inside the body), the
 //! server closes its side and keeps reading and discarding for
 //! [`IngressConfig::linger_timeout`] (a "lingering close"): closing a socket that still
@@ -25,11 +36,12 @@ mod ingress;
 mod log;
 pub mod tls;
 
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hyper::server::conn::http1;
@@ -38,7 +50,7 @@ use log::Sealing;
 use rustls::ServerConfig;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, Notify, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::timeout;
 use tokio_rustls::server::TlsStream;
@@ -67,8 +79,16 @@ pub struct IngressConfig {
     /// After closing its side of a connection, how long the server keeps reading and
     /// discarding what the client still sends (see the module doc).
     pub linger_timeout: Duration,
-    /// Connections served at once; beyond it the server stops accepting until one ends.
+    /// Connections served at once, after their handshake; beyond it one is closed.
     pub max_connections: usize,
+    /// TLS handshakes in progress at once.
+    pub max_handshakes: usize,
+    /// TLS handshakes in progress at once from one IP address.
+    pub max_handshakes_per_ip: usize,
+    /// Connections one worker may hold; a further one closes its oldest.
+    pub max_connections_per_worker: usize,
+    /// The largest request head (request line and headers); a larger one is `431`.
+    pub max_header_bytes: usize,
     /// On shutdown, how long in-flight requests may take to finish.
     pub shutdown_grace: Duration,
     /// After a failed accept (for example, out of file descriptors), the pause before
@@ -85,6 +105,10 @@ impl Default for IngressConfig {
             max_poll_wait: Duration::from_millis(ql_wire::limits::POLL_WAIT_MAX_MS),
             linger_timeout: Duration::from_secs(2),
             max_connections: 1024,
+            max_handshakes: 256,
+            max_handshakes_per_ip: 32,
+            max_connections_per_worker: 4,
+            max_header_bytes: 16 * 1024,
             shutdown_grace: Duration::from_secs(10),
             accept_backoff: Duration::from_millis(100),
         }
@@ -100,6 +124,8 @@ pub struct IngressStats {
     closed: AtomicUsize,
     requests: AtomicUsize,
     audit_failures: AtomicUsize,
+    turned_away: AtomicUsize,
+    evicted: AtomicUsize,
 }
 
 impl IngressStats {
@@ -133,6 +159,95 @@ impl IngressStats {
     pub fn audit_failures(&self) -> usize {
         self.audit_failures.load(Ordering::Relaxed)
     }
+
+    /// Connections closed unserved: too many handshakes (from one address, or at all), or
+    /// every slot taken.
+    pub fn turned_away(&self) -> usize {
+        self.turned_away.load(Ordering::Relaxed)
+    }
+
+    /// Connections closed because their worker opened one more than it may hold.
+    pub fn evicted(&self) -> usize {
+        self.evicted.load(Ordering::Relaxed)
+    }
+}
+
+/// A worker's connections, oldest first: each one's id and what tells it to close.
+type Connections = VecDeque<(u64, Arc<Notify>)>;
+
+/// Who holds what, to enforce the limits of the module doc.
+#[derive(Default)]
+pub(crate) struct Occupancy {
+    /// Handshakes in progress: in all, and by address.
+    handshakes: Mutex<(usize, HashMap<IpAddr, usize>)>,
+    workers: Mutex<HashMap<ql_wire::ids::WorkerId, Connections>>,
+    next: AtomicUsize,
+}
+
+/// A handshake's place, given back when dropped.
+struct Handshaking<'a>(&'a Occupancy, IpAddr);
+
+impl Drop for Handshaking<'_> {
+    fn drop(&mut self) {
+        let mut h = self.0.handshakes.lock().unwrap_or_else(|e| e.into_inner());
+        h.0 -= 1;
+        if let Some(n) = h.1.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                h.1.remove(&self.1);
+            }
+        }
+    }
+}
+
+/// A worker's connection on record; its `Notify` fires when a newer one evicts it.
+struct Held<'a> {
+    occupancy: &'a Occupancy,
+    worker: ql_wire::ids::WorkerId,
+    id: u64,
+    evicted: Arc<Notify>,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let mut workers = self.occupancy.workers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(held) = workers.get_mut(&self.worker) {
+            held.retain(|(id, _)| *id != self.id);
+            if held.is_empty() {
+                workers.remove(&self.worker);
+            }
+        }
+    }
+}
+
+impl Occupancy {
+    /// A place for a handshake from `ip`, if the limits leave one.
+    fn handshake(&self, ip: IpAddr, cfg: &IngressConfig) -> Option<Handshaking<'_>> {
+        let mut h = self.handshakes.lock().unwrap_or_else(|e| e.into_inner());
+        let from_ip = h.1.get(&ip).copied().unwrap_or(0);
+        if h.0 >= cfg.max_handshakes.max(1) || from_ip >= cfg.max_handshakes_per_ip.max(1) {
+            return None;
+        }
+        h.0 += 1;
+        *h.1.entry(ip).or_default() += 1;
+        Some(Handshaking(self, ip))
+    }
+
+    /// Records a connection of `worker`, evicting its oldest beyond the limit.
+    fn hold(&self, worker: ql_wire::ids::WorkerId, cfg: &IngressConfig, stats: &IngressStats) -> Held<'_> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
+        let evicted = Arc::new(Notify::new());
+        let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
+        let held = workers.entry(worker.clone()).or_default();
+        held.push_back((id, evicted.clone()));
+        while held.len() > cfg.max_connections_per_worker.max(1) {
+            if let Some((_, oldest)) = held.pop_front() {
+                oldest.notify_one();
+                stats.evicted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Held { occupancy: self, worker, id, evicted }
+    }
 }
 
 /// Serves the worker ingress on `listener` until the process ends.
@@ -157,7 +272,14 @@ pub async fn serve_until<S: Store, B: BlobStore>(
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
     let (stop, stopped) = watch::channel(false);
-    let shared = Arc::new(Shared { store, blobs, cfg, stats: Arc::default(), sealing: Sealing::default() });
+    let shared = Arc::new(Shared {
+        store,
+        blobs,
+        cfg,
+        stats: Arc::default(),
+        sealing: Sealing::default(),
+        occupancy: Occupancy::default(),
+    });
     let server = run(listener, TlsAcceptor::from(tls), shared, stopped);
     tokio::pin!(server);
     tokio::select! {
@@ -180,7 +302,14 @@ pub fn spawn<S: Store, B: BlobStore>(
     let local_addr = listener.local_addr()?;
     let stats = Arc::<IngressStats>::default();
     let (stop, stopped) = watch::channel(false);
-    let shared = Arc::new(Shared { store, blobs, cfg, stats: stats.clone(), sealing: Sealing::default() });
+    let shared = Arc::new(Shared {
+        store,
+        blobs,
+        cfg,
+        stats: stats.clone(),
+        sealing: Sealing::default(),
+        occupancy: Occupancy::default(),
+    });
     let task = tokio::spawn(run(listener, TlsAcceptor::from(tls), shared, stopped));
     Ok(Ingress { local_addr, stats, stop, task })
 }
@@ -236,18 +365,13 @@ async fn run<S: Store, B: BlobStore>(
     let slots = Arc::new(Semaphore::new(shared.cfg.max_connections.max(1)));
     let mut connections = JoinSet::new();
     loop {
-        // Take a slot before accepting: at the limit, new clients wait in the backlog.
-        let slot = tokio::select! {
-            slot = slots.clone().acquire_owned() => slot.map_err(io::Error::other)?,
-            () = stopping(&mut stopped) => break,
-        };
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             () = stopping(&mut stopped) => break,
         };
         while connections.try_join_next().is_some() {}
-        let tcp = match accepted {
-            Ok((tcp, _)) => tcp,
+        let (tcp, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(_) => {
                 // Usually out of descriptors or memory: pause rather than spin.
                 tokio::select! {
@@ -257,11 +381,10 @@ async fn run<S: Store, B: BlobStore>(
             }
         };
         shared.stats.connections.fetch_add(1, Ordering::Relaxed);
-        let (acceptor, shared, stopped) = (acceptor.clone(), shared.clone(), stopped.clone());
+        let (acceptor, shared, stopped, slots) = (acceptor.clone(), shared.clone(), stopped.clone(), slots.clone());
         connections.spawn(async move {
-            connection(acceptor, tcp, &shared, stopped).await;
+            connection(acceptor, tcp, peer.ip(), &shared, &slots, stopped).await;
             shared.stats.closed.fetch_add(1, Ordering::Relaxed);
-            drop(slot);
         });
     }
     drop(listener);
@@ -274,12 +397,18 @@ async fn run<S: Store, B: BlobStore>(
 async fn connection<S: Store, B: BlobStore>(
     acceptor: TlsAcceptor,
     tcp: TcpStream,
+    ip: IpAddr,
     shared: &Arc<Shared<S, B>>,
+    slots: &Arc<Semaphore>,
     mut stopped: watch::Receiver<bool>,
 ) {
+    let cfg = &shared.cfg;
+    let Some(handshaking) = shared.occupancy.handshake(ip, cfg) else {
+        shared.stats.turned_away.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
     // Requests and answers are small and sequential: do not hold them back for Nagle.
     let _ = tcp.set_nodelay(true);
-    let cfg = &shared.cfg;
     let stream = match timeout(cfg.handshake_timeout, acceptor.accept(tcp)).await {
         Ok(Ok(stream)) => stream,
         Ok(Err(_)) | Err(_) => {
@@ -287,10 +416,17 @@ async fn connection<S: Store, B: BlobStore>(
             return;
         }
     };
+    drop(handshaking);
+    let Ok(_slot) = slots.clone().try_acquire_owned() else {
+        shared.stats.turned_away.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
     let principal = tls::principal(stream.get_ref().1.peer_certificates().unwrap_or_default()).ok();
     if principal.is_some() {
         shared.stats.authenticated.fetch_add(1, Ordering::Relaxed);
     }
+    let held = principal.clone().map(|worker| shared.occupancy.hold(worker, cfg, &shared.stats));
+    let evicted = held.as_ref().map(|h| h.evicted.clone());
 
     let unread = Arc::new(AtomicBool::new(false));
     let reset = crate::fault::Reset::default();
@@ -298,6 +434,7 @@ async fn connection<S: Store, B: BlobStore>(
     let mut conn = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(cfg.header_read_timeout)
+        .max_buf_size(cfg.max_header_bytes.max(8192))
         .keep_alive(true)
         .half_close(false)
         .serve_connection(TokioIo::new(stream), service);
@@ -310,6 +447,9 @@ async fn connection<S: Store, B: BlobStore>(
                 draining = true;
                 std::pin::Pin::new(&mut conn).graceful_shutdown();
             }
+            // The worker opened one connection more than it may hold: this, its oldest,
+            // goes at once.
+            () = async { evicted.as_ref().expect("guarded").notified().await }, if evicted.is_some() => break,
             // A fault point (test builds only) asked for a reset: drop the request in
             // flight and send RST, no answer and no close_notify.
             () = reset.requested(), if crate::fault::ENABLED => {
