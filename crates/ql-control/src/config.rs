@@ -41,6 +41,10 @@ pub struct Config {
     pub max_connections_per_worker: u64,
     /// The largest request head, in bytes (at least 8192).
     pub max_header_bytes: u64,
+    /// A request body may take this long plus its length at `min_upload_rate`.
+    pub upload_grace_ms: u64,
+    /// The slowest average pace of a request body, in bytes a second.
+    pub min_upload_rate: u64,
 }
 
 impl Default for Config {
@@ -62,6 +66,8 @@ impl Default for Config {
             max_handshakes_per_ip: 32,
             max_connections_per_worker: 4,
             max_header_bytes: 16 * 1024,
+            upload_grace_ms: 30_000,
+            min_upload_rate: 4096,
         }
     }
 }
@@ -158,6 +164,7 @@ impl Config {
             ("max_handshakes", self.max_handshakes),
             ("max_handshakes_per_ip", self.max_handshakes_per_ip),
             ("max_connections_per_worker", self.max_connections_per_worker),
+            ("min_upload_rate", self.min_upload_rate),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be greater than 0"));

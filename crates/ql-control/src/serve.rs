@@ -40,6 +40,8 @@ pub fn ingress_config(config: &Config) -> IngressConfig {
         max_handshakes_per_ip: count(config.max_handshakes_per_ip),
         max_connections_per_worker: count(config.max_connections_per_worker),
         max_header_bytes: count(config.max_header_bytes),
+        upload_grace: Duration::from_millis(config.upload_grace_ms),
+        min_upload_rate: config.min_upload_rate,
         ..IngressConfig::default()
     }
 }

@@ -80,6 +80,8 @@ fn test_config() -> IngressConfig {
         handshake_timeout: Duration::from_secs(10),
         header_read_timeout: Duration::from_secs(30),
         body_idle_timeout: Duration::from_millis(500),
+        upload_grace: Duration::from_secs(5),
+        min_upload_rate: 64 * 1024,
         max_poll_wait: Duration::from_secs(10),
         linger_timeout: Duration::from_secs(2),
         max_connections: 64,
@@ -1124,6 +1126,43 @@ fn an_upload_that_outlives_its_run_is_refused_at_its_end_and_not_stored() {
     assert_eq!(raw.response().unwrap().error(), ErrorCode::AlreadyTerminal);
     assert_eq!(case.server.inspect(&case.job.key(&log_id())), None, "nothing stored");
     assert_eq!(pending(), 0, "the content held aside is gone");
+}
+
+#[test]
+fn an_upload_slower_than_the_minimum_rate_is_cut_off_and_nothing_is_stored() {
+    // A grace of 300 ms and 1 MiB/s: 100 KB may take 400 ms in all.
+    let cfg = IngressConfig {
+        upload_grace: Duration::from_millis(300),
+        min_upload_rate: 1024 * 1024,
+        body_idle_timeout: Duration::from_secs(5),
+        ..test_config()
+    };
+    let server = Server::start_with("trickle", cfg);
+    let client = server.client("router-1");
+    let job = client.running_job(&server, Some(&log_id()));
+    let before = server.snapshot();
+    let frame = job.frame(&content(100_000, 4));
+    let mut raw = server.raw("router-1");
+    let ct = format!("content-type: {ARTIFACT_MEDIA_TYPE}");
+    let cl = format!("content-length: {}", frame.len());
+    raw.head("PUT", &job.artifact_route(&log_id()).path(), &[&ct, &cl]).unwrap();
+    // A kilobyte every 20 ms (50 KB/s, each piece well within the idle timeout): the whole
+    // body would take two seconds, five times its deadline. The pacing is the test's
+    // slow client, not a wait for the server.
+    for piece in frame.chunks(1024) {
+        if raw.send(piece).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let answer = raw.response().unwrap();
+    assert_eq!(answer.error(), ErrorCode::InvalidRequest, "cut off");
+    assert!(answer.closes());
+    assert_eq!(server.inspect(&job.key(&log_id())), None, "nothing stored");
+    assert_eq!(server.snapshot(), before, "no row changed");
+    // The same body at full speed goes through.
+    let stored: ArtifactReply = client.put_artifact(&job.artifact_route(&log_id()), &frame).json(200);
+    assert_eq!(stored.result, Outcome::Stored);
 }
 
 #[test]

@@ -216,11 +216,36 @@ async fn audit_refusal<S: Store, B>(shared: &Shared<S, B>, principal: Option<Wor
     }
 }
 
-/// The next non-empty data frame, `None` at the end of the body. A stalled or broken body
-/// is `invalid_request`: it cannot be the exact body the headers declared.
-pub(super) async fn next_data(body: &mut Incoming, idle: Duration) -> Result<Option<Bytes>, ErrorCode> {
+/// How long a request body may take: each piece within the idle timeout, and the whole
+/// body within a deadline set by its length — [`IngressConfig::upload_grace`] plus the
+/// length at [`IngressConfig::min_upload_rate`] — so a trickle cannot hold a connection
+/// (or an upload its lease) indefinitely.
+///
+/// [`IngressConfig::upload_grace`]: super::IngressConfig::upload_grace
+/// [`IngressConfig::min_upload_rate`]: super::IngressConfig::min_upload_rate
+pub(super) struct BodyClock {
+    idle: Duration,
+    deadline: Instant,
+}
+
+impl BodyClock {
+    /// The clock of a body of `length` bytes, starting now.
+    pub(super) fn new(cfg: &IngressConfig, length: u64) -> Self {
+        let rate = cfg.min_upload_rate.max(1);
+        let crawl = Duration::from_secs_f64(length as f64 / rate as f64);
+        Self { idle: cfg.body_idle_timeout, deadline: Instant::now() + cfg.upload_grace + crawl }
+    }
+}
+
+/// The next non-empty data frame, `None` at the end of the body. A stalled, too slow or
+/// broken body is `invalid_request`: it cannot be the exact body the headers declared.
+pub(super) async fn next_data(body: &mut Incoming, clock: &BodyClock) -> Result<Option<Bytes>, ErrorCode> {
     loop {
-        match timeout(idle, body.frame()).await {
+        let left = clock.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ErrorCode::InvalidRequest);
+        }
+        match timeout(clock.idle.min(left), body.frame()).await {
             Err(_) | Ok(Some(Err(_))) => return Err(ErrorCode::InvalidRequest),
             Ok(None) => return Ok(None),
             Ok(Some(Ok(frame))) => {
@@ -236,10 +261,10 @@ pub(super) async fn next_data(body: &mut Incoming, idle: Duration) -> Result<Opt
 
 /// Reads exactly `length` bytes (already within the route's cap) into a buffer that is
 /// wiped on drop: JSON bodies carry lease and callback tokens.
-async fn read_exact(body: &mut Incoming, length: u64, idle: Duration) -> Result<Zeroizing<Vec<u8>>, ErrorCode> {
+async fn read_exact(body: &mut Incoming, length: u64, clock: &BodyClock) -> Result<Zeroizing<Vec<u8>>, ErrorCode> {
     let length = usize::try_from(length).map_err(|_| ErrorCode::PayloadTooLarge)?;
     let mut buf = Zeroizing::new(Vec::with_capacity(length));
-    while let Some(data) = next_data(body, idle).await? {
+    while let Some(data) = next_data(body, clock).await? {
         if buf.len() + data.len() > length {
             return Err(ErrorCode::InvalidRequest);
         }
@@ -262,7 +287,7 @@ async fn json_route<S: Store, B: BlobStore>(
     mut body: Incoming,
     injected: Injected<'_>,
 ) -> Answer {
-    let bytes = match read_exact(&mut body, length, shared.cfg.body_idle_timeout).await {
+    let bytes = match read_exact(&mut body, length, &BodyClock::new(&shared.cfg, length)).await {
         Ok(bytes) => bytes,
         Err(code) => return Answer::refuse_and_close(code),
     };
@@ -405,10 +430,10 @@ async fn complete<S: Store, B: BlobStore>(shared: &Shared<S, B>, path: AttemptPa
 pub(super) async fn read_header<H: FrameHeader>(
     decoder: &mut Decoder<H>,
     body: &mut Incoming,
-    idle: Duration,
+    clock: &BodyClock,
 ) -> Result<(H, Bytes), Answer> {
     loop {
-        let data = match next_data(body, idle).await {
+        let data = match next_data(body, clock).await {
             Ok(Some(data)) => data,
             Ok(None) | Err(_) => return Err(Answer::refuse_and_close(ErrorCode::InvalidRequest)),
         };
@@ -439,7 +464,7 @@ async fn put_artifact<S: Store, B: BlobStore>(
     if injected.0 == Some(Fault::Refuse) {
         return Answer::refuse_and_close(ErrorCode::Unavailable);
     }
-    let idle = shared.cfg.body_idle_timeout;
+    let clock = BodyClock::new(&shared.cfg, length);
     let mut decoder = match FrameDecoder::new(length) {
         Ok(decoder) => decoder,
         Err(FrameError::TooLarge { .. }) => return Answer::refuse_and_close(ErrorCode::PayloadTooLarge),
@@ -447,7 +472,7 @@ async fn put_artifact<S: Store, B: BlobStore>(
     };
 
     // 1. The frame header, and not a byte further than the frame that carries it.
-    let (header, mut pending) = match read_header(&mut decoder, &mut body, idle).await {
+    let (header, mut pending) = match read_header(&mut decoder, &mut body, &clock).await {
         Ok(found) => found,
         Err(answer) => return answer,
     };
@@ -487,7 +512,7 @@ async fn put_artifact<S: Store, B: BlobStore>(
                 Ok(Some(Item::Header(_))) | Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
             }
         }
-        pending = match next_data(&mut body, idle).await {
+        pending = match next_data(&mut body, &clock).await {
             Ok(Some(data)) => data,
             Ok(None) => break,
             Err(code) => return Answer::refuse_and_close(code),

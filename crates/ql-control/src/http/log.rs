@@ -32,7 +32,7 @@ use ql_wire::log::{LogAppendReply, LogChunkHeader, Seal};
 use ql_wire::route::AttemptPath;
 use ql_wire::{ErrorCode, Outcome};
 
-use super::ingress::{after_commit, answer, next_data, read_header, Answer, Injected, Shared};
+use super::ingress::{after_commit, answer, next_data, read_header, Answer, BodyClock, Injected, Shared};
 use crate::blob::{ArtifactKey, BlobStore, PutOutcome, Upload as _};
 use crate::core::{same_bytes, ChunkPlan, Command, Reply};
 use crate::fault::Fault;
@@ -50,13 +50,13 @@ pub(super) async fn append<S: Store, B: BlobStore>(
     if injected.0 == Some(Fault::Refuse) {
         return Answer::refuse_and_close(ErrorCode::Unavailable);
     }
-    let idle = shared.cfg.body_idle_timeout;
+    let clock = BodyClock::new(&shared.cfg, length);
     let mut decoder = match LogChunkDecoder::new(length) {
         Ok(decoder) => decoder,
         Err(FrameError::TooLarge { .. }) => return Answer::refuse_and_close(ErrorCode::PayloadTooLarge),
         Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
     };
-    let (header, pending) = match read_header(&mut decoder, &mut body, idle).await {
+    let (header, pending) = match read_header(&mut decoder, &mut body, &clock).await {
         Ok(found) => found,
         Err(answer) => return answer,
     };
@@ -67,7 +67,7 @@ pub(super) async fn append<S: Store, B: BlobStore>(
         Ok(Err(code)) => return Answer::refuse_and_close(code),
         Ok(Ok(_)) | Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
     };
-    let content = match read_content(&mut decoder, &mut body, pending, &header, injected, idle).await {
+    let content = match read_content(&mut decoder, &mut body, pending, &header, injected, &clock).await {
         Ok(content) => content,
         Err(answer) => return answer,
     };
@@ -98,7 +98,7 @@ async fn read_content(
     mut pending: Bytes,
     header: &LogChunkHeader,
     injected: Injected<'_>,
-    idle: std::time::Duration,
+    clock: &BodyClock,
 ) -> Result<Vec<u8>, Answer> {
     let declared = header.content_length as usize;
     let mut content = Vec::with_capacity(declared);
@@ -116,7 +116,7 @@ async fn read_content(
                 Ok(Some(Item::Header(_))) | Err(_) => return Err(Answer::refuse_and_close(ErrorCode::InvalidRequest)),
             }
         }
-        pending = match next_data(body, idle).await {
+        pending = match next_data(body, clock).await {
             Ok(Some(data)) => data,
             Ok(None) => break,
             Err(code) => return Err(Answer::refuse_and_close(code)),

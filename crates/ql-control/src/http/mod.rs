@@ -74,6 +74,10 @@ pub struct IngressConfig {
     pub header_read_timeout: Duration,
     /// The longest wait for the next piece of a request body.
     pub body_idle_timeout: Duration,
+    /// A whole request body may take this long plus its length at [`Self::min_upload_rate`].
+    pub upload_grace: Duration,
+    /// The slowest pace a request body may arrive at, in bytes a second, on average.
+    pub min_upload_rate: u64,
     /// The longest offers long-poll, whatever `waitMs` asks for.
     pub max_poll_wait: Duration,
     /// After closing its side of a connection, how long the server keeps reading and
@@ -102,6 +106,8 @@ impl Default for IngressConfig {
             handshake_timeout: Duration::from_secs(10),
             header_read_timeout: Duration::from_secs(75),
             body_idle_timeout: Duration::from_secs(30),
+            upload_grace: Duration::from_secs(30),
+            min_upload_rate: 4096,
             max_poll_wait: Duration::from_millis(ql_wire::limits::POLL_WAIT_MAX_MS),
             linger_timeout: Duration::from_secs(2),
             max_connections: 1024,
