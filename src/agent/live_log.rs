@@ -9,8 +9,6 @@
 //! Each chunk ends the job's turn ([`Turn::Yield`]): heartbeats, renewals and other jobs
 //! go between chunks.
 
-use std::fs::File;
-use std::io::{self, Seek, SeekFrom};
 use std::time::{Duration, Instant};
 
 use ql_wire::artifact::ArtifactReply;
@@ -34,27 +32,8 @@ impl Agent {
         header: LogChunkHeader,
         now: Instant,
     ) -> Result<Turn, Fatal> {
-        let spool = RunDir::new(&self.cfg.state_dir, &key.attempt_id).spool;
         let (offset, len) = (header.offset, header.content_length);
-        let file = File::open(&spool).and_then(|mut f| {
-            let have = f.metadata()?.len();
-            if have < offset + len {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("{have} of {} bytes left", offset + len),
-                ));
-            }
-            f.seek(SeekFrom::Start(offset))?;
-            Ok(f)
-        });
-        let file = match file {
-            Ok(f) => f,
-            Err(e) => {
-                warn!("{who}: its log spool is unusable ({e}); completing without a log");
-                self.rt(key).log_lost = true;
-                return Ok(Turn::Moved);
-            }
-        };
+        let Some(file) = self.spool_range(key, who, offset, len) else { return Ok(Turn::Moved) };
         let prefix = ql_wire::frame::encode_prefix(&header).map_err(|e| Fatal(format!("log chunk header: {e}")))?;
         let ttl = Duration::from_millis(job.lease.as_ref().map_or(0, |l| l.ttl_ms));
         let within = self.third_of_lease(job);

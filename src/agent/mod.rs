@@ -1004,23 +1004,8 @@ impl Agent {
     ) -> Result<Turn, Fatal> {
         let callback = job.callback.as_ref().expect("a minted job");
         let artifact_id = callback.log_artifact_id.clone().expect("a log artifact");
-        let spool = RunDir::new(&self.cfg.state_dir, &key.attempt_id).spool;
         let len = header.content_length;
-        let file = File::open(&spool).and_then(|f| {
-            let have = f.metadata()?.len();
-            if have < len {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("{have} of {len} bytes left")));
-            }
-            Ok(f)
-        });
-        let file = match file {
-            Ok(f) => f,
-            Err(e) => {
-                warn!("{who}: its log spool is unusable ({e}); completing without a log");
-                self.rt(key).log_lost = true;
-                return Ok(Turn::Moved);
-            }
-        };
+        let Some(file) = self.spool_range(key, who, 0, len) else { return Ok(Turn::Moved) };
         let prefix = ql_wire::frame::encode_prefix(&header).map_err(|e| Fatal(format!("artifact header: {e}")))?;
         let mut content = Counted(file);
         let route = Route::Artifact(attempt_path(&self.cfg, key, job), artifact_id);
@@ -1044,6 +1029,31 @@ impl Agent {
             }
             Ok(other) => Ok(self.unexpected(key, who, "log upload", other.result)),
             Err(e) => Ok(self.job_call_failed(key, who, "log upload", e)),
+        }
+    }
+
+    /// The job's spool, positioned at `offset`, holding at least `len` bytes from there.
+    /// A spool that is gone or shorter (a reboot emptied a RAM disk) marks the log lost:
+    /// the job completes without one rather than with something else.
+    fn spool_range(&mut self, key: &JobKey, who: &str, offset: u64, len: u64) -> Option<File> {
+        use std::io::{Seek, SeekFrom};
+        let spool = RunDir::new(&self.cfg.state_dir, &key.attempt_id).spool;
+        let opened = File::open(&spool).and_then(|mut f| {
+            let have = f.metadata()?.len();
+            if have < offset + len {
+                let what = format!("{have} of {} bytes left", offset + len);
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, what));
+            }
+            f.seek(SeekFrom::Start(offset))?;
+            Ok(f)
+        });
+        match opened {
+            Ok(f) => Some(f),
+            Err(e) => {
+                warn!("{who}: its log spool is unusable ({e}); completing without a log");
+                self.rt(key).log_lost = true;
+                None
+            }
         }
     }
 

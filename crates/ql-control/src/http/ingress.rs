@@ -12,8 +12,8 @@
 //! there is what releases `100 Continue` — and asks the store to re-check the fence in
 //! its transaction ([`Command::AdmitArtifact`]). A fence refusal is answered without
 //! reading any content. Only an admitted upload streams its content, frame by frame,
-//! through the [`FrameDecoder`] into the artifact store; memory stays bounded by one
-//! frame, whatever the artifact's size. Before the upload is made visible the fence is
+//! through the [`FrameDecoder`](ql_wire::frame::FrameDecoder) into the artifact store;
+//! memory stays bounded by one frame, whatever the artifact's size. Before the upload is made visible the fence is
 //! checked once more ([`Command::ConfirmArtifact`]): content that trickled in until after
 //! its lease was swept, or its run ended, is discarded. The live-log routes (PROTOCOL §13) are in
 //! [`super::log`]: a chunk is framed the same way and admitted the same way.
@@ -34,9 +34,10 @@ use tokio::time::{sleep_until, timeout, Instant};
 use zeroize::Zeroizing;
 
 use ql_wire::ack::{Running, StartFailure};
+use ql_wire::artifact::ArtifactHeader;
 use ql_wire::artifact::ArtifactReply;
 use ql_wire::completion::Completion;
-use ql_wire::frame::{Decoder, FrameDecoder, FrameError, FrameHeader, Item};
+use ql_wire::frame::{Decoder, FrameError, FrameHeader, Item};
 use ql_wire::ids::{ArtifactId, SessionId, WorkerId};
 use ql_wire::log::Seal;
 use ql_wire::offer::{Claim, PollOffers};
@@ -424,10 +425,26 @@ async fn complete<S: Store, B: BlobStore>(shared: &Shared<S, B>, path: AttemptPa
     answer(shared.store.execute(Command::Complete(path, body, stored)).await)
 }
 
+/// A decoder for a framed body of `length` bytes (a body over the route's cap is `413`,
+/// one too short for a frame `400`), and the frame's header read with [`read_header`].
+pub(super) async fn open_frame<H: FrameHeader>(
+    length: u64,
+    body: &mut Incoming,
+    clock: &BodyClock,
+) -> Result<(Decoder<H>, H, Bytes), Answer> {
+    let mut decoder = match Decoder::<H>::new(length) {
+        Ok(decoder) => decoder,
+        Err(FrameError::TooLarge { .. }) => return Err(Answer::refuse_and_close(ErrorCode::PayloadTooLarge)),
+        Err(_) => return Err(Answer::refuse_and_close(ErrorCode::InvalidRequest)),
+    };
+    let (header, pending) = read_header(&mut decoder, body, clock).await?;
+    Ok((decoder, header, pending))
+}
+
 /// Reads a frame's header, and not a byte further than the data frame that carries it;
 /// returns the header and the rest of that data frame. This first poll of the body is
 /// what makes hyper send `100 Continue`.
-pub(super) async fn read_header<H: FrameHeader>(
+async fn read_header<H: FrameHeader>(
     decoder: &mut Decoder<H>,
     body: &mut Incoming,
     clock: &BodyClock,
@@ -464,16 +481,10 @@ async fn put_artifact<S: Store, B: BlobStore>(
     if injected.0 == Some(Fault::Refuse) {
         return Answer::refuse_and_close(ErrorCode::Unavailable);
     }
-    let clock = BodyClock::new(&shared.cfg, length);
-    let mut decoder = match FrameDecoder::new(length) {
-        Ok(decoder) => decoder,
-        Err(FrameError::TooLarge { .. }) => return Answer::refuse_and_close(ErrorCode::PayloadTooLarge),
-        Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
-    };
-
     // 1. The frame header, and not a byte further than the frame that carries it.
-    let (header, mut pending) = match read_header(&mut decoder, &mut body, &clock).await {
-        Ok(found) => found,
+    let clock = BodyClock::new(&shared.cfg, length);
+    let (mut decoder, header, mut pending) = match open_frame::<ArtifactHeader>(length, &mut body, &clock).await {
+        Ok(opened) => opened,
         Err(answer) => return answer,
     };
 

@@ -26,13 +26,13 @@ use hyper::StatusCode;
 use tokio::sync::watch;
 
 use ql_wire::artifact::ArtifactReply;
-use ql_wire::frame::{FrameError, Item, LogChunkDecoder};
+use ql_wire::frame::{Item, LogChunkDecoder};
 use ql_wire::ids::{ArtifactId, ProjectId};
 use ql_wire::log::{LogAppendReply, LogChunkHeader, Seal};
 use ql_wire::route::AttemptPath;
 use ql_wire::{ErrorCode, Outcome};
 
-use super::ingress::{after_commit, answer, next_data, read_header, Answer, BodyClock, Injected, Shared};
+use super::ingress::{after_commit, answer, next_data, open_frame, Answer, BodyClock, Injected, Shared};
 use crate::blob::{ArtifactKey, BlobStore, PutOutcome, Upload as _};
 use crate::core::{same_bytes, ChunkPlan, Command, Reply};
 use crate::fault::Fault;
@@ -51,13 +51,8 @@ pub(super) async fn append<S: Store, B: BlobStore>(
         return Answer::refuse_and_close(ErrorCode::Unavailable);
     }
     let clock = BodyClock::new(&shared.cfg, length);
-    let mut decoder = match LogChunkDecoder::new(length) {
-        Ok(decoder) => decoder,
-        Err(FrameError::TooLarge { .. }) => return Answer::refuse_and_close(ErrorCode::PayloadTooLarge),
-        Err(_) => return Answer::refuse_and_close(ErrorCode::InvalidRequest),
-    };
-    let (header, pending) = match read_header(&mut decoder, &mut body, &clock).await {
-        Ok(found) => found,
+    let (mut decoder, header, pending) = match open_frame::<LogChunkHeader>(length, &mut body, &clock).await {
+        Ok(opened) => opened,
         Err(answer) => return answer,
     };
     let admitted = shared.store.execute(Command::AdmitLogChunk(path.clone(), header.clone())).await;
