@@ -7,7 +7,7 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use ql_wire::ids::{ProjectId, RunId};
+use ql_wire::ids::{ProjectId, RunId, WorkerId};
 use ql_wire::spec::{EnvName, ExecutionSpec, Interpreter, Script, SpecSchema};
 use ql_wire::time::Timestamp;
 
@@ -37,8 +37,10 @@ pub struct SubmitArgs {
     pub timeout_ms: u64,
     /// Bytes of log kept.
     pub log_limit: u64,
-    /// `key=value` placement labels.
+    /// `key=value` labels the operator gave the worker ([`label_worker`]).
     pub labels: Vec<String>,
+    /// `key=value` labels the worker's agent declares.
+    pub agent_labels: Vec<String>,
     /// Lost leases tolerated.
     pub retries: u32,
 }
@@ -75,8 +77,8 @@ pub fn submit_request(args: &SubmitArgs) -> Result<Submit, String> {
         let (k, v) = pair(e, "--env")?;
         env.insert(EnvName::parse(k.as_str()).map_err(|e| format!("--env {k:?}: {e}"))?, v);
     }
-    let labels = args.labels.iter().map(|l| pair(l, "--label")).collect::<Result<_, _>>()?;
-    crate::core::check_labels(&labels).map_err(|e| format!("--label: {e}"))?;
+    let labels = labels_of(&args.labels, "--label")?;
+    let agent_labels = labels_of(&args.agent_labels, "--agent-label")?;
     let spec = ExecutionSpec {
         schema: SpecSchema,
         project_id: project.clone(),
@@ -87,7 +89,32 @@ pub fn submit_request(args: &SubmitArgs) -> Result<Submit, String> {
         log_limit_bytes: args.log_limit,
     };
     spec.validate().map_err(|e| format!("the run is out of bounds: {e}"))?;
-    Ok(Submit { project, spec, labels, retry_budget: args.retries })
+    Ok(Submit { project, spec, labels, agent_labels, retry_budget: args.retries })
+}
+
+/// `key=value` words as labels, refusing any a worker could never carry.
+pub fn labels_of(words: &[String], flag: &str) -> Result<BTreeMap<String, String>, String> {
+    let labels = words.iter().map(|l| pair(l, flag)).collect::<Result<_, _>>()?;
+    crate::core::check_labels(&labels).map_err(|e| format!("{flag}: {e}"))?;
+    Ok(labels)
+}
+
+/// Sets the labels the operator vouches for of `worker` (all of them; none clears them)
+/// and says what it now carries.
+pub async fn label_worker<S: Store>(store: &S, worker: &WorkerId, words: &[String]) -> Result<String, String> {
+    let labels = labels_of(words, "label")?;
+    match execute(store, Command::LabelWorker(worker.clone(), labels)).await? {
+        Reply::WorkerLabelled(w) => Ok(format!("{}: {}", w.id.as_str(), label_list(&w.labels))),
+        other => Err(format!("unexpected answer {other:?}")),
+    }
+}
+
+/// Labels as `k=v,k=v`, or `-` for none.
+fn label_list(labels: &BTreeMap<String, String>) -> String {
+    if labels.is_empty() {
+        return "-".into();
+    }
+    labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
 }
 
 /// Opens the state directory's store with its configured timings.
@@ -125,6 +152,9 @@ impl Store for Authority {
     async fn audit(&self, record: crate::model::AuditRecord) -> Result<(), StoreError> {
         either!(self, s => s.audit(record))
     }
+    async fn prune_audit(&self, retention: crate::store::AuditRetention) -> Result<u64, StoreError> {
+        either!(self, s => s.prune_audit(retention))
+    }
     async fn audits(&self) -> Result<Vec<crate::model::AuditRecord>, StoreError> {
         either!(self, s => s.audits())
     }
@@ -136,6 +166,9 @@ impl Store for Authority {
     }
     async fn sessions(&self, limit: usize) -> Result<Vec<crate::model::Session>, StoreError> {
         either!(self, s => s.sessions(limit))
+    }
+    async fn workers(&self, limit: usize) -> Result<Vec<crate::model::Worker>, StoreError> {
+        either!(self, s => s.workers(limit))
     }
     async fn log_chunks(&self, attempt: &ql_wire::ids::AttemptId) -> Result<Vec<crate::model::LogChunk>, StoreError> {
         either!(self, s => s.log_chunks(attempt))
@@ -234,25 +267,36 @@ pub async fn runs<S: Store>(store: &S, limit: usize) -> Result<String, String> {
     Ok(out)
 }
 
-/// The sessions as a table.
+/// The sessions as a table, with each worker's trusted labels (the operator's, see
+/// [`label_worker`]) beside the labels its agent declared; then the workers that have
+/// labels but no session listed.
 pub async fn workers<S: Store>(store: &S, limit: usize) -> Result<String, String> {
     let sessions = store.sessions(limit).await.map_err(|e| e.to_string())?;
-    let mut out = format!(
-        "{:<24} {:<28} {:>4} {:<9} {:>8} {:<24} {}\n",
-        "WORKER", "SESSION", "GEN", "STATUS", "CAPACITY", "LAST SEEN", "AGENT"
-    );
-    for s in sessions {
-        out += &format!(
-            "{:<24} {:<28} {:>4} {:<9} {:>8} {:<24} {} {}\n",
+    let records = store.workers(limit).await.map_err(|e| e.to_string())?;
+    let trusted = |w: &WorkerId| records.iter().find(|r| &r.id == w).map_or("-".into(), |r| label_list(&r.labels));
+    let line = |cells: [&str; 9]| {
+        format!(
+            "{:<24} {:<28} {:>4} {:<9} {:>8} {:<24} {:<20} {:<24} {}\n",
+            cells[0], cells[1], cells[2], cells[3], cells[4], cells[5], cells[6], cells[7], cells[8]
+        )
+    };
+    let mut out =
+        line(["WORKER", "SESSION", "GEN", "STATUS", "CAPACITY", "LAST SEEN", "AGENT", "TRUSTED LABELS", "DECLARED"]);
+    for s in &sessions {
+        out += &line([
             s.worker.as_str(),
             s.id.as_str(),
-            s.generation.get(),
+            &s.generation.get().to_string(),
             s.state.as_str(),
-            s.capacity,
-            when(Some(s.seen_at)),
-            s.agent_version,
-            s.arch
-        );
+            &s.capacity.to_string(),
+            &when(Some(s.seen_at)),
+            &format!("{} {}", s.agent_version, s.arch),
+            &trusted(&s.worker),
+            &label_list(&s.labels),
+        ]);
+    }
+    for r in records.iter().filter(|r| !sessions.iter().any(|s| s.worker == r.id)) {
+        out += &line([r.id.as_str(), "-", "-", "-", "-", "-", "-", &label_list(&r.labels), "-"]);
     }
     Ok(out)
 }
@@ -286,6 +330,8 @@ pub fn detail_json(d: &RunDetail) -> serde_json::Value {
         "project": r.project,
         "status": r.status.as_str(),
         "stop": r.stop,
+        "labels": r.labels,
+        "agentLabels": r.agent_labels,
         "errorCode": r.error_code,
         "summary": r.summary,
         "attempts": d.attempts.iter().map(attempt_view).collect::<Vec<_>>(),
@@ -318,6 +364,9 @@ pub fn detail_text(d: &RunDetail) -> String {
     );
     if let Some(stop) = r.stop {
         out += &format!("stop     {stop:?}\n");
+    }
+    if !r.labels.is_empty() || !r.agent_labels.is_empty() {
+        out += &format!("labels   {} (trusted), {} (declared)\n", label_list(&r.labels), label_list(&r.agent_labels));
     }
     for a in &d.attempts {
         out += &format!(

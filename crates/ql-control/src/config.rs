@@ -25,9 +25,12 @@ pub struct Config {
     pub sweep_interval_ms: u64,
     /// How often the server notices work submitted by another process.
     pub change_poll_ms: u64,
-    /// Longest time the server waits for a request's headers or body bytes.
+    /// Longest wait for the next piece of a request body.
     pub read_timeout_ms: u64,
-    /// Idle keep-alive connections are closed after this long.
+    /// A request head must be complete this long after its first byte.
+    pub header_timeout_ms: u64,
+    /// Idle keep-alive connections (no byte of a next request) are closed after this long;
+    /// longer than `heartbeat_ms`.
     pub idle_timeout_ms: u64,
     /// The TLS handshake must finish within this.
     pub handshake_timeout_ms: u64,
@@ -39,12 +42,19 @@ pub struct Config {
     pub max_handshakes_per_ip: u64,
     /// Connections one worker may hold; a further one closes its oldest.
     pub max_connections_per_worker: u64,
-    /// The largest request head, in bytes (at least 8192).
+    /// The largest request head, in bytes (at least 1024).
     pub max_header_bytes: u64,
     /// A request body may take this long plus its length at `min_upload_rate`.
     pub upload_grace_ms: u64,
     /// The slowest average pace of a request body, in bytes a second.
     pub min_upload_rate: u64,
+    /// At most one line per this about failed TLS handshakes, and one about connections
+    /// turned away at a limit.
+    pub refusal_report_ms: u64,
+    /// Audit records older than this are pruned by the sweeper (0: kept at any age).
+    pub audit_max_age_ms: u64,
+    /// The sweeper keeps at most this many audit records, the newest (0: any number).
+    pub audit_max_records: u64,
 }
 
 impl Default for Config {
@@ -59,15 +69,19 @@ impl Default for Config {
             sweep_interval_ms: 1_000,
             change_poll_ms: 250,
             read_timeout_ms: 60_000,
+            header_timeout_ms: 10_000,
             idle_timeout_ms: 300_000,
-            handshake_timeout_ms: 10_000,
+            handshake_timeout_ms: 5_000,
             max_connections: 1024,
             max_handshakes: 256,
             max_handshakes_per_ip: 32,
             max_connections_per_worker: 4,
-            max_header_bytes: 16 * 1024,
+            max_header_bytes: 8 * 1024,
             upload_grace_ms: 30_000,
             min_upload_rate: 4096,
+            refusal_report_ms: 10_000,
+            audit_max_age_ms: 30 * 24 * 3_600_000,
+            audit_max_records: 1_000_000,
         }
     }
 }
@@ -148,6 +162,15 @@ impl Config {
         }
     }
 
+    /// What the sweeper keeps of the audit records.
+    pub fn audit_retention(&self) -> crate::store::AuditRetention {
+        let bound = |n: u64| (n > 0).then_some(n);
+        crate::store::AuditRetention {
+            max_age_ms: bound(self.audit_max_age_ms),
+            max_records: bound(self.audit_max_records),
+        }
+    }
+
     /// Refuses settings that cannot work together.
     pub fn check(&self) -> Result<(), String> {
         let positive = [
@@ -158,6 +181,7 @@ impl Config {
             ("sweep_interval_ms", self.sweep_interval_ms),
             ("change_poll_ms", self.change_poll_ms),
             ("read_timeout_ms", self.read_timeout_ms),
+            ("header_timeout_ms", self.header_timeout_ms),
             ("idle_timeout_ms", self.idle_timeout_ms),
             ("handshake_timeout_ms", self.handshake_timeout_ms),
             ("max_connections", self.max_connections),
@@ -169,11 +193,17 @@ impl Config {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be greater than 0"));
         }
-        if self.max_header_bytes < 8192 {
-            return Err("max_header_bytes must be at least 8192".into());
+        if self.max_header_bytes < 1024 {
+            return Err("max_header_bytes must be at least 1024".into());
         }
         if self.heartbeat_ms >= self.session_ttl_ms {
             return Err("heartbeat_ms must be shorter than session_ttl_ms, or every session lapses".into());
+        }
+        if self.idle_timeout_ms <= self.heartbeat_ms {
+            return Err(
+                "idle_timeout_ms must be longer than heartbeat_ms, or an agent's connection is closed between its requests"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -237,5 +267,7 @@ mod tests {
         assert!(c.check().unwrap_err().contains("sweep_interval_ms"));
         let c = Config { heartbeat_ms: 5_000, session_ttl_ms: 5_000, ..Config::default() };
         assert!(c.check().unwrap_err().contains("heartbeat_ms"));
+        let c = Config { idle_timeout_ms: 10_000, ..Config::default() };
+        assert!(c.check().unwrap_err().contains("idle_timeout_ms"));
     }
 }

@@ -30,6 +30,7 @@ enum Cmd {
     Show(Show),
     Logs(Logs),
     Workers(Workers),
+    Label(Label),
     Migrate(Migrate),
     Version(Version),
 }
@@ -70,9 +71,37 @@ struct Enroll {
     /// directory to write <worker>.crt, <worker>.key and ca.crt into
     #[argh(option)]
     out: PathBuf,
+    /// key=value the operator vouches for of this worker (repeatable): runs submitted
+    /// with --label match these; replaces the worker's labels when given
+    #[argh(option)]
+    label: Vec<String>,
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL, for --label (default: the state directory's
+    /// SQLite file; or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
+}
+
+/// Set the labels the operator vouches for of a worker, replacing the ones it had (none
+/// clears them). `submit --label` matches these, never what an agent declares.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "label")]
+struct Label {
+    /// the worker
+    #[argh(positional)]
+    worker: String,
+    /// key=value labels
+    #[argh(positional, greedy)]
+    labels: Vec<String>,
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL, as the runtime role (default: the state
+    /// directory's SQLite file; or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
 }
 
 /// Serve the worker protocol over HTTPS with mutual TLS, and sweep lapsed leases.
@@ -120,9 +149,14 @@ struct SubmitCmd {
     /// bytes of log kept (default 1 MiB, at most 64 MiB)
     #[argh(option, default = "1_048_576")]
     log_limit: u64,
-    /// key=value a worker must carry to be offered the run (repeatable)
+    /// key=value the operator gave the worker (`ql-control label`) that it must carry
+    /// to be offered the run (repeatable)
     #[argh(option)]
     label: Vec<String>,
+    /// key=value the worker's agent must declare (its own say, not vouched for;
+    /// repeatable)
+    #[argh(option)]
+    agent_label: Vec<String>,
     /// times a run whose worker vanished is queued again (default 0)
     #[argh(option, default = "0")]
     retries: u32,
@@ -250,6 +284,10 @@ fn with_authority<T>(
     })
 }
 
+fn worker_id(text: &str) -> Result<WorkerId, String> {
+    WorkerId::parse(text).map_err(|e| format!("{text:?} is not a worker name ([a-z0-9][a-z0-9._-]{{0,62}}): {e}"))
+}
+
 fn run_id(text: &str) -> Result<RunId, String> {
     RunId::parse(text).map_err(|e| format!("{text:?} is not a run id: {e}"))
 }
@@ -297,14 +335,26 @@ fn main() -> ExitCode {
             Ok(())
         }
         Cmd::Init(cmd) => init(cmd),
-        Cmd::Enroll(cmd) => WorkerId::parse(cmd.worker.as_str())
-            .map_err(|e| format!("{:?} is not a worker name ([a-z0-9][a-z0-9._-]{{0,62}}): {e}", cmd.worker))
-            .and_then(|worker| {
-                let dir = state_dir(cmd.dir);
-                let done = ql_control::pki::enroll(&dir, &worker, &cmd.out).map_err(|e| e.to_string())?;
-                println!("enrolled {worker}: {} {} {}", done.cert.display(), done.key.display(), done.ca.display());
+        Cmd::Enroll(cmd) => worker_id(&cmd.worker).and_then(|worker| {
+            // Refuse bad labels before anything is issued.
+            admin::labels_of(&cmd.label, "--label")?;
+            let dir = state_dir(cmd.dir.clone());
+            let done = ql_control::pki::enroll(&dir, &worker, &cmd.out).map_err(|e| e.to_string())?;
+            println!("enrolled {worker}: {} {} {}", done.cert.display(), done.key.display(), done.ca.display());
+            if cmd.label.is_empty() {
+                return Ok(());
+            }
+            with_authority(cmd.dir, cmd.database, async |store| {
+                println!("{}", admin::label_worker(store, &worker, &cmd.label).await?);
                 Ok(())
-            }),
+            })
+        }),
+        Cmd::Label(cmd) => worker_id(&cmd.worker).and_then(|worker| {
+            with_authority(cmd.dir, cmd.database, async |store| {
+                println!("{}", admin::label_worker(store, &worker, &cmd.labels).await?);
+                Ok(())
+            })
+        }),
         Cmd::Serve(cmd) => ql_control::serve::run(&state_dir(cmd.dir), cmd.listen, database(cmd.database)),
         Cmd::Migrate(cmd) => match database(cmd.database) {
             None => Err("migrate needs --database <the migration owner's PostgreSQL URL>".to_owned()),
@@ -324,6 +374,7 @@ fn main() -> ExitCode {
                 timeout_ms: cmd.timeout_ms,
                 log_limit: cmd.log_limit,
                 labels: cmd.label,
+                agent_labels: cmd.agent_label,
                 retries: cmd.retries,
             };
             with_authority(cmd.dir, cmd.database, async |store| {

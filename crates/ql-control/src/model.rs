@@ -165,6 +165,20 @@ impl AttemptStatus {
     }
 }
 
+/// What the operator says of a worker identity, whatever its agents declare. A worker
+/// without a row has no trusted labels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Worker {
+    /// The worker (certificate principal).
+    pub id: WorkerId,
+    /// Labels the operator vouches for: placement by `--label`.
+    pub labels: BTreeMap<String, String>,
+    /// First recorded at.
+    pub created_at: Millis,
+    /// Last changed at.
+    pub updated_at: Millis,
+}
+
 /// A worker session.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Session {
@@ -178,7 +192,7 @@ pub struct Session {
     pub state: SessionState,
     /// Jobs at once.
     pub capacity: u32,
-    /// Placement labels.
+    /// The labels the agent declared: placement by `--agent-label` only, never trusted.
     pub labels: BTreeMap<String, String>,
     /// Agent version, for operators.
     pub agent_version: String,
@@ -223,8 +237,12 @@ pub struct Run {
     pub project: ProjectId,
     /// What to run.
     pub spec: ExecutionSpec,
-    /// Labels a session must carry to be offered this run.
+    /// Labels the worker must carry by the operator's word ([`Worker::labels`]) to be
+    /// offered this run.
     pub labels: BTreeMap<String, String>,
+    /// Labels the agent must declare in its session ([`Session::labels`]): what it says
+    /// of itself, which an operator cannot vouch for.
+    pub agent_labels: BTreeMap<String, String>,
     /// Status.
     pub status: RunStatus,
     /// Stop intent.

@@ -26,13 +26,14 @@ use crate::core::{Command, Reply};
 use crate::http::{self, IngressConfig};
 use crate::store::postgres::{PgOptions, PgStore};
 use crate::store::sqlite::{SqliteOptions, SqliteStore};
-use crate::store::Store;
+use crate::store::{AuditRetention, Store};
 
 /// The ingress settings a [`Config`] implies.
 pub fn ingress_config(config: &Config) -> IngressConfig {
     let count = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
     IngressConfig {
-        header_read_timeout: Duration::from_millis(config.idle_timeout_ms),
+        header_read_timeout: Duration::from_millis(config.header_timeout_ms),
+        idle_timeout: Duration::from_millis(config.idle_timeout_ms),
         body_idle_timeout: Duration::from_millis(config.read_timeout_ms),
         handshake_timeout: Duration::from_millis(config.handshake_timeout_ms),
         max_connections: count(config.max_connections),
@@ -42,12 +43,14 @@ pub fn ingress_config(config: &Config) -> IngressConfig {
         max_header_bytes: count(config.max_header_bytes),
         upload_grace: Duration::from_millis(config.upload_grace_ms),
         min_upload_rate: config.min_upload_rate,
+        report_every: Duration::from_millis(config.refusal_report_ms),
         ..IngressConfig::default()
     }
 }
 
-/// Sweeps lapsed offers, sessions and leases every `every`, for ever.
-pub async fn sweep_forever<S: Store>(store: S, every: Duration) {
+/// Sweeps lapsed offers, sessions and leases every `every`, and prunes the audit records
+/// beyond `retention`, for ever.
+pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: AuditRetention) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -56,6 +59,9 @@ pub async fn sweep_forever<S: Store>(store: S, every: Duration) {
             Ok(Ok(Reply::Swept(n))) if n > 0 => eprintln!("ql-control: swept {n} lapsed row(s)"),
             Ok(_) => {}
             Err(e) => eprintln!("ql-control: sweep failed: {e}"),
+        }
+        if let Err(e) = store.prune_audit(retention).await {
+            eprintln!("ql-control: pruning audit records failed: {e}");
         }
     }
 }
@@ -172,7 +178,8 @@ async fn serve_on<S: Store>(
     notifying(&notify, |n| n.ready(&listening, Instant::now()));
     let every = notifying(&notify, |n| n.watchdog_every());
     let watchdog = every.map(|every| tokio::spawn(watchdog_forever(store.clone(), notify.clone(), every)));
-    let sweeper = tokio::spawn(sweep_forever(store, Duration::from_millis(config.sweep_interval_ms)));
+    let every = Duration::from_millis(config.sweep_interval_ms);
+    let sweeper = tokio::spawn(sweep_forever(store, every, config.audit_retention()));
     shutdown.await;
     notifying(&notify, |n| n.stopping("stopping: finishing the requests in flight", None));
     sweeper.abort();

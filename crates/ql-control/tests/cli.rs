@@ -84,3 +84,36 @@ fn init_makes_a_private_state_directory_whatever_the_umask_and_others_are_refuse
     }
     assert_eq!(cli(&dir, &["runs"]).stdout, before.stdout, "nothing changed");
 }
+
+#[test]
+fn the_operator_gives_a_worker_its_trusted_labels_at_enrolment_or_later() {
+    let root = Dir(std::env::temp_dir().join(format!("ql-cli-labels-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&root.0);
+    let dir = root.0.join("state");
+    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&dir).output().unwrap();
+    assert!(init.status.success(), "{}", String::from_utf8_lossy(&init.stderr));
+    let out = root.0.join("out");
+    let text = |o: &Output| String::from_utf8_lossy(&o.stdout).into_owned();
+
+    // A bad label is refused before a certificate is issued.
+    let bad = cli(&dir, &["enroll", "w1", "--out", out.to_str().unwrap(), "--label", "Site=x"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--label"));
+    assert!(!out.join("w1.crt").exists(), "nothing issued");
+
+    let enrolled = cli(&dir, &["enroll", "w1", "--out", out.to_str().unwrap(), "--label", "site=cluster-prod"]);
+    assert!(enrolled.status.success(), "{}", String::from_utf8_lossy(&enrolled.stderr));
+    assert!(text(&enrolled).contains("w1: site=cluster-prod"), "{}", text(&enrolled));
+    let listed = text(&cli(&dir, &["workers"]));
+    assert!(listed.contains("TRUSTED LABELS") && listed.contains("site=cluster-prod"), "{listed}");
+
+    let before = text(&cli(&dir, &["workers"]));
+    let refused = cli(&dir, &["label", "w1", "tier=a\nb"]);
+    assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("label"));
+    assert_eq!(text(&cli(&dir, &["workers"])), before, "a refused label changes nothing");
+
+    let relabelled = cli(&dir, &["label", "w1", "tier=lab"]);
+    assert!(relabelled.status.success());
+    let listed = text(&cli(&dir, &["workers"]));
+    assert!(listed.contains("tier=lab") && !listed.contains("site=cluster-prod"), "replaced: {listed}");
+    assert!(cli(&dir, &["submit", "--label", "tier=lab", "--agent-label", "arch=mips", "--", "true"]).status.success());
+}

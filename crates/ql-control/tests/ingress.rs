@@ -79,6 +79,7 @@ fn test_config() -> IngressConfig {
     IngressConfig {
         handshake_timeout: Duration::from_secs(10),
         header_read_timeout: Duration::from_secs(30),
+        idle_timeout: Duration::from_secs(30),
         body_idle_timeout: Duration::from_millis(500),
         upload_grace: Duration::from_secs(5),
         min_upload_rate: 64 * 1024,
@@ -91,6 +92,7 @@ fn test_config() -> IngressConfig {
         max_header_bytes: 16 * 1024,
         shutdown_grace: Duration::from_secs(2),
         accept_backoff: Duration::from_millis(10),
+        report_every: Duration::from_secs(10),
     }
 }
 
@@ -145,6 +147,11 @@ impl Server {
     }
 
     fn submit(&self) -> RunId {
+        self.submit_for(BTreeMap::new())
+    }
+
+    /// Queues a run that needs the operator's `labels` of its worker.
+    fn submit_for(&self, labels: BTreeMap<String, String>) -> RunId {
         let spec = ExecutionSpec {
             schema: SpecSchema,
             project_id: project(),
@@ -154,7 +161,7 @@ impl Server {
             timeout_ms: 600_000,
             log_limit_bytes: 1024 * 1024,
         };
-        let submit = Submit { project: project(), spec, labels: BTreeMap::new(), retry_budget: 0 };
+        let submit = Submit { project: project(), spec, labels, agent_labels: BTreeMap::new(), retry_budget: 0 };
         match self.rt.block_on(self.store.execute(Command::Submit(submit))).unwrap() {
             Ok(Reply::Submitted(run)) => run,
             other => panic!("submit: {other:?}"),
@@ -355,10 +362,15 @@ impl Client {
     }
 
     fn open(&self, capacity: u32) -> (SessionId, Counter) {
+        self.open_declaring(capacity, &[])
+    }
+
+    /// Opens a session declaring `labels`.
+    fn open_declaring(&self, capacity: u32, labels: &[(&str, &str)]) -> (SessionId, Counter) {
         let body = OpenSession {
             agent_version: "0.1.0".parse().unwrap(),
             arch: "x86_64".parse().unwrap(),
-            labels: BTreeMap::new(),
+            labels: labels.iter().map(|(k, v)| (k.parse().unwrap(), v.parse().unwrap())).collect(),
             capacity,
         };
         let opened: SessionOpened = self.post(&Route::OpenSession(self.worker.clone()), &body).json(201);
@@ -1414,13 +1426,82 @@ fn a_stalled_handshake_times_out() {
 }
 
 #[test]
-fn an_idle_connection_is_closed_after_the_header_read_timeout() {
-    let cfg = IngressConfig { header_read_timeout: Duration::from_millis(300), ..test_config() };
+fn an_idle_connection_is_closed_after_the_idle_timeout() {
+    let cfg = IngressConfig { idle_timeout: Duration::from_millis(300), ..test_config() };
     let server = Server::start_with("idle", cfg);
     let mut raw = server.raw("router-1");
     assert!(raw.ended(), "the server closed the idle connection");
-    server.wait_for("the connection to close", |st| st.closed() == 1);
+    server.wait_for("the connection to close", |st| st.closed() == 1 && st.timed_out() == 1);
     assert_eq!(server.stats().requests(), 0);
+}
+
+#[test]
+fn a_trickled_head_is_cut_off_at_the_header_timeout_however_its_bytes_keep_coming() {
+    // The idle timeout is long; the head's clock starts at its first byte.
+    let cfg = IngressConfig { header_read_timeout: Duration::from_millis(400), ..test_config() };
+    let server = Server::start_with("trickle-head", cfg);
+    let honest = server.client("router-2");
+    let (session, generation) = honest.open(1);
+    let before = server.snapshot();
+    let mut raw = server.raw("router-1");
+    // A head of 4,000 bytes, one every 10 ms, would take 40 s (each byte well within
+    // any idle timeout). The pacing is the test's slow client, not a wait for the server.
+    let head = format!("POST /v1/workers/router-1/sessions HTTP/1.1\r\nx-pad: {}", "a".repeat(4_000));
+    let mut sent = 0;
+    for byte in head.as_bytes() {
+        if server.stats().timed_out() == 1 || raw.send(std::slice::from_ref(byte)).is_err() {
+            break;
+        }
+        sent += 1;
+        std::thread::sleep(Duration::from_millis(10));
+        // An honest worker is served meanwhile.
+        if sent == 20 {
+            assert!(honest.poll(&session, generation, 0, 1).offers.is_empty());
+        }
+    }
+    assert!(sent < head.len(), "cut off before the head was complete");
+    server.wait_for("the trickled connection to be closed", |st| st.timed_out() == 1);
+    assert!(raw.ended());
+    assert_eq!(server.stats().requests(), 2, "the honest open and poll were the only requests");
+    let after = server.snapshot();
+    assert_eq!(after.events, before.events, "nothing of the trickle reached the store");
+}
+
+#[test]
+fn a_long_poll_is_not_idle() {
+    // The poll waits a second, three times the idle timeout, on its one connection.
+    let cfg = IngressConfig {
+        idle_timeout: Duration::from_millis(300),
+        max_poll_wait: Duration::from_secs(1),
+        ..test_config()
+    };
+    let server = Server::start_with("poll-idle", cfg);
+    let client = server.client("router-1");
+    let (session, generation) = client.open(1);
+    assert!(client.poll(&session, generation, 1_000, 1).offers.is_empty());
+    assert_eq!(server.stats().timed_out(), 0, "the poll's connection was not cut");
+    assert_eq!(server.stats().connections(), 1, "one connection carried both requests");
+}
+
+#[test]
+fn a_worker_declaring_a_label_the_operator_did_not_give_it_is_not_offered_the_run() {
+    let server = Server::start("trusted-labels");
+    let prod = || BTreeMap::from([("site".to_owned(), "cluster-prod".to_owned())]);
+    let run = server.submit_for(prod());
+    // router-1 holds a valid certificate and declares the label.
+    let liar = server.client("router-1");
+    let (session, generation) = liar.open_declaring(1, &[("site", "cluster-prod")]);
+    let before = server.snapshot();
+    assert!(liar.poll(&session, generation, 0, 1).offers.is_empty());
+    let after = server.snapshot();
+    assert_eq!((&after.runs, &after.offers, &after.events), (&before.runs, &before.offers, &before.events));
+    // The operator gives the label to router-2, which declares nothing.
+    let labelled = server.rt.block_on(server.store.execute(Command::LabelWorker(wid("router-2"), prod()))).unwrap();
+    assert!(matches!(labelled, Ok(Reply::WorkerLabelled(_))));
+    let node = server.client("router-2");
+    let (session, generation) = node.open(1);
+    let offers = node.poll(&session, generation, 0, 1).offers;
+    assert_eq!(offers.iter().map(|o| &o.run_id).collect::<Vec<_>>(), vec![&run]);
 }
 
 #[test]

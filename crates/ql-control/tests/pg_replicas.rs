@@ -361,8 +361,13 @@ async fn stress(db_url: &str, replicas: usize, agents: usize, runs: usize, resta
 
     let mut ids = Vec::with_capacity(runs);
     for _ in 0..runs {
-        let submit =
-            Submit { project: contract::project(), spec: spec(600_000), labels: Default::default(), retry_budget: 1 };
+        let submit = Submit {
+            project: contract::project(),
+            spec: spec(600_000),
+            labels: Default::default(),
+            agent_labels: Default::default(),
+            retry_budget: 1,
+        };
         match store.execute(Cmd::Submit(submit)).await.unwrap() {
             Ok(Reply::Submitted(id)) => ids.push(id),
             other => panic!("submit: {other:?}"),

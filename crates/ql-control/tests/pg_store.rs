@@ -71,6 +71,9 @@ async fn the_worker_ingress_role_may_append_audit_records_and_nothing_else() {
         format!("UPDATE events SET kind = 'rewritten' WHERE run_id = '{run}'"),
         "DELETE FROM events".to_owned(),
         "UPDATE audit SET outcome = 'rewritten'".to_owned(),
+        "DELETE FROM audit".to_owned(),
+        // The custom setting the pruning function uses does not open the table either.
+        "SET ql.audit_prune = 'on'; DELETE FROM audit".to_owned(),
         "CREATE TABLE forged (x int)".to_owned(),
     ] {
         assert_eq!(sqlstate(&runtime, &sql).await.as_deref(), Some(INSUFFICIENT_PRIVILEGE), "runtime: {sql}");
@@ -81,6 +84,9 @@ async fn the_worker_ingress_role_may_append_audit_records_and_nothing_else() {
         sqlstate(&owner, &format!("UPDATE events SET kind = 'rewritten' WHERE run_id = '{run}'")).await.as_deref(),
         Some(INSUFFICIENT_PRIVILEGE)
     );
+    // Nor remove an audit record but through the pruning function.
+    assert_eq!(sqlstate(&owner, "DELETE FROM audit").await.as_deref(), Some(INSUFFICIENT_PRIVILEGE));
+    assert_eq!(sqlstate(&ingress, "SELECT prune_audit(NULL, 0)").await.as_deref(), Some(INSUFFICIENT_PRIVILEGE));
 
     // Nothing the refused statements tried changed anything.
     let d = detail(&store, h.run()).await;

@@ -37,8 +37,13 @@ async fn concurrent_ack_transactions_keep_every_invariant() {
     for i in 0..clients {
         let labels = BTreeMap::from([("bench".to_owned(), i.to_string())]);
         for _ in 0..cycles {
-            let submit =
-                Submit { project: project(), spec: spec(LONG_TIMEOUT_MS), labels: labels.clone(), retry_budget: 0 };
+            let submit = Submit {
+                project: project(),
+                spec: spec(LONG_TIMEOUT_MS),
+                labels: BTreeMap::new(),
+                agent_labels: labels.clone(),
+                retry_budget: 0,
+            };
             assert!(matches!(exec(&store, Command::Submit(submit)).await, Ok(Reply::Submitted(_))));
         }
     }

@@ -1,6 +1,7 @@
 //! Delivery (PROTOCOL §6): placement of queued runs onto a polling session, and claim.
 
 use serde_json::json;
+use std::collections::BTreeMap;
 
 use ql_wire::ids::{Counter, OfferId, SessionId, WorkerId};
 use ql_wire::offer::{Claim, Claimed, Offer as WireOffer, Offers, PollOffers};
@@ -28,9 +29,14 @@ fn wire_offer(o: &Offer) -> WireOffer {
     }
 }
 
-/// Whether a session carries every label the run asks for.
-fn fits(run: &Run, session: &Session) -> bool {
-    run.labels.iter().all(|(k, v)| session.labels.get(k) == Some(v))
+/// Whether the worker carries every label the run asks for: the operator's labels of the
+/// worker ([`crate::model::Worker`]) for `labels`, the session's declared ones for
+/// `agent_labels`. A declared label never stands in for a trusted one.
+fn fits(run: &Run, session: &Session, trusted: &BTreeMap<String, String>) -> bool {
+    let within = |wanted: &BTreeMap<String, String>, carried: &BTreeMap<String, String>| {
+        wanted.iter().all(|(k, v)| carried.get(k) == Some(v))
+    };
+    within(&run.labels, trusted) && within(&run.agent_labels, &session.labels)
 }
 
 /// A poll is proof of life (the agent cannot heartbeat while it long-polls on its one
@@ -54,10 +60,13 @@ pub(super) fn poll(
     let mut writes = vec![Write::Session(seen)];
     let mut offers: Vec<WireOffer> =
         rows.open_offers.iter().filter(|o| o.state == OfferState::Open && o.expires_at > now).map(wire_offer).collect();
+    let no_labels = BTreeMap::new();
+    let trusted = rows.worker.as_ref().filter(|w| &w.id == worker).map_or(&no_labels, |w| &w.labels);
     let free = session.capacity.saturating_sub(rows.active_attempts) as usize;
     let room = free.min(body.max as usize);
     if session.state == SessionState::Online {
-        for run in rows.queued.iter().filter(|r| r.status == RunStatus::Queued && fits(r, session)).take(room) {
+        for run in rows.queued.iter().filter(|r| r.status == RunStatus::Queued && fits(r, session, trusted)).take(room)
+        {
             let (offer, attempt, next_run) = place(run, session, now, timings, ids);
             writes.push(event(
                 ids,
@@ -303,13 +312,41 @@ mod tests {
         busy.active_attempts = 2;
         assert!(offers(&polling(&busy, 8)).is_empty());
         let mut labelled = placement_rows(1, 1);
-        labelled.queued[0].labels.insert("arch".into(), "mips".into());
+        labelled.queued[0].agent_labels.insert("arch".into(), "mips".into());
         assert!(offers(&polling(&labelled, 8)).is_empty());
         labelled.session.as_mut().unwrap().labels.insert("arch".into(), "mips".into());
         assert_eq!(offers(&polling(&labelled, 8)).len(), 1);
         let mut draining = placement_rows(3, 2);
         draining.session.as_mut().unwrap().state = SessionState::Draining;
         assert!(offers(&polling(&draining, 8)).is_empty());
+    }
+
+    #[test]
+    fn a_trusted_label_is_matched_only_by_the_operators_record_of_the_worker() {
+        let trusted = |pairs: &[(&str, &str)]| crate::model::Worker {
+            id: worker(),
+            labels: pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+            created_at: NOW - 5,
+            updated_at: NOW - 5,
+        };
+        let mut rows = placement_rows(1, 1);
+        rows.queued[0].labels.insert("site".into(), "cluster-prod".into());
+        // The agent declares it: not enough.
+        rows.session.as_mut().unwrap().labels.insert("site".into(), "cluster-prod".into());
+        assert!(offers(&polling(&rows, 8)).is_empty(), "a declared label is not trusted");
+        // The operator's record of another worker: not this one's.
+        rows.worker =
+            Some(crate::model::Worker { id: "router-9".parse().unwrap(), ..trusted(&[("site", "cluster-prod")]) });
+        assert!(offers(&polling(&rows, 8)).is_empty());
+        rows.worker = Some(trusted(&[("site", "attic")]));
+        assert!(offers(&polling(&rows, 8)).is_empty(), "another value");
+        rows.worker = Some(trusted(&[("site", "cluster-prod"), ("tier", "x")]));
+        assert_eq!(offers(&polling(&rows, 8)).len(), 1);
+        // Both kinds at once: each from its own source.
+        rows.queued[0].agent_labels.insert("arch".into(), "mips".into());
+        assert!(offers(&polling(&rows, 8)).is_empty());
+        rows.session.as_mut().unwrap().labels.insert("arch".into(), "mips".into());
+        assert_eq!(offers(&polling(&rows, 8)).len(), 1);
     }
 
     #[test]

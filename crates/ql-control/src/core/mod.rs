@@ -23,6 +23,7 @@ mod start;
 mod sweep;
 #[cfg(test)]
 pub(crate) mod testkit;
+mod worker;
 
 pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
 pub use log::{same_bytes, ChunkAdmitted, ChunkPlan};
@@ -42,7 +43,9 @@ use ql_wire::route::AttemptPath;
 use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened};
 use ql_wire::{ErrorCode, Fence};
 
-use crate::model::{Attempt, Event, Lease, LogChunk, Millis, Offer, Run, Session};
+use std::collections::BTreeMap;
+
+use crate::model::{Attempt, Event, Lease, LogChunk, Millis, Offer, Run, Session, Worker};
 
 /// Durations the authority hands out. Every one is configurable so tests run short.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,6 +102,8 @@ pub enum Command {
     Submit(Submit),
     /// Operator: cancel a run.
     Cancel(RunId),
+    /// Operator: set the labels it vouches for of a worker.
+    LabelWorker(WorkerId, BTreeMap<String, String>),
     /// Expire what has lapsed, by DB time.
     Sweep,
 }
@@ -116,6 +121,8 @@ pub struct Keys {
     pub offer: Option<OfferId>,
     /// Load every session of this worker (to open a new one).
     pub worker_sessions: Option<WorkerId>,
+    /// Load this worker's record (its trusted labels).
+    pub worker: Option<WorkerId>,
     /// Load placement candidates: queued runs, and the session's open offers and
     /// active attempt count.
     pub placement: bool,
@@ -144,6 +151,8 @@ pub struct Rows {
     pub completion_event: Option<Event>,
     /// Every session of the worker, when asked for.
     pub worker_sessions: Vec<Session>,
+    /// The worker's record, when asked for (placement loads the session's).
+    pub worker: Option<Worker>,
     /// Queued runs, oldest first (placement).
     pub queued: Vec<Run>,
     /// The session's open offers (placement).
@@ -200,6 +209,8 @@ pub enum Reply {
     Submitted(RunId),
     /// To cancel.
     Cancelled(CancelOutcome),
+    /// To labelling a worker: its record now.
+    WorkerLabelled(Worker),
     /// To sweep: how many rows it changed.
     Swept(usize),
 }
@@ -223,6 +234,8 @@ pub enum Write {
     Event(Event),
     /// Append an acknowledged live-log chunk (never replaced).
     LogChunk(LogChunk),
+    /// Insert or replace a worker's record.
+    Worker(Worker),
 }
 
 /// The outcome of one command: a reply and its writes, or a refusal that writes nothing.
@@ -328,7 +341,9 @@ impl Command {
         match self {
             Self::OpenSession(w, _) => Keys { worker_sessions: Some(w.clone()), ..Keys::default() },
             Self::Heartbeat(_, s, _) => Keys { session: Some(s.clone()), ..Keys::default() },
-            Self::PollOffers(_, s, _) => Keys { session: Some(s.clone()), placement: true, ..Keys::default() },
+            Self::PollOffers(w, s, _) => {
+                Keys { session: Some(s.clone()), worker: Some(w.clone()), placement: true, ..Keys::default() }
+            }
             Self::Claim(_, s, o, body) => Keys {
                 attempt: Some(body.attempt_id.clone()),
                 session: Some(s.clone()),
@@ -348,6 +363,7 @@ impl Command {
             Self::Complete(p, ..) => Keys { completion_event: true, ..attempt(p) },
             Self::Submit(_) => Keys::default(),
             Self::Cancel(r) => Keys { run: Some(r.clone()), current_attempt: true, ..Keys::default() },
+            Self::LabelWorker(w, _) => Keys { worker: Some(w.clone()), ..Keys::default() },
             Self::Sweep => Keys { sweep: true, ..Keys::default() },
         }
     }
@@ -380,6 +396,7 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         }
         Command::Submit(s) => operator::submit(s, now, ids),
         Command::Cancel(_) => operator::cancel(rows, now, ids),
+        Command::LabelWorker(w, labels) => worker::set_labels(w, labels, rows, now),
         Command::Sweep => sweep::sweep(&rows.lapsed, now, ids),
     }
 }

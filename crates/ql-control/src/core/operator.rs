@@ -21,8 +21,10 @@ pub struct Submit {
     pub project: ProjectId,
     /// What to run (its `projectId` must equal `project`).
     pub spec: ExecutionSpec,
-    /// Labels a session must carry.
+    /// Labels the worker must carry by the operator's word.
     pub labels: BTreeMap<String, String>,
+    /// Labels the worker's agent must declare.
+    pub agent_labels: BTreeMap<String, String>,
     /// Lost leases tolerated before the run fails.
     pub retry_budget: u32,
 }
@@ -38,9 +40,9 @@ pub enum CancelOutcome {
     AlreadyEnded(RunStatus),
 }
 
-/// Why a run's labels could never be matched: a session declares at most
-/// [`LABELS_MAX`] labels, each a valid [`LabelKey`] and [`LabelValue`], so a run asking for
-/// anything else would stay queued for ever.
+/// Why a set of labels could never be matched: a worker carries at most [`LABELS_MAX`]
+/// labels of each kind, each a valid [`LabelKey`] and [`LabelValue`], so a run asking for
+/// anything else would stay queued for ever (and a worker is never given such a label).
 pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), String> {
     if labels.len() > LABELS_MAX {
         return Err(format!("at most {LABELS_MAX} labels, not {}: no worker could carry them all", labels.len()));
@@ -54,7 +56,11 @@ pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), String> {
 }
 
 pub(super) fn submit(s: &Submit, now: Millis, ids: &mut IdGen) -> Decision {
-    if s.spec.project_id != s.project || s.spec.validate().is_err() || check_labels(&s.labels).is_err() {
+    if s.spec.project_id != s.project
+        || s.spec.validate().is_err()
+        || check_labels(&s.labels).is_err()
+        || check_labels(&s.agent_labels).is_err()
+    {
         return Decision::refuse(ErrorCode::InvalidRequest);
     }
     let run = Run {
@@ -62,6 +68,7 @@ pub(super) fn submit(s: &Submit, now: Millis, ids: &mut IdGen) -> Decision {
         project: s.project.clone(),
         spec: s.spec.clone(),
         labels: s.labels.clone(),
+        agent_labels: s.agent_labels.clone(),
         status: RunStatus::Queued,
         stop: None,
         retry_budget: s.retry_budget,
@@ -160,7 +167,13 @@ mod tests {
     use crate::core::testkit::*;
 
     fn submit_req() -> Submit {
-        Submit { project: "default".parse().unwrap(), spec: spec(), labels: BTreeMap::new(), retry_budget: 2 }
+        Submit {
+            project: "default".parse().unwrap(),
+            spec: spec(),
+            labels: BTreeMap::new(),
+            agent_labels: BTreeMap::new(),
+            retry_budget: 2,
+        }
     }
 
     #[test]
@@ -199,6 +212,9 @@ mod tests {
         for bad in refused {
             assert_eq!(submit(&bad, NOW, &mut ids()), Decision::refuse(ErrorCode::InvalidRequest), "{:?}", bad.labels);
             assert!(check_labels(&bad.labels).is_err());
+            // The same, asked of the agent's declared labels.
+            let declared = Submit { labels: BTreeMap::new(), agent_labels: bad.labels.clone(), ..submit_req() };
+            assert_eq!(submit(&declared, NOW, &mut ids()), Decision::refuse(ErrorCode::InvalidRequest));
         }
     }
 

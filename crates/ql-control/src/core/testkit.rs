@@ -90,6 +90,7 @@ pub(crate) fn queued_run() -> Run {
         project: ProjectId::parse("default").unwrap(),
         spec: spec(),
         labels: BTreeMap::new(),
+        agent_labels: BTreeMap::new(),
         status: RunStatus::Queued,
         stop: None,
         retry_budget: 1,
@@ -241,6 +242,7 @@ pub(crate) fn applied(rows: &Rows, d: &super::Decision) -> Rows {
             super::Write::Offer(o) => next.offer = Some(o.clone()),
             super::Write::Lease(l) => next.lease = Some(l.clone()),
             super::Write::Event(e) if e.kind == super::COMPLETION_EVENT => next.completion_event = Some(e.clone()),
+            super::Write::Worker(w) => next.worker = Some(w.clone()),
             super::Write::Event(_) | super::Write::LogChunk(_) => {}
         }
     }

@@ -62,6 +62,8 @@ pub(super) struct Shared<S, B> {
     pub(super) sealing: log::Sealing,
     /// Handshakes and connections held, for the limits of [`super`].
     pub(super) occupancy: super::Occupancy,
+    /// Lines about refused connections, at a bounded rate.
+    pub(super) reports: super::Reports,
 }
 
 /// The per-connection hyper service: the shared parts and the connection's principal,
@@ -74,6 +76,8 @@ pub(super) struct Service<S, B> {
     pub(super) unread: Arc<AtomicBool>,
     /// Lets a fault point reset the connection (test builds only; see [`crate::fault`]).
     pub(super) reset: Reset,
+    /// The connection's idle and head clocks: stopped while a request is answered.
+    pub(super) clock: Arc<super::head::HeadClock>,
 }
 
 type Answered = Pin<Box<dyn Future<Output = Result<Response<Full<Bytes>>, Infallible>> + Send>>;
@@ -90,9 +94,12 @@ impl<S: Store, B: BlobStore> hyper::service::Service<Request<Incoming>> for Serv
         let principal = self.principal.clone();
         let unread = self.unread.clone();
         let reset = self.reset.clone();
+        let clock = self.clock.clone();
+        clock.answering();
         Box::pin(async move {
             shared.stats.requests.fetch_add(1, Ordering::Relaxed);
             let answer = handle(&shared, principal, req, &reset).await;
+            clock.answered();
             if answer.close {
                 unread.store(true, Ordering::Relaxed);
             }
@@ -356,6 +363,7 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
         | Reply::SealAdmitted(_)
         | Reply::Submitted(_)
         | Reply::Cancelled(_)
+        | Reply::WorkerLabelled(_)
         | Reply::Swept(_) => Answer::refuse(ErrorCode::Unavailable),
     }
 }

@@ -8,7 +8,9 @@
 //! [`IngressConfig::handshake_timeout`], the principal read once from the verified client
 //! certificate, then hyper's HTTP/1 server with keep-alive — the agent keeps one
 //! connection for all its requests — and request heads of at most
-//! [`IngressConfig::max_header_bytes`].
+//! [`IngressConfig::max_header_bytes`], each within [`IngressConfig::header_read_timeout`]
+//! of its first byte; between requests a connection may stay idle for
+//! [`IngressConfig::idle_timeout`] ([`head`]).
 //!
 //! Nobody can starve the others of connections. A handshake in progress takes no
 //! connection slot, and there are at most [`IngressConfig::max_handshakes`] of them, at
@@ -32,8 +34,10 @@
 //! what is left.
 
 pub mod framing;
+mod head;
 mod ingress;
 mod log;
+mod report;
 pub mod tls;
 
 use std::collections::{HashMap, VecDeque};
@@ -66,12 +70,13 @@ use ingress::{Service, Shared};
 pub struct IngressConfig {
     /// The TLS handshake must finish within this.
     pub handshake_timeout: Duration,
-    /// How long a request's head may take to arrive, counted from the moment the
-    /// connection is ready for it. hyper starts this clock as soon as the previous
-    /// response is written, so it is also the keep-alive idle timeout: keep it above the
-    /// agent's longest quiet period (its heartbeat interval), or its one connection is
-    /// closed between requests.
+    /// How long a request's head may take, from its first byte (see [`head`]); more
+    /// bytes do not extend it.
     pub header_read_timeout: Duration,
+    /// How long a connection may wait for the next request with nothing of it arrived,
+    /// the keep-alive idle timeout: keep it above the agent's longest quiet period (its
+    /// heartbeat interval), or its one connection is closed between requests.
+    pub idle_timeout: Duration,
     /// The longest wait for the next piece of a request body.
     pub body_idle_timeout: Duration,
     /// A whole request body may take this long plus its length at [`Self::min_upload_rate`].
@@ -98,13 +103,17 @@ pub struct IngressConfig {
     /// After a failed accept (for example, out of file descriptors), the pause before
     /// the next attempt.
     pub accept_backoff: Duration,
+    /// At most one line per this about failed handshakes, and one about connections
+    /// turned away at a limit (the counters keep the totals).
+    pub report_every: Duration,
 }
 
 impl Default for IngressConfig {
     fn default() -> Self {
         Self {
-            handshake_timeout: Duration::from_secs(10),
-            header_read_timeout: Duration::from_secs(75),
+            handshake_timeout: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(300),
             body_idle_timeout: Duration::from_secs(30),
             upload_grace: Duration::from_secs(30),
             min_upload_rate: 4096,
@@ -114,9 +123,10 @@ impl Default for IngressConfig {
             max_handshakes: 256,
             max_handshakes_per_ip: 32,
             max_connections_per_worker: 4,
-            max_header_bytes: 16 * 1024,
+            max_header_bytes: 8 * 1024,
             shutdown_grace: Duration::from_secs(10),
             accept_backoff: Duration::from_millis(100),
+            report_every: Duration::from_secs(10),
         }
     }
 }
@@ -132,6 +142,7 @@ pub struct IngressStats {
     audit_failures: AtomicUsize,
     turned_away: AtomicUsize,
     evicted: AtomicUsize,
+    timed_out: AtomicUsize,
 }
 
 impl IngressStats {
@@ -175,6 +186,26 @@ impl IngressStats {
     /// Connections closed because their worker opened one more than it may hold.
     pub fn evicted(&self) -> usize {
         self.evicted.load(Ordering::Relaxed)
+    }
+
+    /// Connections closed idle, or in the middle of a head that took too long.
+    pub fn timed_out(&self) -> usize {
+        self.timed_out.load(Ordering::Relaxed)
+    }
+}
+
+/// The lines of [`report`] a server prints.
+pub(crate) struct Reports {
+    handshake_failed: report::Report,
+    turned_away: report::Report,
+}
+
+impl Reports {
+    fn new(every: Duration) -> Self {
+        Self {
+            handshake_failed: report::Report::new("TLS handshake(s) failed", every),
+            turned_away: report::Report::new("connection(s) turned away", every),
+        }
     }
 }
 
@@ -278,6 +309,7 @@ pub async fn serve_until<S: Store, B: BlobStore>(
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
     let (stop, stopped) = watch::channel(false);
+    let report_every = cfg.report_every;
     let shared = Arc::new(Shared {
         store,
         blobs,
@@ -285,6 +317,7 @@ pub async fn serve_until<S: Store, B: BlobStore>(
         stats: Arc::default(),
         sealing: Sealing::default(),
         occupancy: Occupancy::default(),
+        reports: Reports::new(report_every),
     });
     let server = run(listener, TlsAcceptor::from(tls), shared, stopped);
     tokio::pin!(server);
@@ -308,6 +341,7 @@ pub fn spawn<S: Store, B: BlobStore>(
     let local_addr = listener.local_addr()?;
     let stats = Arc::<IngressStats>::default();
     let (stop, stopped) = watch::channel(false);
+    let report_every = cfg.report_every;
     let shared = Arc::new(Shared {
         store,
         blobs,
@@ -315,6 +349,7 @@ pub fn spawn<S: Store, B: BlobStore>(
         stats: stats.clone(),
         sealing: Sealing::default(),
         occupancy: Occupancy::default(),
+        reports: Reports::new(report_every),
     });
     let task = tokio::spawn(run(listener, TlsAcceptor::from(tls), shared, stopped));
     Ok(Ingress { local_addr, stats, stop, task })
@@ -411,20 +446,28 @@ async fn connection<S: Store, B: BlobStore>(
     let cfg = &shared.cfg;
     let Some(handshaking) = shared.occupancy.handshake(ip, cfg) else {
         shared.stats.turned_away.fetch_add(1, Ordering::Relaxed);
+        shared.reports.turned_away.event(&format!("from {ip}: too many handshakes in progress"));
         return;
     };
     // Requests and answers are small and sequential: do not hold them back for Nagle.
     let _ = tcp.set_nodelay(true);
     let stream = match timeout(cfg.handshake_timeout, acceptor.accept(tcp)).await {
         Ok(Ok(stream)) => stream,
-        Ok(Err(_)) | Err(_) => {
+        failed => {
             shared.stats.handshake_failures.fetch_add(1, Ordering::Relaxed);
+            let why = match failed {
+                Ok(Err(e)) => e.to_string(),
+                _ => "timed out".to_owned(),
+            };
+            shared.reports.handshake_failed.event(&format!("from {ip}: {why}"));
             return;
         }
     };
     drop(handshaking);
     let Ok(_slot) = slots.clone().try_acquire_owned() else {
         shared.stats.turned_away.fetch_add(1, Ordering::Relaxed);
+        let limit = cfg.max_connections;
+        shared.reports.turned_away.event(&format!("from {ip}: all {limit} connection slots (max_connections) taken"));
         return;
     };
     let principal = tls::principal(stream.get_ref().1.peer_certificates().unwrap_or_default()).ok();
@@ -436,14 +479,23 @@ async fn connection<S: Store, B: BlobStore>(
 
     let unread = Arc::new(AtomicBool::new(false));
     let reset = crate::fault::Reset::default();
-    let service = Service { shared: shared.clone(), principal, unread: unread.clone(), reset: reset.clone() };
+    let clock = head::HeadClock::new();
+    let service = Service {
+        shared: shared.clone(),
+        principal,
+        unread: unread.clone(),
+        reset: reset.clone(),
+        clock: clock.clone(),
+    };
     let mut conn = http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(cfg.header_read_timeout)
+        // The connection's own clocks ([`head`]) tell an idle connection from a slow head.
+        .header_read_timeout(None)
+        .max_header_size(cfg.max_header_bytes)
         .max_buf_size(cfg.max_header_bytes.max(8192))
         .keep_alive(true)
         .half_close(false)
-        .serve_connection(TokioIo::new(stream), service);
+        .serve_connection(TokioIo::new(head::Watched::new(stream, clock.clone())), service);
     let mut draining = false;
     let mut reset_asked = false;
     loop {
@@ -456,6 +508,10 @@ async fn connection<S: Store, B: BlobStore>(
             // The worker opened one connection more than it may hold: this, its oldest,
             // goes at once.
             () = async { evicted.as_ref().expect("guarded").notified().await }, if evicted.is_some() => break,
+            () = clock.overstayed(cfg.idle_timeout, cfg.header_read_timeout) => {
+                shared.stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                break;
+            }
             // A fault point (test builds only) asked for a reset: drop the request in
             // flight and send RST, no answer and no close_notify.
             () = reset.requested(), if crate::fault::ENABLED => {
@@ -464,7 +520,7 @@ async fn connection<S: Store, B: BlobStore>(
             }
         }
     }
-    let stream = conn.into_parts().io.into_inner();
+    let stream = conn.into_parts().io.into_inner().into_inner();
     if reset_asked {
         let _ = stream.into_inner().0.set_zero_linger();
         return;

@@ -22,7 +22,7 @@ use ql_wire::ErrorCode;
 use tokio::sync::watch;
 
 use crate::core::{Command, Reply};
-use crate::model::{Attempt, AuditRecord, Event, Lease, LogChunk, Offer, Run, Session};
+use crate::model::{Attempt, AuditRecord, Event, Lease, LogChunk, Offer, Run, Session, Worker};
 
 /// The store could not reach or use its database. Maps to `503 unavailable`.
 #[derive(Debug)]
@@ -66,6 +66,18 @@ pub struct Snapshot {
     pub events: Vec<Event>,
     /// Live-log chunks by attempt and offset.
     pub log_chunks: Vec<LogChunk>,
+    /// Workers' records by id.
+    pub workers: Vec<Worker>,
+}
+
+/// How long audit records are kept: the sweeper removes those older than `max_age_ms`
+/// (by DB time) and all but the newest `max_records`; `None` sets no bound of that kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AuditRetention {
+    /// The oldest record kept, in milliseconds of age.
+    pub max_age_ms: Option<u64>,
+    /// The most records kept.
+    pub max_records: Option<u64>,
 }
 
 /// An authority store. Cheap to clone handles are expected (`Arc` inside).
@@ -75,6 +87,9 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Appends a security audit record (its `at` is filled with DB time).
     fn audit(&self, record: AuditRecord) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Prunes audit records from the old end as `retention` says; returns how many went.
+    fn prune_audit(&self, retention: AuditRetention) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Audit records, oldest first (for operators and tests).
     fn audits(&self) -> impl Future<Output = Result<Vec<AuditRecord>, StoreError>> + Send;
@@ -87,6 +102,9 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// The acknowledged live-log chunks of an attempt, by offset.
     fn log_chunks(&self, attempt: &AttemptId) -> impl Future<Output = Result<Vec<LogChunk>, StoreError>> + Send;
+
+    /// Workers' records (their trusted labels), by id, at most `limit`.
+    fn workers(&self, limit: usize) -> impl Future<Output = Result<Vec<Worker>, StoreError>> + Send;
 
     /// Sessions, newest first, at most `limit`.
     fn sessions(&self, limit: usize) -> impl Future<Output = Result<Vec<Session>, StoreError>> + Send;

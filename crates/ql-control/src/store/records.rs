@@ -11,7 +11,7 @@ use ql_wire::lease::StopIntent;
 use super::columns::{Columns, Corrupt, Table, Value as V};
 use crate::model::{
     Attempt, AttemptStatus, AuditRecord, ClaimFacts, EndKind, Event, Lease, LeaseFacts, LeaseState, LogChunk, Offer,
-    OfferState, Run, RunStatus, Session, SessionState,
+    OfferState, Run, RunStatus, Session, SessionState, Worker,
 };
 
 /// A model type stored as one row of one table.
@@ -44,7 +44,8 @@ fn parse_stop(s: &str) -> Option<StopIntent> {
 pub(super) const SESSION_COLS: &str =
     "id, worker, generation, state, capacity, labels, agent_version, arch, created_at, seen_at, expires_at";
 /// Columns of `runs`, in select order.
-pub(super) const RUN_COLS: &str = "id, project, spec, labels, status, stop, retry_budget, retries_used, attempts, \
+pub(super) const RUN_COLS: &str =
+    "id, project, spec, labels, agent_labels, status, stop, retry_budget, retries_used, attempts, \
      lease_generations, current_attempt_id, deadline_at, created_at, started_at, finished_at, error_code, summary";
 /// Columns of `attempts`, in select order.
 pub(super) const ATTEMPT_COLS: &str = "id, run_id, number, executor_type, status, offer_id, session_id, worker, \
@@ -62,6 +63,8 @@ pub(super) const LEASE_COLS: &str = "attempt_id, run_id, state, worker, session_
 pub(super) const EVENT_COLS: &str = "id, run_id, attempt_id, kind, from_status, to_status, payload, at";
 /// Columns of `log_chunks`, in select order.
 pub(super) const LOG_CHUNK_COLS: &str = "attempt_id, byte_offset, length, sha256";
+/// Columns of `workers`, in select order.
+pub(super) const WORKER_COLS: &str = "id, labels, created_at, updated_at";
 /// Columns of `audit`, in select order (`seq` as for events).
 pub(super) const AUDIT_COLS: &str = "at, principal, route, outcome";
 
@@ -77,9 +80,11 @@ pub(super) const AUDIT: Table = Table { name: "audit", key: None, cols: AUDIT_CO
 /// Never upserted: a chunk, once acknowledged, is never replaced (the primary key
 /// refuses a second one at the same offset).
 pub(super) const LOG_CHUNKS: Table = Table { name: "log_chunks", key: None, cols: LOG_CHUNK_COLS };
+pub(super) const WORKERS: Table = Table { name: "workers", key: Some("id"), cols: WORKER_COLS };
 
 /// Every table a model type is stored in.
-pub(super) const TABLES: [&Table; 8] = [&SESSIONS, &RUNS, &ATTEMPTS, &OFFERS, &LEASES, &EVENTS, &AUDIT, &LOG_CHUNKS];
+pub(super) const TABLES: [&Table; 9] =
+    [&SESSIONS, &RUNS, &ATTEMPTS, &OFFERS, &LEASES, &EVENTS, &AUDIT, &LOG_CHUNKS, &WORKERS];
 
 impl Stored for Session {
     const TABLE: &'static Table = &SESSIONS;
@@ -126,6 +131,7 @@ impl Stored for Run {
             project: c.valid("project")?,
             spec: c.json("spec")?,
             labels: c.json("labels")?,
+            agent_labels: c.json("agent_labels")?,
             status: c.word("status", RunStatus::parse)?,
             stop: c.opt_word("stop", parse_stop)?,
             retry_budget: c.num("retry_budget")?,
@@ -148,6 +154,7 @@ impl Stored for Run {
             V::text(self.project.as_str()),
             V::json(&self.spec)?,
             V::json(&self.labels)?,
+            V::json(&self.agent_labels)?,
             V::text(self.status.as_str()),
             V::opt_text(self.stop.map(stop_text)),
             V::int(self.retry_budget),
@@ -393,6 +400,23 @@ impl Stored for Event {
     }
 }
 
+impl Stored for Worker {
+    const TABLE: &'static Table = &WORKERS;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Worker {
+            id: c.valid("id")?,
+            labels: c.json("labels")?,
+            created_at: c.int("created_at")?,
+            updated_at: c.int("updated_at")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![V::text(self.id.as_str()), V::json(&self.labels)?, V::int(self.created_at), V::int(self.updated_at)])
+    }
+}
+
 impl Stored for AuditRecord {
     const TABLE: &'static Table = &AUDIT;
 
@@ -433,6 +457,7 @@ mod tests {
             Event::TABLE,
             AuditRecord::TABLE,
             LogChunk::TABLE,
+            Worker::TABLE,
         ];
         assert_eq!(stored.len(), TABLES.len());
         for t in stored {

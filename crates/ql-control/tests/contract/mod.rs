@@ -162,17 +162,20 @@ pub fn spec(timeout_ms: u64) -> ExecutionSpec {
 
 /// Queues a run and returns its id.
 pub async fn submit<S: Store>(store: &S, timeout_ms: u64, retry_budget: u32) -> RunId {
-    submit_with(store, timeout_ms, retry_budget, BTreeMap::new()).await
+    submit_with(store, timeout_ms, retry_budget, BTreeMap::new(), BTreeMap::new()).await
 }
 
-/// Queues a run that needs `labels`.
+/// Queues a run that needs the operator's `labels` of its worker and the `agent_labels`
+/// its agent declares.
 pub async fn submit_with<S: Store>(
     store: &S,
     timeout_ms: u64,
     retry_budget: u32,
     labels: BTreeMap<String, String>,
+    agent_labels: BTreeMap<String, String>,
 ) -> RunId {
-    let cmd = Command::Submit(Submit { project: project(), spec: spec(timeout_ms), labels, retry_budget });
+    let cmd =
+        Command::Submit(Submit { project: project(), spec: spec(timeout_ms), labels, agent_labels, retry_budget });
     match exec(store, cmd).await {
         Ok(Reply::Submitted(id)) => id,
         other => panic!("submit: {other:?}"),

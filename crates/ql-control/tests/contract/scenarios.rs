@@ -14,7 +14,7 @@ use ql_control::core::{
 use ql_control::model::{
     AttemptStatus, AuditRecord, EndKind, LeaseState, OfferState, RunStatus, SessionState, REMOTE_WORKER,
 };
-use ql_control::store::Store;
+use ql_control::store::{AuditRetention, Store};
 use ql_wire::ack::Running;
 use ql_wire::artifact::{ArtifactHeader, ArtifactSchema, Receipt};
 use ql_wire::capability::{Digest, Token};
@@ -625,7 +625,7 @@ pub async fn a_new_session_replaces_the_old_one<B: Backend>(b: B) {
 pub async fn placement_honours_labels_and_capacity<B: Backend>(b: B) {
     let store = b.store();
     let mips = BTreeMap::from([("arch".to_owned(), "mips".to_owned())]);
-    let picky = submit_with(&store, LONG_TIMEOUT_MS, 0, mips).await;
+    let picky = submit_with(&store, LONG_TIMEOUT_MS, 0, BTreeMap::new(), mips).await;
     let plain = open_with(&store, "router-1", 2, &[]).await;
     assert!(poll(&store, &plain).await.is_empty(), "a run needing arch=mips is not offered to a session without it");
     let router = open_with(&store, "router-2", 2, &[("arch", "mips"), ("site", "north")]).await;
@@ -646,6 +646,39 @@ pub async fn placement_honours_labels_and_capacity<B: Backend>(b: B) {
     assert_eq!(offered, oldest, "capacity 2 takes the two oldest");
     assert_eq!(poll(&store, &plain).await.len(), 2, "a full session is offered nothing more");
     assert_eq!(detail(&store, &third).await.run.status, RunStatus::Queued);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// A run's `labels` are matched only by what the operator set of the worker: an agent
+/// declaring them is not offered the run, the labelled worker is, whatever it declares;
+/// a refused labelling changes nothing, and a label taken away stops the placement.
+pub async fn trusted_labels_come_from_the_operator_not_the_agent<B: Backend>(b: B) {
+    let store = b.store();
+    let prod = || BTreeMap::from([("site".to_owned(), "cluster-prod".to_owned())]);
+    let label = |w: &str, labels: BTreeMap<String, String>| Command::LabelWorker(worker(w), labels);
+    let meant = submit_with(&store, LONG_TIMEOUT_MS, 0, prod(), BTreeMap::new()).await;
+    let liar = open_with(&store, "router-1", 2, &[("site", "cluster-prod")]).await;
+    let before = store.snapshot().await.unwrap();
+    assert!(poll(&store, &liar).await.is_empty(), "a declared label is not trusted");
+    let after = store.snapshot().await.unwrap();
+    assert_eq!((after.runs, after.offers, after.events), (before.runs, before.offers, before.events));
+
+    let bad = BTreeMap::from([("Site".to_owned(), "x".to_owned())]);
+    let before = store.snapshot().await.unwrap();
+    refused(&store, label("router-2", bad), ErrorCode::InvalidRequest, "a label no run could ask for").await;
+    assert_unchanged(&before, &store.snapshot().await.unwrap(), "refused labelling");
+
+    let Ok(Reply::WorkerLabelled(record)) = exec(&store, label("router-2", prod())).await else { panic!() };
+    assert_eq!(record.labels, prod());
+    let node = open_with(&store, "router-2", 2, &[]).await;
+    let offers = poll(&store, &node).await;
+    assert_eq!(offers.iter().map(|o| &o.run_id).collect::<Vec<_>>(), vec![&meant]);
+    assert!(poll(&store, &liar).await.is_empty(), "still not the declaring one");
+
+    exec(&store, label("router-2", BTreeMap::new())).await.unwrap();
+    let later = submit_with(&store, LONG_TIMEOUT_MS, 0, prod(), BTreeMap::new()).await;
+    assert!(poll(&store, &node).await.iter().all(|o| o.run_id != later), "the label was taken away");
+    assert_eq!(store.workers(10).await.unwrap().len(), 1);
     check_invariants(&store.snapshot().await.unwrap());
 }
 
@@ -852,6 +885,33 @@ pub async fn operator_reads_are_ordered_and_bounded<B: Backend>(b: B) {
     assert_eq!(audits.iter().map(|a| a.outcome.as_str()).collect::<Vec<_>>(), ["admitted", "unauthenticated"]);
     assert!(audits.iter().all(|a| a.at > 0), "the store fills DB time");
     check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// The sweeper's audit retention removes only from the old end: first by age (DB time),
+/// then all but the newest records; it never touches the protocol's rows.
+pub async fn audit_records_are_pruned_by_age_and_count<B: Backend>(b: B) {
+    let store = b.store();
+    let rec = |route: &str| AuditRecord { at: 0, principal: None, route: route.into(), outcome: "admitted".into() };
+    open(&store, "router-1").await;
+    store.audit(rec("old-1")).await.unwrap();
+    store.audit(rec("old-2")).await.unwrap();
+    b.advance(60_000);
+    for route in ["new-1", "new-2", "new-3"] {
+        store.audit(rec(route)).await.unwrap();
+    }
+    let before = store.snapshot().await.unwrap();
+    let routes = |audits: Vec<AuditRecord>| audits.into_iter().map(|a| a.route).collect::<Vec<_>>();
+
+    let unbounded = AuditRetention::default();
+    assert_eq!(store.prune_audit(unbounded).await.unwrap(), 0, "no bound, nothing pruned");
+    let by_age = AuditRetention { max_age_ms: Some(30_000), max_records: None };
+    assert_eq!(store.prune_audit(by_age).await.unwrap(), 2);
+    assert_eq!(routes(store.audits().await.unwrap()), ["new-1", "new-2", "new-3"]);
+    let by_count = AuditRetention { max_age_ms: None, max_records: Some(2) };
+    assert_eq!(store.prune_audit(by_count).await.unwrap(), 1);
+    assert_eq!(routes(store.audits().await.unwrap()), ["new-2", "new-3"]);
+    assert_eq!(store.prune_audit(by_count).await.unwrap(), 0, "pruning again changes nothing");
+    assert_eq!(store.snapshot().await.unwrap(), before, "no protocol row changed");
 }
 
 // ------------------------------------------------------------ atomicity, concurrency

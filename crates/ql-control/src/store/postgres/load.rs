@@ -44,10 +44,10 @@ use tokio_postgres::Row;
 
 use ql_wire::ids::{AttemptId, RunId, SessionId, WorkerId};
 
-use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 use super::{schema, Error, Tx};
 use crate::core::{Keys, Lapsed, Rows, COMPLETION_EVENT};
-use crate::model::{Millis, Session, SessionState};
+use crate::model::{Millis, Session, SessionState, Worker};
 use crate::store::records::EVENT_COLS;
 
 /// Most queued runs placement looks at per poll.
@@ -105,21 +105,28 @@ async fn worker_sessions(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Vec<Sessi
     tx.all(&sql, &[&worker.as_str()]).await?.iter().map(rows::read).collect()
 }
 
-/// Queued runs the session's labels satisfy, oldest first, locked with SKIP LOCKED. Only
-/// as many as the session has room for: placement takes the first `room` eligible runs,
-/// and locking more would hide them from other replicas' polls for nothing.
-async fn queued_for(tx: &mut Tx<'_>, session: &Session, active: u32) -> Result<Vec<crate::model::Run>, Error> {
+/// Queued runs the worker fits (its trusted labels cover the run's `labels`, the
+/// session's declared ones its `agent_labels`), oldest first, locked with SKIP LOCKED.
+/// Only as many as the session has room for.
+async fn queued_for(
+    tx: &mut Tx<'_>,
+    session: &Session,
+    trusted: Option<&Worker>,
+    active: u32,
+) -> Result<Vec<crate::model::Run>, Error> {
     let room = i64::from(session.capacity.saturating_sub(active)).min(PLACEMENT_BATCH);
     if session.state != SessionState::Online || room == 0 {
         return Ok(Vec::new());
     }
-    let labels = serde_json::to_string(&session.labels).map_err(|e| Error::Corrupt(e.to_string()))?;
+    let json = |labels| serde_json::to_string(labels).map_err(|e| Error::Corrupt(e.to_string()));
+    let declared = json(&session.labels)?;
+    let trusted = json(&trusted.map(|w| w.labels.clone()).unwrap_or_default())?;
     let sql = format!(
         "SELECT {} FROM runs WHERE status = 'queued' AND $1::text::jsonb @> labels \
-         ORDER BY created_at, id LIMIT $2 FOR UPDATE SKIP LOCKED",
+         AND $2::text::jsonb @> agent_labels ORDER BY created_at, id LIMIT $3 FOR UPDATE SKIP LOCKED",
         *RUN_COLS
     );
-    tx.all(&sql, &[&labels, &room]).await?.iter().map(rows::read).collect()
+    tx.all(&sql, &[&trusted, &declared, &room]).await?.iter().map(rows::read).collect()
 }
 
 async fn placement(tx: &mut Tx<'_>, session: &Session, out: &mut Rows) -> Result<(), Error> {
@@ -135,7 +142,9 @@ async fn placement(tx: &mut Tx<'_>, session: &Session, out: &mut Rows) -> Result
     let sql =
         format!("SELECT {} FROM offers WHERE session_id = $1 AND state = 'open' ORDER BY expires_at, id", *OFFER_COLS);
     out.open_offers = tx.all(&sql, &[&session.id.as_str()]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
-    out.queued = queued_for(tx, session, out.active_attempts).await?;
+    // The session's own worker, whatever the keys named.
+    let trusted = out.worker.clone().filter(|w| w.id == session.worker);
+    out.queued = queued_for(tx, session, trusted.as_ref(), out.active_attempts).await?;
     Ok(())
 }
 
@@ -281,6 +290,11 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<Rows
     }
     if let Some(s) = &keys.session {
         out.session = session(tx, s, "FOR UPDATE").await?;
+    }
+    if let Some(w) = &keys.worker {
+        // Labelling locks the record; placement only reads it.
+        let lock = if keys.placement { "" } else { "FOR UPDATE" };
+        out.worker = one_by(tx, "workers", &WORKER_COLS, "id", w.as_str(), lock, rows::read).await?;
     }
     match (&keys.attempt, &keys.run) {
         (Some(a), run) => run_attempt_lease(tx, run.as_ref(), a, &mut out).await?,

@@ -64,13 +64,13 @@ use ql_wire::ids::{AttemptId, RunId};
 use ql_wire::ErrorCode;
 
 use super::records::{
-    ATTEMPTS, AUDIT_COLS, EVENTS, EVENT_COLS, LEASES, LOG_CHUNKS, LOG_CHUNK_COLS, OFFERS, RUNS, SESSIONS,
+    ATTEMPTS, AUDIT_COLS, EVENTS, EVENT_COLS, LEASES, LOG_CHUNKS, LOG_CHUNK_COLS, OFFERS, RUNS, SESSIONS, WORKERS,
 };
-use super::{RunDetail, Snapshot, Store, StoreError};
+use super::{AuditRetention, RunDetail, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
-use crate::model::{AuditRecord, LogChunk, Run, Session};
+use crate::model::{AuditRecord, LogChunk, Run, Session, Worker};
 use pool::{Pool, Pooled};
-use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 
 pub use schema::{ROLES, SCHEMA_VERSION};
 
@@ -417,6 +417,7 @@ impl<'a> Loaded<'a> {
             // History is only ever appended.
             Write::Event(_) => (&EVENTS, false),
             Write::LogChunk(_) => (&LOG_CHUNKS, false),
+            Write::Worker(_) => (&WORKERS, false),
         };
         if known {
             (rows::update(table), true)
@@ -436,6 +437,7 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
         Write::Lease(l) => rows::params(l),
         Write::Event(e) => rows::params(e),
         Write::LogChunk(c) => rows::params(c),
+        Write::Worker(w) => rows::params(w),
     }
 }
 
@@ -550,6 +552,18 @@ impl Store for PgStore {
         Ok(())
     }
 
+    async fn prune_audit(&self, retention: AuditRetention) -> Result<u64, StoreError> {
+        const SQL: &str = "SELECT prune_audit(\
+             (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint - $2::bigint, $3::bigint)";
+        let clamp = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let mut conn = self.inner.pool.get().await?;
+        let age = retention.max_age_ms.map(clamp);
+        let keep = retention.max_records.map(clamp);
+        let row = conn.client().query_one(SQL, &[&self.offset(), &age, &keep]).await.map_err(Error::Pg)?;
+        conn.keep();
+        Ok(row.get::<_, i64>(0).max(0) as u64)
+    }
+
     async fn audits(&self) -> Result<Vec<AuditRecord>, StoreError> {
         let mut conn = self.reading().await?;
         let found = map_all(
@@ -603,6 +617,14 @@ impl Store for PgStore {
         Ok(found)
     }
 
+    async fn workers(&self, n: usize) -> Result<Vec<Worker>, StoreError> {
+        let sql = format!("SELECT {} FROM workers ORDER BY id LIMIT $1", *WORKER_COLS);
+        let mut conn = self.reading().await?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::read)?;
+        Self::done(conn).await?;
+        Ok(found)
+    }
+
     async fn snapshot(&self) -> Result<Snapshot, StoreError> {
         let mut conn = self.reading().await?;
         let mut tx = Tx { conn: &mut conn };
@@ -618,6 +640,7 @@ impl Store for PgStore {
                 tx.all(&q("log_chunks", LOG_CHUNK_COLS, "attempt_id, byte_offset"), &[]).await?,
                 rows::read,
             )?,
+            workers: map_all(tx.all(&q("workers", &WORKER_COLS, "id"), &[]).await?, rows::read)?,
         };
         Self::done(conn).await?;
         Ok(snap)

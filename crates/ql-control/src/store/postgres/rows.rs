@@ -15,7 +15,7 @@ use tokio_postgres::Row;
 
 use super::Error;
 use crate::store::columns::{Columns, Corrupt, Table, Value};
-use crate::store::records::{Stored, ATTEMPTS, LEASES, OFFERS, RUNS, SESSIONS, TABLES};
+use crate::store::records::{Stored, ATTEMPTS, LEASES, OFFERS, RUNS, SESSIONS, TABLES, WORKERS};
 
 impl Columns for Row {
     type Error = Error;
@@ -62,7 +62,7 @@ pub(super) fn params<T: Stored>(row: &T) -> Result<Params, Error> {
 }
 
 /// Columns sent as text and stored as JSONB.
-const JSONB: &[&str] = &["labels"];
+const JSONB: &[&str] = &["labels", "agent_labels"];
 
 /// The placeholder of the `i`th parameter: JSONB columns take their text cast.
 fn placeholder(i: usize, col: &str) -> String {
@@ -122,3 +122,5 @@ pub(super) static ATTEMPT_COLS: LazyLock<String> = LazyLock::new(|| select_list(
 pub(super) static OFFER_COLS: LazyLock<String> = LazyLock::new(|| select_list(&OFFERS));
 /// The select list of `leases`.
 pub(super) static LEASE_COLS: LazyLock<String> = LazyLock::new(|| select_list(&LEASES));
+/// The select list of `workers`.
+pub(super) static WORKER_COLS: LazyLock<String> = LazyLock::new(|| select_list(&WORKERS));

@@ -15,6 +15,8 @@ use super::Error;
 const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0001_init.sql"),
     include_str!("../../../migrations/postgres/0002_live_log.sql"),
+    include_str!("../../../migrations/postgres/0003_audit_retention.sql"),
+    include_str!("../../../migrations/postgres/0004_trusted_labels.sql"),
 ];
 
 /// The schema version this build reads and writes.

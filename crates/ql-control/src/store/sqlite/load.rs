@@ -11,8 +11,8 @@ use ql_wire::ids::{AttemptId, OfferId, RunId, SessionId, WorkerId};
 
 use super::rows;
 use crate::core::{Keys, Lapsed, Rows, COMPLETION_EVENT};
-use crate::model::{Attempt, Event, Lease, Millis, Offer, Run, Session};
-use crate::store::records::{ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+use crate::model::{Attempt, Event, Lease, Millis, Offer, Run, Session, Worker};
+use crate::store::records::{ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 
 /// Most queued runs placement looks at per poll.
 pub(super) const PLACEMENT_BATCH: usize = 256;
@@ -44,6 +44,10 @@ pub(super) fn lease(conn: &Connection, attempt: &AttemptId) -> rusqlite::Result<
     one(conn, &format!("SELECT {LEASE_COLS} FROM leases WHERE attempt_id = ?1"), attempt.as_str(), rows::read)
 }
 
+fn worker(conn: &Connection, id: &WorkerId) -> rusqlite::Result<Option<Worker>> {
+    one(conn, &format!("SELECT {WORKER_COLS} FROM workers WHERE id = ?1"), id.as_str(), rows::read)
+}
+
 pub(super) fn offer(conn: &Connection, id: &OfferId) -> rusqlite::Result<Option<Offer>> {
     one(conn, &format!("SELECT {OFFER_COLS} FROM offers WHERE id = ?1"), id.as_str(), rows::read)
 }
@@ -64,18 +68,26 @@ fn worker_sessions(conn: &Connection, worker: &WorkerId) -> rusqlite::Result<Vec
     conn.prepare_cached(&sql)?.query_map([worker.as_str()], rows::read)?.collect()
 }
 
-/// Queued runs the session's labels satisfy, oldest first. Filtering by labels here
-/// keeps runs no session can take from starving younger ones beyond the batch.
-fn queued_for(conn: &Connection, session: &Session) -> rusqlite::Result<Vec<Run>> {
-    let labels =
-        serde_json::to_string(&session.labels).map_err(|e| rusqlite::Error::ToSqlConversionFailure(e.into()))?;
+/// Queued runs the worker fits, oldest first: its trusted labels cover the run's
+/// `labels`, the session's declared ones its `agent_labels`. Filtering here keeps runs
+/// no session can take from starving younger ones beyond the batch.
+fn queued_for(conn: &Connection, session: &Session, trusted: Option<&Worker>) -> rusqlite::Result<Vec<Run>> {
+    let json = |labels| serde_json::to_string(labels).map_err(|e| rusqlite::Error::ToSqlConversionFailure(e.into()));
+    let declared = json(&session.labels)?;
+    let trusted = json(&trusted.map(|w| w.labels.clone()).unwrap_or_default())?;
+    let covered = |wanted: &str, carried: &str| {
+        format!(
+            "NOT EXISTS (SELECT 1 FROM json_each({wanted}) want WHERE NOT EXISTS ( \
+                 SELECT 1 FROM json_each({carried}) have WHERE have.key = want.key AND have.value = want.value))"
+        )
+    };
     let sql = format!(
-        "SELECT {RUN_COLS} FROM runs r WHERE r.status = 'queued' AND NOT EXISTS ( \
-             SELECT 1 FROM json_each(r.labels) want WHERE NOT EXISTS ( \
-                 SELECT 1 FROM json_each(?1) have WHERE have.key = want.key AND have.value = want.value)) \
-         ORDER BY r.created_at, r.id LIMIT ?2"
+        "SELECT {RUN_COLS} FROM runs r WHERE r.status = 'queued' AND {} AND {} \
+         ORDER BY r.created_at, r.id LIMIT ?3",
+        covered("r.labels", "?1"),
+        covered("r.agent_labels", "?2"),
     );
-    conn.prepare_cached(&sql)?.query_map((labels, PLACEMENT_BATCH as i64), rows::read)?.collect()
+    conn.prepare_cached(&sql)?.query_map((trusted, declared, PLACEMENT_BATCH as i64), rows::read)?.collect()
 }
 
 fn open_offers(conn: &Connection, session: &SessionId) -> rusqlite::Result<Vec<Offer>> {
@@ -180,9 +192,14 @@ pub(super) fn load(
     if let Some(w) = &keys.worker_sessions {
         rows.worker_sessions = worker_sessions(conn, w)?;
     }
+    if let Some(w) = &keys.worker {
+        rows.worker = worker(conn, w)?;
+    }
     if keys.placement {
         if let Some(s) = rows.session.clone() {
-            rows.queued = queued_for(conn, &s)?;
+            // The session's own worker, whatever the keys named.
+            let trusted = rows.worker.clone().filter(|w| w.id == s.worker);
+            rows.queued = queued_for(conn, &s, trusted.as_ref())?;
             rows.open_offers = open_offers(conn, &s.id)?;
             rows.active_attempts = active_attempts(conn, &s.id)?;
         }

@@ -60,11 +60,11 @@ use ql_wire::ids::{AttemptId, RunId};
 use ql_wire::ErrorCode;
 
 use super::records::{
-    ATTEMPT_COLS, AUDIT_COLS, EVENT_COLS, LEASE_COLS, LOG_CHUNK_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS,
+    ATTEMPT_COLS, AUDIT_COLS, EVENT_COLS, LEASE_COLS, LOG_CHUNK_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS,
 };
-use super::{RunDetail, Snapshot, Store, StoreError};
+use super::{AuditRetention, RunDetail, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
-use crate::model::{AuditRecord, LogChunk, Run, Session};
+use crate::model::{AuditRecord, LogChunk, Run, Session, Worker};
 
 pub use schema::SCHEMA_VERSION;
 
@@ -342,6 +342,7 @@ fn apply(conn: &Connection, write: &Write) -> rusqlite::Result<()> {
         Write::Lease(l) => rows::write(conn, l),
         Write::Event(e) => rows::write(conn, e),
         Write::LogChunk(c) => rows::write(conn, c),
+        Write::Worker(w) => rows::write(conn, w),
     }
 }
 
@@ -355,6 +356,10 @@ fn all<T>(
 }
 
 fn limit(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+fn clamp(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
@@ -373,6 +378,7 @@ fn snapshot(tx: &Connection) -> rusqlite::Result<Snapshot> {
             [],
             rows::read,
         )?,
+        workers: all(tx, &format!("SELECT {WORKER_COLS} FROM workers ORDER BY id"), [], rows::read)?,
     };
     Ok(snap)
 }
@@ -411,9 +417,33 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn prune_audit(&self, retention: AuditRetention) -> Result<u64, StoreError> {
+        self.call(move |w| {
+            let mut pruned = 0;
+            if let Some(age) = retention.max_age_ms {
+                let cutoff = schema::db_now(&w.conn, w.offset()).map_err(sql)?.saturating_sub(clamp(age));
+                pruned += w.conn.execute("DELETE FROM audit WHERE at < ?1", [cutoff]).map_err(sql)?;
+            }
+            if let Some(keep) = retention.max_records {
+                let q = "DELETE FROM audit WHERE seq <= (SELECT max(seq) FROM audit) - ?1";
+                pruned += w.conn.execute(q, [clamp(keep)]).map_err(sql)?;
+            }
+            Ok(pruned as u64)
+        })
+        .await
+    }
+
     async fn audits(&self) -> Result<Vec<AuditRecord>, StoreError> {
         self.call(|w| {
             all(&w.conn, &format!("SELECT {AUDIT_COLS} FROM audit ORDER BY seq"), [], rows::read).map_err(sql)
+        })
+        .await
+    }
+
+    async fn workers(&self, n: usize) -> Result<Vec<Worker>, StoreError> {
+        self.call(move |w| {
+            let q = format!("SELECT {WORKER_COLS} FROM workers ORDER BY id LIMIT ?1");
+            all(&w.conn, &q, [limit(n)], rows::read).map_err(sql)
         })
         .await
     }

@@ -17,6 +17,8 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0001_init.sql"),
     include_str!("../../../migrations/sqlite/0002_fk_indexes.sql"),
     include_str!("../../../migrations/sqlite/0003_live_log.sql"),
+    include_str!("../../../migrations/sqlite/0004_audit_retention.sql"),
+    include_str!("../../../migrations/sqlite/0005_trusted_labels.sql"),
 ];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.

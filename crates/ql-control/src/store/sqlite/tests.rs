@@ -87,6 +87,7 @@ fn full_run() -> Run {
             log_limit_bytes: 4096,
         },
         labels: labels(),
+        agent_labels: [("arch".to_owned(), "mipsel".to_owned())].into(),
         status: RunStatus::Running,
         stop: Some(StopIntent::Cancel),
         retry_budget: 4,
@@ -415,6 +416,28 @@ fn a_version_1_database_gains_the_foreign_key_indexes() {
     let v: i64 = c.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
     assert_eq!(v, SCHEMA_VERSION);
     assert_eq!(index_count(&c), 3);
+}
+
+#[test]
+fn runs_queued_before_trusted_labels_keep_asking_for_declared_ones() {
+    let dir = TempDir::new("labels-upgrade");
+    let mut c = schema::connect(&dir.db(), Duration::from_secs(5)).unwrap();
+    for sql in &schema::MIGRATIONS[..4] {
+        c.execute_batch(sql).unwrap();
+    }
+    c.pragma_update(None, "user_version", 4).unwrap();
+    let spec = serde_json::to_string(&full_run().spec).unwrap();
+    c.execute(
+        "INSERT INTO runs (id, project, spec, labels, status, retry_budget, retries_used, attempts, \
+         lease_generations, created_at) VALUES ('run_old', 'proj', ?1, '{\"arch\":\"mips\"}', 'queued', 0, 0, 0, 0, 1)",
+        [spec],
+    )
+    .unwrap();
+    schema::migrate(&mut c).unwrap();
+    let (labels, agent_labels): (String, String) = c
+        .query_row("SELECT labels, agent_labels FROM runs WHERE id = 'run_old'", [], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap();
+    assert_eq!((labels.as_str(), agent_labels.as_str()), ("{}", r#"{"arch":"mips"}"#));
 }
 
 #[test]
