@@ -265,7 +265,7 @@ fn main() {
         argv: vec!["true".into()],
         timeout_ms: 600_000,
         log_limit: 1024,
-        labels: vec![label],
+        agent_labels: vec![label],
         ..SubmitArgs::default()
     };
     for i in 0..a.clients {
