@@ -658,6 +658,13 @@ pub(crate) fn renew_failed(doubt: RenewDoubt, code: Option<ErrorCode>) -> Option
     }
 }
 
+/// The longest wait between repeated calls: `max`, or a sixth of the shortest lease held,
+/// whichever is shorter (never below 100 ms). A lease the server gave back after an outage
+/// has its whole TTL to see the next renewal; six tries fit in it.
+pub(crate) fn backoff_cap(max: Duration, shortest_lease_ms: Option<u64>) -> Duration {
+    shortest_lease_ms.map_or(max, |ttl| max.min(Duration::from_millis(ttl / 6).max(Duration::from_millis(100))))
+}
+
 /// The wait before repeating a call after `failures` failures in a row: doubling from
 /// `initial`, capped at `max`, half of it fixed and half drawn from `random` (so agents that
 /// lost the server together do not return together), and never shorter than the server's

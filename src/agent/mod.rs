@@ -506,8 +506,12 @@ impl Agent {
         self.random ^= self.random << 13;
         self.random ^= self.random >> 7;
         self.random ^= self.random << 17;
-        let wait =
-            core::backoff(self.cfg.backoff_initial, self.cfg.backoff_max, self.net.failures, self.random, retry_after);
+        // While a job holds a lease, never wait longer than a sixth of it: after an outage
+        // of the control plane, the lease the server gives back must see a renewal in
+        // time.
+        let shortest_lease = self.state.jobs.values().filter_map(|j| j.lease.as_ref()).map(|l| l.ttl_ms).min();
+        let max = core::backoff_cap(self.cfg.backoff_max, shortest_lease);
+        let wait = core::backoff(self.cfg.backoff_initial, max, self.net.failures, self.random, retry_after);
         debug!("calls paused for {} ms after {} failure(s)", wait.as_millis(), self.net.failures);
         self.net.until = Some(Instant::now() + wait);
     }

@@ -611,6 +611,15 @@ fn backoff_doubles_to_its_cap_with_half_jitter_and_honours_retry_after() {
 }
 
 #[test]
+fn a_held_lease_caps_the_backoff_at_a_sixth_of_its_ttl() {
+    let ms = Duration::from_millis;
+    assert_eq!(backoff_cap(ms(30_000), None), ms(30_000), "no lease, the configured cap");
+    assert_eq!(backoff_cap(ms(30_000), Some(30_000)), ms(5_000));
+    assert_eq!(backoff_cap(ms(2_000), Some(30_000)), ms(2_000), "a lower configured cap stays");
+    assert_eq!(backoff_cap(ms(30_000), Some(60)), ms(100), "never below 100 ms");
+}
+
+#[test]
 fn remote_steps_are_exactly_the_commands() {
     let (_, job) = after(6);
     let base = t0();

@@ -23,6 +23,9 @@ pub struct Config {
     pub lease_ttl_ms: u64,
     /// How often the sweeper looks for lapsed rows.
     pub sweep_interval_ms: u64,
+    /// No replica sweeping for longer than this is an outage: the next sweep gives its
+    /// time back to live leases and sessions (longer than `sweep_interval_ms`).
+    pub outage_grace_after_ms: u64,
     /// How often the server notices work submitted by another process.
     pub change_poll_ms: u64,
     /// Longest wait for the next piece of a request body.
@@ -67,6 +70,7 @@ impl Default for Config {
             offer_ttl_ms: t.offer_ttl_ms,
             lease_ttl_ms: t.lease_ttl_ms,
             sweep_interval_ms: 1_000,
+            outage_grace_after_ms: t.outage_after_ms,
             change_poll_ms: 250,
             read_timeout_ms: 60_000,
             header_timeout_ms: 10_000,
@@ -159,6 +163,7 @@ impl Config {
             session_ttl_ms: self.session_ttl_ms,
             offer_ttl_ms: self.offer_ttl_ms,
             lease_ttl_ms: self.lease_ttl_ms,
+            outage_after_ms: self.outage_grace_after_ms,
         }
     }
 
@@ -198,6 +203,11 @@ impl Config {
         }
         if self.heartbeat_ms >= self.session_ttl_ms {
             return Err("heartbeat_ms must be shorter than session_ttl_ms, or every session lapses".into());
+        }
+        if self.outage_grace_after_ms <= self.sweep_interval_ms {
+            return Err(
+                "outage_grace_after_ms must be longer than sweep_interval_ms, or every sweep finds an outage".into()
+            );
         }
         if self.idle_timeout_ms <= self.heartbeat_ms {
             return Err(

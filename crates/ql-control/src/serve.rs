@@ -48,6 +48,21 @@ pub fn ingress_config(config: &Config) -> IngressConfig {
     }
 }
 
+/// One sweep, and what it did on stderr: lapsed rows swept, or after an outage the time
+/// given back (`core::grace`).
+pub async fn sweep_once<S: Store>(store: &S) {
+    match store.execute(Command::Sweep).await {
+        Ok(Ok(Reply::Swept(n))) if n > 0 => eprintln!("ql-control: swept {n} lapsed row(s)"),
+        Ok(Ok(Reply::Graced(g))) => eprintln!(
+            "ql-control: no replica swept for {} ms (an outage of the authority): gave that time back to \
+             {} lease(s), {} session(s) and {} offer(s) before sweeping",
+            g.absent_ms, g.leases, g.sessions, g.offers
+        ),
+        Ok(_) => {}
+        Err(e) => eprintln!("ql-control: sweep failed: {e}"),
+    }
+}
+
 /// Sweeps lapsed offers, sessions and leases every `every`, and prunes the audit records
 /// beyond `retention`, for ever.
 pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: AuditRetention) {
@@ -55,11 +70,7 @@ pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: Audit
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        match store.execute(Command::Sweep).await {
-            Ok(Ok(Reply::Swept(n))) if n > 0 => eprintln!("ql-control: swept {n} lapsed row(s)"),
-            Ok(_) => {}
-            Err(e) => eprintln!("ql-control: sweep failed: {e}"),
-        }
+        sweep_once(&store).await;
         if let Err(e) = store.prune_audit(retention).await {
             eprintln!("ql-control: pruning audit records failed: {e}");
         }
@@ -168,6 +179,10 @@ async fn serve_on<S: Store>(
     let notify: SharedNotify = Arc::new(Mutex::new(notify));
     let shutdown = shutdown_signal()?;
     let blobs = crate::blob::fs::FsBlobStore::open(layout.artifacts()).map_err(|e| e.to_string())?;
+    // Before the first request: after an outage, the time no replica served is given back
+    // to live leases and sessions, so no agent's request meets a lapse that was the
+    // authority's own absence.
+    sweep_once(&store).await;
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?;
     let ingress = http::spawn(listener, tls, store.clone(), blobs, ingress_config(config))
         .map_err(|e| format!("starting the ingress: {e}"))?;

@@ -117,8 +117,13 @@ impl Server {
         let pki = pki::init_pki(dir.path(), &["127.0.0.1".into(), "localhost".into()]).unwrap();
         let tls = http::tls::server_config_from_dir(dir.path()).unwrap();
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let timings =
-            Timings { heartbeat_ms: 1_000, session_ttl_ms: 600_000, offer_ttl_ms: 600_000, lease_ttl_ms: 600_000 };
+        let timings = Timings {
+            heartbeat_ms: 1_000,
+            session_ttl_ms: 600_000,
+            offer_ttl_ms: 600_000,
+            lease_ttl_ms: 600_000,
+            outage_after_ms: 600_000,
+        };
         let options = SqliteOptions { timings, ..SqliteOptions::default() };
         let store = SqliteStore::open_with_options(dir.path().join("authority.db"), options).unwrap();
         let blobs = FsBlobStore::open(dir.path().join("artifacts")).unwrap();

@@ -55,11 +55,16 @@ struct Server {
 
 impl Server {
     fn start(dir: &Path, database: &str) -> Self {
+        Self::start_logged(dir, database, Stdio::null())
+    }
+
+    /// The same, its stderr to `stderr`.
+    fn start_logged(dir: &Path, database: &str, stderr: impl Into<Stdio>) -> Self {
         let mut child = Command::new(BIN)
             .args(["serve", "--listen", "127.0.0.1:0", "--database", database, "--dir"])
             .arg(dir)
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("ql-control serve starts");
         let mut line = String::new();
@@ -499,6 +504,108 @@ async fn agents_ride_through_a_postgres_restart_and_converge() {
     let c = cluster.clone();
     stress(&env["QL_PG_URL"], 2, 6, 300, Some(Box::new(move || c.restart()))).await;
     drop(cluster);
+}
+
+/// A run held at `running` by `worker` through `a`: its path, fence and callback token.
+fn hold(a: &mut Agent, worker: &WorkerId) -> (ql_wire::route::AttemptPath, ql_wire::Fence, Token) {
+    let session = open_session(a, worker);
+    let poll = PollOffers { generation: session.generation, wait_ms: 5_000, max: 1 };
+    let offers: Offers =
+        a.call(&Route::PollOffers(worker.clone(), session.session_id.clone()), &poll).expect("an offer");
+    let offer = offers.offers.into_iter().next().expect("the run is offered");
+    let (token, claim) = worker_client::claim(&session, &offer);
+    let claimed: Claimed = a
+        .call(&Route::Claim(worker.clone(), session.session_id.clone(), offer.offer_id.clone()), &claim)
+        .expect("claimed");
+    let (path, fence) = worker_client::claimed(worker, &session, &offer, token, &claimed);
+    let _: AckReply = a.call(&Route::Attempt(path.clone(), AttemptCommand::Starting), &fence).expect("starting");
+    let callback = Token::generate().unwrap();
+    let running = Running::new(fence.clone(), "pid:1 start:1".parse().unwrap(), None, Counter::ONE, callback.digest());
+    let _: AckReply = a.call(&Route::Attempt(path.clone(), AttemptCommand::Running), &running).expect("running");
+    (path, fence, callback)
+}
+
+/// Outage grace across replicas: while one replica serves, another's restart gives no
+/// grace and a lease nobody renews lapses; when every replica was down, the first one back
+/// gives the absence back and the held lease renews and completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outage_grace_is_given_only_when_no_replica_served() {
+    let db = TestDb::new("grace").await;
+    let tmp = TempDir::new("pg-grace");
+    let dir = state_dir(&tmp);
+    let layout = Layout::new(&dir);
+    Config { outage_grace_after_ms: 1_000, ..Config::load(&layout).unwrap() }.save(&layout).unwrap();
+    let url = db.runtime_url();
+    let store = PgStore::open(&url, PgOptions { pool_size: 2, ..PgOptions::default() }).await.unwrap();
+    let log = |name: &str| std::fs::File::create(tmp.path().join(name)).unwrap();
+    let read = |name: &str| std::fs::read_to_string(tmp.path().join(name)).unwrap_or_default();
+    let submit = || async {
+        let submit = Submit {
+            project: contract::project(),
+            spec: spec(600_000),
+            labels: Default::default(),
+            agent_labels: Default::default(),
+            retry_budget: 0,
+        };
+        match store.execute(Cmd::Submit(submit)).await.unwrap() {
+            Ok(Reply::Submitted(id)) => id,
+            other => panic!("submit: {other:?}"),
+        }
+    };
+    let status = |run: RunId| {
+        let store = store.clone();
+        async move { store.run_detail(&run).await.unwrap().unwrap().run.status }
+    };
+    let worker = WorkerId::parse("w-grace").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let tally = Arc::new(Mutex::new(Tally::default()));
+
+    // One replica down, the other serving: the lease lapses, and the restart gives nothing.
+    let a = Server::start_logged(&dir, &url, log("a1.err"));
+    let b = Server::start_logged(&dir, &url, log("b.err"));
+    let first = submit().await;
+    let mut agent = Agent::new(&dir, &worker, vec![a.url.clone()], tally.clone(), deadline);
+    let (path, fence, _) = hold(&mut agent, &worker);
+    drop(a);
+    while status(first.clone()).await != RunStatus::Failed {
+        assert!(Instant::now() < deadline, "replica b never swept the lapsed lease");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let a = Server::start_logged(&dir, &url, log("a2.err"));
+    agent.urls = vec![a.url.clone()];
+    let refused = agent.call::<_, Renewed>(&Route::Attempt(path, AttemptCommand::RenewLease), &fence);
+    assert_eq!(refused.unwrap_err(), ErrorCode::LeaseConflict, "the lapse was real: b served throughout");
+    assert!(!read("a2.err").contains("gave that time back"), "{}", read("a2.err"));
+
+    // Every replica down for longer than the lease: the first one back gives it back.
+    let second = submit().await;
+    let (path, mut fence, callback) = hold(&mut agent, &worker);
+    drop(a);
+    drop(b);
+    // The outage itself, longer than the lease's 3 s (not a wait for anything).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let a = Server::start_logged(&dir, &url, log("a3.err"));
+    agent.urls = vec![a.url.clone()];
+    let renewed: Renewed = agent
+        .call(&Route::Attempt(path.clone(), AttemptCommand::RenewLease), &fence)
+        .expect("renewed after the outage");
+    fence.expected_lease_version = renewed.lease_version;
+    let done = Completion::new(
+        fence,
+        CompletionSchema,
+        Counter::ONE,
+        callback,
+        Some(0),
+        None,
+        Timestamp::from_millis(0).unwrap(),
+        None,
+    );
+    let reply: CompletionReply = agent.call(&Route::Attempt(path, AttemptCommand::Completion), &done).expect("done");
+    assert_eq!(reply.status, TerminalStatus::Succeeded);
+    assert_eq!(status(second).await, RunStatus::Succeeded);
+    assert!(read("a3.err").contains("gave that time back to 1 lease(s)"), "{}", read("a3.err"));
+    check_invariants(&store.snapshot().await.unwrap());
+    drop(a);
 }
 
 /// The README's PostgreSQL commands as an operator types them: `migrate` as the owner

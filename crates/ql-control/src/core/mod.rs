@@ -16,6 +16,7 @@
 mod delivery;
 mod fence;
 mod finish;
+mod grace;
 mod log;
 mod operator;
 mod session;
@@ -26,6 +27,7 @@ pub(crate) mod testkit;
 mod worker;
 
 pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
+pub use grace::{absence, Grace, Graced};
 pub use log::{same_bytes, ChunkAdmitted, ChunkPlan};
 pub use operator::{check_labels, CancelOutcome, Submit};
 pub use start::{EXECUTION_CANCELLED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED};
@@ -58,11 +60,20 @@ pub struct Timings {
     pub offer_ttl_ms: u64,
     /// How long a lease lives without renewal.
     pub lease_ttl_ms: u64,
+    /// No replica sweeping for longer than this is an outage, whose time the next sweep
+    /// gives back to live leases and sessions ([`grace`]).
+    pub outage_after_ms: u64,
 }
 
 impl Default for Timings {
     fn default() -> Self {
-        Self { heartbeat_ms: 10_000, session_ttl_ms: 45_000, offer_ttl_ms: 30_000, lease_ttl_ms: 30_000 }
+        Self {
+            heartbeat_ms: 10_000,
+            session_ttl_ms: 45_000,
+            offer_ttl_ms: 30_000,
+            lease_ttl_ms: 30_000,
+            outage_after_ms: 5_000,
+        }
     }
 }
 
@@ -161,6 +172,10 @@ pub struct Rows {
     pub active_attempts: u32,
     /// Lapsed rows (sweep).
     pub lapsed: Lapsed,
+    /// When a replica last swept (sweep).
+    pub alive_at: Option<Millis>,
+    /// The live rows an outage's grace extends, instead of the lapsed ones (sweep).
+    pub grace: Option<Grace>,
 }
 
 /// What the sweeper found lapsed, each with the rows its decision needs.
@@ -213,6 +228,8 @@ pub enum Reply {
     WorkerLabelled(Worker),
     /// To sweep: how many rows it changed.
     Swept(usize),
+    /// To a sweep after an outage: what its grace gave back (nothing was swept).
+    Graced(Graced),
 }
 
 /// A row or event to write.
@@ -236,6 +253,8 @@ pub enum Write {
     LogChunk(LogChunk),
     /// Insert or replace a worker's record.
     Worker(Worker),
+    /// Record that a replica swept at this DB time.
+    Alive(Millis),
 }
 
 /// The outcome of one command: a reply and its writes, or a refusal that writes nothing.
@@ -397,7 +416,10 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::Submit(s) => operator::submit(s, now, ids),
         Command::Cancel(_) => operator::cancel(rows, now, ids),
         Command::LabelWorker(w, labels) => worker::set_labels(w, labels, rows, now),
-        Command::Sweep => sweep::sweep(&rows.lapsed, now, ids),
+        Command::Sweep => match &rows.grace {
+            Some(grace) => grace::give_back(grace, now, timings),
+            None => sweep::sweep(&rows.lapsed, now, ids),
+        },
     }
 }
 

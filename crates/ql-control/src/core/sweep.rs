@@ -57,6 +57,7 @@ pub(super) fn sweep(lapsed: &Lapsed, now: Millis, ids: &mut IdGen) -> Decision {
             changed += 1;
         }
     }
+    writes.push(Write::Alive(now));
     let d = Decision::apply(Reply::Swept(changed), writes);
     if changed > 0 {
         d.waking()
@@ -253,7 +254,7 @@ mod tests {
         timed.deadline_at = Some(NOW);
         live.overdue.push(timed);
         let d = swept(&live);
-        assert_eq!(d, Decision::apply(Reply::Swept(0), vec![]));
+        assert_eq!(d, Decision::apply(Reply::Swept(0), vec![Write::Alive(NOW)]), "only the sweep itself is recorded");
     }
 
     #[test]

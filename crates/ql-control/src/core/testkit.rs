@@ -20,7 +20,13 @@ use crate::model::*;
 pub(crate) const NOW: Millis = 1_800_000_000_000;
 
 pub(crate) fn timings() -> Timings {
-    Timings { heartbeat_ms: 1_000, session_ttl_ms: 3_000, offer_ttl_ms: 2_000, lease_ttl_ms: 5_000 }
+    Timings {
+        heartbeat_ms: 1_000,
+        session_ttl_ms: 3_000,
+        offer_ttl_ms: 2_000,
+        lease_ttl_ms: 5_000,
+        outage_after_ms: 5_000,
+    }
 }
 
 pub(crate) fn ids() -> IdGen {
@@ -243,6 +249,7 @@ pub(crate) fn applied(rows: &Rows, d: &super::Decision) -> Rows {
             super::Write::Lease(l) => next.lease = Some(l.clone()),
             super::Write::Event(e) if e.kind == super::COMPLETION_EVENT => next.completion_event = Some(e.clone()),
             super::Write::Worker(w) => next.worker = Some(w.clone()),
+            super::Write::Alive(at) => next.alive_at = Some(*at),
             super::Write::Event(_) | super::Write::LogChunk(_) => {}
         }
     }

@@ -364,7 +364,8 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
         | Reply::Submitted(_)
         | Reply::Cancelled(_)
         | Reply::WorkerLabelled(_)
-        | Reply::Swept(_) => Answer::refuse(ErrorCode::Unavailable),
+        | Reply::Swept(_)
+        | Reply::Graced(_) => Answer::refuse(ErrorCode::Unavailable),
     }
 }
 

@@ -69,8 +69,19 @@ pub trait Backend {
 /// Durations short enough to reason about, long enough that real time passing during a
 /// test never lapses anything: only [`Backend::advance`] does.
 pub fn test_timings() -> Timings {
-    Timings { heartbeat_ms: 1_000, session_ttl_ms: 600_000, offer_ttl_ms: 30_000, lease_ttl_ms: 60_000 }
+    // An outage is an hour without a sweep: longer than any time travel of a scenario
+    // that does not mean one.
+    Timings {
+        heartbeat_ms: 1_000,
+        session_ttl_ms: 600_000,
+        offer_ttl_ms: 30_000,
+        lease_ttl_ms: 60_000,
+        outage_after_ms: OUTAGE_AFTER_MS,
+    }
 }
+
+/// No sweep for this long is an outage (see `test_timings`).
+pub const OUTAGE_AFTER_MS: u64 = 3_600_000;
 
 /// A run's time limit long enough never to pass unless a scenario wants it to.
 pub const LONG_TIMEOUT_MS: u64 = 3_600_000;

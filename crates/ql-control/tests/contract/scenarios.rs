@@ -724,6 +724,48 @@ pub async fn an_expired_offer_requeues_without_spending_retries<B: Backend>(b: B
     check_invariants(&store.snapshot().await.unwrap());
 }
 
+/// When no replica swept for longer than the outage threshold, the next sweep gives the
+/// absence back before it sweeps anything: the lease and the session outlive the outage
+/// (and get at least a whole TTL from now), the agent's renewal and heartbeat go through,
+/// and only a lapse after the authority is back loses the lease. A replica that keeps
+/// sweeping (another process on the same database) leaves no absence to give back.
+pub async fn an_outage_of_the_authority_gives_its_time_back_to_live_leases<B: Backend>(b: B) {
+    let store = b.store();
+    let timings = b.timings();
+    // A time limit beyond the outage: a deadline is not moved by a grace (the job ran on).
+    let run = submit(&store, 3 * OUTAGE_AFTER_MS, 0).await;
+    let agent = open(&store, "router-1").await;
+    let offer = poll(&store, &agent).await.remove(0);
+    let mut h = claim(&store, &agent, &offer).await;
+    to_starting(&store, &h).await;
+    assert_eq!(sweep(&store).await, 0, "the first sweep records the authority alive");
+
+    // Nobody swept for longer than the threshold and than the lease and session TTLs.
+    b.advance(OUTAGE_AFTER_MS as i64 + 1_000);
+    let graced = match exec(&store, Command::Sweep).await {
+        Ok(Reply::Graced(g)) => g,
+        other => panic!("a grace, not {other:?}"),
+    };
+    assert_eq!((graced.leases, graced.sessions), (1, 1));
+    assert!(graced.absent_ms > OUTAGE_AFTER_MS as i64);
+    let d = detail(&store, &run).await;
+    assert_eq!(d.run.status, RunStatus::Dispatching, "nothing was swept");
+    assert_eq!(d.leases[0].state, LeaseState::Leased);
+    assert_eq!(d.attempts[0].lease.as_ref().unwrap().expires_at, d.leases[0].facts.expires_at, "the projection");
+    assert_eq!(sweep(&store).await, 0, "the next sweep finds nothing lapsed");
+    renew(&store, &mut h).await;
+    heartbeat(&store, &agent, false).await.expect("the session lived through the outage");
+    check_invariants(&store.snapshot().await.unwrap());
+
+    // Another replica sweeping meanwhile: no absence, and a lapse is a lapse.
+    let other = b.other_process();
+    assert_eq!(sweep(&other).await, 0);
+    b.advance(timings.lease_ttl_ms as i64 + 1_000);
+    assert_eq!(sweep(&other).await, 1, "the lease lapsed while the authority served");
+    assert_eq!(detail(&store, &run).await.run.status, RunStatus::Failed);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
 /// An expired lease loses its attempt; the run is re-queued within its retry budget and
 /// fails with LEASE_LOST beyond it. Requests on the swept lease are refused.
 pub async fn expired_leases_are_lost_then_the_run_fails<B: Backend>(b: B) {

@@ -34,10 +34,12 @@
 //!
 //! A poll locks the session, then takes queued runs with `FOR UPDATE SKIP LOCKED`: a run
 //! another replica is placing right now is simply not offered here. The sweeper takes
-//! every lock with `pg_try_advisory_xact_lock` and `SKIP LOCKED`, so it never waits at
-//! all — it cannot deadlock with anything, two sweepers on two replicas split the lapsed
-//! rows between them, and a row busy in a live command is left for the next sweep. The
-//! decision re-checks every lapse against DB time read after the locks.
+//! every lock with `pg_try_advisory_xact_lock` and `SKIP LOCKED`, so it never waits for
+//! a command — it cannot deadlock with anything, two sweepers on two replicas split the
+//! lapsed rows between them, and a row busy in a live command is left for the next sweep.
+//! The decision re-checks every lapse against DB time read after the locks. The one lock
+//! a sweep waits for is the `authority` row (outage grace), which only sweeps take, and
+//! first.
 
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
@@ -46,7 +48,7 @@ use ql_wire::ids::{AttemptId, RunId, SessionId, WorkerId};
 
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 use super::{schema, Error, Tx};
-use crate::core::{Keys, Lapsed, Rows, COMPLETION_EVENT};
+use crate::core::{Grace, Keys, Lapsed, Rows, Timings, COMPLETION_EVENT};
 use crate::model::{Millis, Session, SessionState, Worker};
 use crate::store::records::EVENT_COLS;
 
@@ -199,7 +201,12 @@ async fn current_attempt(tx: &mut Tx<'_>, run: &RunId, out: &mut Rows) -> Result
 
 /// Begins the transaction and loads what `keys` names, taking the locks in the
 /// protocol's order; then reads DB time. Returns the rows and DB time.
-pub(super) async fn load(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<(Rows, Millis), Error> {
+pub(super) async fn load(
+    tx: &mut Tx<'_>,
+    keys: &Keys,
+    offset: i64,
+    timings: &Timings,
+) -> Result<(Rows, Millis), Error> {
     let fenced = Keys {
         attempt: keys.attempt.clone(),
         session: keys.session.clone(),
@@ -212,7 +219,7 @@ pub(super) async fn load(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<(R
         return pipelined(tx, keys, offset).await;
     }
     tx.exec("BEGIN", &[]).await?;
-    let rows = load_in_order(tx, keys, offset).await?;
+    let rows = load_in_order(tx, keys, offset, timings).await?;
     // DB time from a statement issued after every lock is held.
     let now = tx.now(offset).await?;
     Ok((rows, now))
@@ -276,10 +283,18 @@ async fn pipelined(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<(Rows, M
 }
 
 /// Loads what `keys` names, one statement at a time, in the protocol's lock order.
-async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<Rows, Error> {
+async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timings) -> Result<Rows, Error> {
     let mut out = Rows::default();
     if keys.sweep {
-        out.lapsed = lapsed(tx, offset).await?;
+        // The one lock a sweep waits for, taken first and by sweeps only: two replicas
+        // starting after an outage give its grace once (see `core::grace`).
+        let alive = tx.one("SELECT alive_at FROM authority WHERE id = 1 FOR UPDATE", &[]).await?;
+        out.alive_at = alive.map(|r| r.get(0));
+        let now = tx.now(offset).await?;
+        match crate::core::absence(out.alive_at, now, timings) {
+            Some(absent_ms) => out.grace = Some(grace(tx, absent_ms).await?),
+            None => out.lapsed = lapsed(tx, offset).await?,
+        }
         return Ok(out);
     }
     if let Some(a) = &keys.attempt {
@@ -318,6 +333,32 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<Rows
         }
     }
     Ok(out)
+}
+
+/// Every live row an outage's grace extends, each locked without waiting as the lapsed
+/// ones are (a row busy in a command right now is being renewed anyway). Once per outage,
+/// so not batched.
+async fn grace(tx: &mut Tx<'_>, absent_ms: Millis) -> Result<Grace, Error> {
+    const SKIP: &str = "FOR UPDATE SKIP LOCKED";
+    let sql =
+        format!("SELECT {} FROM sessions WHERE state IN ('online', 'draining') ORDER BY id {SKIP}", *SESSION_COLS);
+    let sessions = tx.all(&sql, &[]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
+    let leased = tx.all("SELECT attempt_id FROM leases WHERE state = 'leased' ORDER BY attempt_id", &[]).await?;
+    let mut leases = Vec::with_capacity(leased.len());
+    for row in leased {
+        let a: String = row.get(0);
+        if !try_fence(tx, &a).await? {
+            continue;
+        }
+        let attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", &a, SKIP, rows::read).await?;
+        let lease = one_by(tx, "leases", &LEASE_COLS, "attempt_id", &a, SKIP, rows::read).await?;
+        if let (Some(lease), Some(attempt)) = (lease, attempt) {
+            leases.push((lease, attempt));
+        }
+    }
+    let sql = format!("SELECT {} FROM offers WHERE state = 'open' ORDER BY id {SKIP}", *OFFER_COLS);
+    let offers = tx.all(&sql, &[]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
+    Ok(Grace { absent_ms, sessions, leases, offers })
 }
 
 /// What has lapsed by DB time, each item locked without waiting (see the module doc).

@@ -74,6 +74,10 @@ use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_
 
 pub use schema::{ROLES, SCHEMA_VERSION};
 
+/// Records a sweep (see `core::grace`).
+const ALIVE: &str =
+    "INSERT INTO authority (id, alive_at) VALUES (1, $1) ON CONFLICT (id) DO UPDATE SET alive_at = EXCLUDED.alive_at";
+
 /// The notification channel of waking decisions.
 const CHANNEL: &str = "ql_changes";
 
@@ -255,7 +259,7 @@ impl PgStore {
         let mut conn = self.inner.pool.get().await?;
         let offset = self.offset();
         let mut tx = Tx { conn: &mut conn };
-        let (rows, now) = load::load(&mut tx, &cmd.keys(), offset).await?;
+        let (rows, now) = load::load(&mut tx, &cmd.keys(), offset, &self.inner.timings).await?;
         let decision = core::decide(cmd, &rows, now, &self.inner.timings, &mut IdGen::random());
         let reply = match decision.reply {
             Ok(reply) => reply,
@@ -402,6 +406,12 @@ impl<'a> Loaded<'a> {
         l.offers.extend(lapsed.offers.iter().map(|(o, _, _)| o.id.as_str()));
         l.leases.extend(r.lease.iter().map(|x| x.attempt.as_str()));
         l.leases.extend(lapsed.leases.iter().map(|(x, _, _)| x.attempt.as_str()));
+        if let Some(g) = &r.grace {
+            l.sessions.extend(g.sessions.iter().map(|s| s.id.as_str()));
+            l.leases.extend(g.leases.iter().map(|(x, _)| x.attempt.as_str()));
+            l.attempts.extend(g.leases.iter().map(|(_, a)| a.id.as_str()));
+            l.offers.extend(g.offers.iter().map(|o| o.id.as_str()));
+        }
         l
     }
 
@@ -418,6 +428,7 @@ impl<'a> Loaded<'a> {
             Write::Event(_) => (&EVENTS, false),
             Write::LogChunk(_) => (&LOG_CHUNKS, false),
             Write::Worker(_) => (&WORKERS, false),
+            Write::Alive(_) => return (ALIVE, false),
         };
         if known {
             (rows::update(table), true)
@@ -438,6 +449,7 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
         Write::Event(e) => rows::params(e),
         Write::LogChunk(c) => rows::params(c),
         Write::Worker(w) => rows::params(w),
+        Write::Alive(at) => Ok(vec![Box::new(*at)]),
     }
 }
 

@@ -17,6 +17,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0002_live_log.sql"),
     include_str!("../../../migrations/postgres/0003_audit_retention.sql"),
     include_str!("../../../migrations/postgres/0004_trusted_labels.sql"),
+    include_str!("../../../migrations/postgres/0005_outage_grace.sql"),
 ];
 
 /// The schema version this build reads and writes.

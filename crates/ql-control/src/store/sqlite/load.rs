@@ -10,7 +10,7 @@ use rusqlite::{Connection, OptionalExtension, Row};
 use ql_wire::ids::{AttemptId, OfferId, RunId, SessionId, WorkerId};
 
 use super::rows;
-use crate::core::{Keys, Lapsed, Rows, COMPLETION_EVENT};
+use crate::core::{Grace, Keys, Lapsed, Rows, Timings, COMPLETION_EVENT};
 use crate::model::{Attempt, Event, Lease, Millis, Offer, Run, Session, Worker};
 use crate::store::records::{ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 
@@ -164,11 +164,43 @@ fn lapsed(conn: &Connection, now: Millis) -> rusqlite::Result<Lapsed> {
     Ok(Lapsed { sessions, offers, leases, overdue })
 }
 
+/// When a replica last swept (`None` before the first sweep).
+fn alive_at(conn: &Connection) -> rusqlite::Result<Option<Millis>> {
+    conn.prepare_cached("SELECT alive_at FROM authority WHERE id = 1")?.query_row([], |r| r.get(0)).optional()
+}
+
+/// Every live row an outage's grace extends (once per outage, so not batched).
+fn grace(conn: &Connection, absent_ms: Millis) -> rusqlite::Result<Grace> {
+    let sessions = conn
+        .prepare_cached(&format!(
+            "SELECT {SESSION_COLS} FROM sessions WHERE state IN ('online', 'draining') ORDER BY id"
+        ))?
+        .query_map([], rows::read)?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let leased: Vec<String> = conn
+        .prepare_cached("SELECT attempt_id FROM leases WHERE state = 'leased' ORDER BY attempt_id")?
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    let mut leases = Vec::with_capacity(leased.len());
+    for a in leased {
+        let id = AttemptId::parse(a.as_str()).map_err(|e| rusqlite::Error::ToSqlConversionFailure(e.into()))?;
+        if let (Some(l), Some(at)) = (lease(conn, &id)?, attempt(conn, &id)?) {
+            leases.push((l, at));
+        }
+    }
+    let offers = conn
+        .prepare_cached(&format!("SELECT {OFFER_COLS} FROM offers WHERE state = 'open' ORDER BY id"))?
+        .query_map([], rows::read)?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(Grace { absent_ms, sessions, leases, offers })
+}
+
 /// Loads what `keys` names. `sweep_now` is DB time for the lapse queries; the decision
 /// reads DB time again after loading and re-checks every lapse against it.
 pub(super) fn load(
     conn: &Connection,
     keys: &Keys,
+    timings: &Timings,
     sweep_now: impl FnOnce() -> rusqlite::Result<Millis>,
 ) -> rusqlite::Result<Rows> {
     let mut rows = Rows::default();
@@ -219,7 +251,13 @@ pub(super) fn load(
         }
     }
     if keys.sweep {
-        rows.lapsed = lapsed(conn, sweep_now()?)?;
+        // An outage first: its grace replaces the sweep (see `core::grace`).
+        let now = sweep_now()?;
+        rows.alive_at = alive_at(conn)?;
+        match crate::core::absence(rows.alive_at, now, timings) {
+            Some(absent_ms) => rows.grace = Some(grace(conn, absent_ms)?),
+            None => rows.lapsed = lapsed(conn, now)?,
+        }
     }
     Ok(rows)
 }

@@ -316,7 +316,7 @@ impl Writer {
     fn execute(&mut self, cmd: &Command) -> Result<Result<Reply, ErrorCode>, StoreError> {
         let offset = self.offset();
         let conn = &self.conn;
-        let rows = load::load(conn, &cmd.keys(), || schema::db_now(conn, offset)).map_err(sql)?;
+        let rows = load::load(conn, &cmd.keys(), &self.timings, || schema::db_now(conn, offset)).map_err(sql)?;
         // DB time after every row is loaded (and, with BEGIN IMMEDIATE, after the lock).
         let now = schema::db_now(conn, offset).map_err(sql)?;
         let decision = core::decide(cmd, &rows, now, &self.timings, &mut IdGen::random());
@@ -343,6 +343,13 @@ fn apply(conn: &Connection, write: &Write) -> rusqlite::Result<()> {
         Write::Event(e) => rows::write(conn, e),
         Write::LogChunk(c) => rows::write(conn, c),
         Write::Worker(w) => rows::write(conn, w),
+        Write::Alive(at) => conn
+            .prepare_cached(
+                "INSERT INTO authority (id, alive_at) VALUES (1, ?1) \
+                 ON CONFLICT (id) DO UPDATE SET alive_at = excluded.alive_at",
+            )?
+            .execute([at])
+            .map(drop),
     }
 }
 

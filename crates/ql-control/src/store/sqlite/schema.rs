@@ -19,6 +19,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0003_live_log.sql"),
     include_str!("../../../migrations/sqlite/0004_audit_retention.sql"),
     include_str!("../../../migrations/sqlite/0005_trusted_labels.sql"),
+    include_str!("../../../migrations/sqlite/0006_outage_grace.sql"),
 ];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.
