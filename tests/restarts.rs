@@ -38,3 +38,43 @@ fn a_control_plane_down_longer_than_a_lease_loses_no_running_job() {
     assert!(log.contains("gave that time back to 3 lease(s), 1 session(s)"), "{log}");
     assert!(w.agent.terminate().success(), "{}", w.context());
 }
+
+#[test]
+fn two_agents_with_one_identity_converge_and_the_second_says_why() {
+    // Agent one holds w1's session; a second agent with the same certificate and its own
+    // state directory (a restored backup on another router) starts beside it.
+    let w = World::new("twins", &[]);
+    common::wait_for(
+        "the first agent's session",
+        || w.context(),
+        || w.control.cli(&["workers"]).stdout.windows(6).any(|s| s == b"online").then_some(()),
+    );
+    let twin_root = w.path("twin");
+    std::fs::create_dir_all(&twin_root).unwrap();
+    let config = w.agent.config.clone();
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        &format!("state_dir = {}", w.path("agent-state").display()),
+        &format!("state_dir = {}", twin_root.join("state").display()),
+    );
+    let twin_config = twin_root.join("agent.conf");
+    std::fs::write(&twin_config, text).unwrap();
+    let twin = common::Agent::spawn_with(&common::agent_bin(), &twin_root.join("agent.err"), twin_config, &[]);
+    common::wait_for(
+        "the twin to be refused",
+        || twin.log(),
+        || twin.log().contains("another agent with worker id w1 holds its session").then_some(()),
+    );
+
+    // Jobs submitted while both run all finish, once each, on the session's holder.
+    let runs: Vec<String> = (0..5).map(|i| w.control.submit(&["--", "sh", "-c", &format!("echo job {i}")])).collect();
+    for (i, run) in runs.iter().enumerate() {
+        let shown = w.wait_status(run, "succeeded");
+        assert_eq!(shown["attempts"].as_array().unwrap().len(), 1, "once: {shown}");
+        assert_eq!(w.control.logs(run), format!("job {i}\n").into_bytes());
+    }
+    let listed = common::text(&w.control.cli(&["workers"]));
+    let sessions = listed.lines().filter(|l| l.starts_with("w1 ")).count();
+    assert_eq!(sessions, 1, "the twin never took the session over:\n{listed}");
+    assert!(listed.contains("TWINS: session opens refused"), "{listed}");
+    assert!(!twin.log().contains("claimed"), "the twin ran nothing:\n{}", twin.log());
+}

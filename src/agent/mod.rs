@@ -601,13 +601,26 @@ impl Agent {
                     told_draining: false,
                 });
             }
-            Err(e) => {
-                if let Some(code) = self.session_call_failed("opening a session", &e) {
-                    // Only a broken server answers an open with these; pace the repeats.
+            Err(e) => match self.session_call_failed("opening a session", &e) {
+                Some(ErrorCode::SessionConflict) => {
+                    // The server keeps a session that still speaks: another agent holds
+                    // this identity. Wait (growing, capped, jittered) rather than fight it.
+                    self.block(None);
+                    error!(
+                        "another agent with worker id {} holds its session (a second ql-agent with this \
+                         certificate: a restored backup, or a replaced device still running?); \
+                         this one runs nothing and tries again in {} ms",
+                        self.cfg.worker_id,
+                        self.net.until.map_or(0, |u| u.saturating_duration_since(Instant::now()).as_millis())
+                    );
+                }
+                Some(code) => {
+                    // Only a broken server answers an open with this; pace the repeats.
                     warn!("opening a session: {code}; will repeat");
                     self.block(None);
                 }
-            }
+                None => {}
+            },
         }
         Ok(())
     }

@@ -123,6 +123,7 @@ pub const SHORT_TIMINGS: &[(&str, u64)] = &[
     ("lease_ttl_ms", 3_000),
     ("sweep_interval_ms", 100),
     ("outage_grace_after_ms", 1_000),
+    ("session_takeover_after_ms", 3_000),
     ("change_poll_ms", 20),
 ];
 

@@ -155,6 +155,9 @@ impl Store for Authority {
     async fn prune_audit(&self, retention: crate::store::AuditRetention) -> Result<u64, StoreError> {
         either!(self, s => s.prune_audit(retention))
     }
+    async fn twin_refusals(&self, within_ms: u64) -> Result<Vec<(WorkerId, u64)>, StoreError> {
+        either!(self, s => s.twin_refusals(within_ms))
+    }
     async fn audits(&self) -> Result<Vec<crate::model::AuditRecord>, StoreError> {
         either!(self, s => s.audits())
     }
@@ -268,20 +271,33 @@ pub async fn runs<S: Store>(store: &S, limit: usize) -> Result<String, String> {
 }
 
 /// The sessions as a table, with each worker's trusted labels (the operator's, see
-/// [`label_worker`]) beside the labels its agent declared; then the workers that have
-/// labels but no session listed.
+/// [`label_worker`]) beside the labels its agent declared, and how many times in the last
+/// hour another agent with the same identity was refused a session (a twin); then the
+/// workers that have labels but no session listed.
 pub async fn workers<S: Store>(store: &S, limit: usize) -> Result<String, String> {
     let sessions = store.sessions(limit).await.map_err(|e| e.to_string())?;
     let records = store.workers(limit).await.map_err(|e| e.to_string())?;
+    let twins = store.twin_refusals(3_600_000).await.map_err(|e| e.to_string())?;
     let trusted = |w: &WorkerId| records.iter().find(|r| &r.id == w).map_or("-".into(), |r| label_list(&r.labels));
-    let line = |cells: [&str; 9]| {
+    let refused = |w: &WorkerId| twins.iter().find(|(t, _)| t == w).map_or(0, |(_, n)| *n);
+    let line = |cells: [&str; 10]| {
         format!(
-            "{:<24} {:<28} {:>4} {:<9} {:>8} {:<24} {:<20} {:<24} {}\n",
-            cells[0], cells[1], cells[2], cells[3], cells[4], cells[5], cells[6], cells[7], cells[8]
+            "{:<24} {:<28} {:>4} {:<9} {:>8} {:<24} {:<20} {:>5} {:<24} {}\n",
+            cells[0], cells[1], cells[2], cells[3], cells[4], cells[5], cells[6], cells[7], cells[8], cells[9]
         )
     };
-    let mut out =
-        line(["WORKER", "SESSION", "GEN", "STATUS", "CAPACITY", "LAST SEEN", "AGENT", "TRUSTED LABELS", "DECLARED"]);
+    let mut out = line([
+        "WORKER",
+        "SESSION",
+        "GEN",
+        "STATUS",
+        "CAPACITY",
+        "LAST SEEN",
+        "AGENT",
+        "TWINS",
+        "TRUSTED LABELS",
+        "DECLARED",
+    ]);
     for s in &sessions {
         out += &line([
             s.worker.as_str(),
@@ -291,12 +307,17 @@ pub async fn workers<S: Store>(store: &S, limit: usize) -> Result<String, String
             &s.capacity.to_string(),
             &when(Some(s.seen_at)),
             &format!("{} {}", s.agent_version, s.arch),
+            &refused(&s.worker).to_string(),
             &trusted(&s.worker),
             &label_list(&s.labels),
         ]);
     }
     for r in records.iter().filter(|r| !sessions.iter().any(|s| s.worker == r.id)) {
-        out += &line([r.id.as_str(), "-", "-", "-", "-", "-", "-", &label_list(&r.labels), "-"]);
+        out += &line([r.id.as_str(), "-", "-", "-", "-", "-", "-", "-", &label_list(&r.labels), "-"]);
+    }
+    if twins.iter().any(|(_, n)| *n > 0) {
+        out += "TWINS: session opens refused in the last hour because another agent with the same worker id \
+                held the session: two ql-agents share one certificate\n";
     }
     Ok(out)
 }

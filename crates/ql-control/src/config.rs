@@ -26,6 +26,9 @@ pub struct Config {
     /// No replica sweeping for longer than this is an outage: the next sweep gives its
     /// time back to live leases and sessions (longer than `sweep_interval_ms`).
     pub outage_grace_after_ms: u64,
+    /// A worker's online session seen within this is not taken over by another agent
+    /// with the same identity (0: a new session always replaces the old).
+    pub session_takeover_after_ms: u64,
     /// How often the server notices work submitted by another process.
     pub change_poll_ms: u64,
     /// Longest wait for the next piece of a request body.
@@ -71,6 +74,7 @@ impl Default for Config {
             lease_ttl_ms: t.lease_ttl_ms,
             sweep_interval_ms: 1_000,
             outage_grace_after_ms: t.outage_after_ms,
+            session_takeover_after_ms: t.takeover_after_ms,
             change_poll_ms: 250,
             read_timeout_ms: 60_000,
             header_timeout_ms: 10_000,
@@ -164,6 +168,7 @@ impl Config {
             offer_ttl_ms: self.offer_ttl_ms,
             lease_ttl_ms: self.lease_ttl_ms,
             outage_after_ms: self.outage_grace_after_ms,
+            takeover_after_ms: self.session_takeover_after_ms,
         }
     }
 
@@ -208,6 +213,11 @@ impl Config {
             return Err(
                 "outage_grace_after_ms must be longer than sweep_interval_ms, or every sweep finds an outage".into()
             );
+        }
+        if self.session_takeover_after_ms != 0 && self.session_takeover_after_ms < 2 * self.heartbeat_ms {
+            return Err("session_takeover_after_ms must be 0 or at least twice heartbeat_ms, or an agent between two \
+                 heartbeats could be taken over"
+                .into());
         }
         if self.idle_timeout_ms <= self.heartbeat_ms {
             return Err(

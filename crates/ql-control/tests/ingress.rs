@@ -123,6 +123,7 @@ impl Server {
             offer_ttl_ms: 600_000,
             lease_ttl_ms: 600_000,
             outage_after_ms: 600_000,
+            takeover_after_ms: 0,
         };
         let options = SqliteOptions { timings, ..SqliteOptions::default() };
         let store = SqliteStore::open_with_options(dir.path().join("authority.db"), options).unwrap();
@@ -1400,12 +1401,19 @@ fn admissions_and_refusals_are_audited() {
     raw.head("POST", "/v1/workers/router-1/sessions", &["content-type: application/json", "content-length: 2"])
         .unwrap();
     assert_eq!(raw.response().unwrap().error(), ErrorCode::PrincipalMismatch);
+    // Admitted, then refused by the store: a heartbeat of a session that does not exist.
+    let missing = SessionId::parse("ses_missing").unwrap();
+    let hb = Heartbeat { generation: Counter::ONE, draining: false };
+    assert_eq!(client.post(&Route::Heartbeat(wid("router-1"), missing), &hb).error(), ErrorCode::NotFound);
     let audits = server.audits();
-    let found = |principal: &str, outcome: &str| {
-        audits.iter().any(|a| a.principal == Some(wid(principal)) && a.route == "session.open" && a.outcome == outcome)
+    let found = |principal: &str, route: &str, outcome: &str| {
+        audits.iter().any(|a| a.principal == Some(wid(principal)) && a.route == route && a.outcome == outcome)
     };
-    assert!(found("router-1", "admitted"));
-    assert!(found("router-2", "principal_mismatch"));
+    assert!(found("router-1", "session.open", "admitted"));
+    assert!(found("router-2", "session.open", "principal_mismatch"));
+    let heartbeats: Vec<&str> =
+        audits.iter().filter(|a| a.route == "session.heartbeat").map(|a| a.outcome.as_str()).collect();
+    assert_eq!(heartbeats, ["admitted", "not_found"], "the outcome follows the admission");
     assert!(audits.iter().all(|a| a.at > 0), "DB time is filled in");
 }
 

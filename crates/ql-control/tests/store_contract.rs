@@ -164,6 +164,7 @@ contract_suite!(
         changes_wake_on_new_work_here_and_elsewhere,
         operator_reads_are_ordered_and_bounded,
         audit_records_are_pruned_by_age_and_count,
+        twin_refusals_are_counted_from_the_audit_records,
         a_failed_write_rolls_back_the_whole_command,
         racing_claims_and_polls_admit_exactly_one,
     ]

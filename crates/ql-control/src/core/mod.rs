@@ -63,6 +63,9 @@ pub struct Timings {
     /// No replica sweeping for longer than this is an outage, whose time the next sweep
     /// gives back to live leases and sessions ([`grace`]).
     pub outage_after_ms: u64,
+    /// A worker's online session seen within this is not taken over by a new one: a
+    /// second agent with the same identity is refused (`session_conflict`).
+    pub takeover_after_ms: u64,
 }
 
 impl Default for Timings {
@@ -73,6 +76,7 @@ impl Default for Timings {
             offer_ttl_ms: 30_000,
             lease_ttl_ms: 30_000,
             outage_after_ms: 5_000,
+            takeover_after_ms: 20_000,
         }
     }
 }

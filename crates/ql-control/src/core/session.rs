@@ -20,6 +20,17 @@ pub(super) fn open(
     timings: &Timings,
     ids: &mut IdGen,
 ) -> Decision {
+    // A live session that still speaks is not taken over: another agent holding this
+    // worker's identity (a twin: a restored backup, a replaced router still plugged in) is
+    // refused, and the agent that holds the session keeps it and its jobs. Only a session
+    // that went quiet for `takeover_after_ms`, or is draining, is replaced.
+    let quiet_after = i64::try_from(timings.takeover_after_ms).unwrap_or(i64::MAX);
+    let speaking = |s: &&Session| {
+        s.state == SessionState::Online && s.expires_at > now && now.saturating_sub(s.seen_at) < quiet_after
+    };
+    if rows.worker_sessions.iter().any(|s| &s.worker == worker && speaking(&s)) {
+        return Decision::refuse(ErrorCode::SessionConflict);
+    }
     let highest = rows.worker_sessions.iter().map(|s| s.generation.get()).max().unwrap_or(0);
     let Ok(generation) = Counter::new(highest + 1) else {
         return Decision::refuse(ErrorCode::SessionConflict);
@@ -85,6 +96,8 @@ mod tests {
         let mut rows = Rows::default();
         let mut old = session(3);
         old.state = SessionState::Online;
+        // Quiet for longer than the takeover window: its agent is gone.
+        old.seen_at = NOW - timings().takeover_after_ms as i64;
         let mut older = session(2);
         older.state = SessionState::Expired;
         rows.worker_sessions = vec![old.clone(), older.clone()];
@@ -101,6 +114,23 @@ mod tests {
         let fresh = fresh.expect("the new session is written");
         assert_eq!(fresh.state, SessionState::Online);
         assert_eq!(fresh.expires_at, NOW + timings().session_ttl_ms as i64);
+    }
+
+    #[test]
+    fn a_session_that_still_speaks_is_not_taken_over_but_a_draining_or_quiet_one_is() {
+        let speaking = Session { seen_at: NOW - 1, ..session(3) };
+        let rows = Rows { worker_sessions: vec![speaking.clone()], ..Rows::default() };
+        let d = open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids());
+        assert_eq!(d, Decision::refuse(ErrorCode::SessionConflict), "a twin is refused and nothing changes");
+        let draining = Session { state: SessionState::Draining, ..speaking.clone() };
+        let rows = Rows { worker_sessions: vec![draining], ..Rows::default() };
+        assert!(open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids()).reply.is_ok(), "a stopping agent's");
+        let quiet = Session { seen_at: NOW - timings().takeover_after_ms as i64, ..speaking.clone() };
+        let rows = Rows { worker_sessions: vec![quiet], ..Rows::default() };
+        assert!(open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids()).reply.is_ok(), "a quiet one");
+        let t = Timings { takeover_after_ms: 0, ..timings() };
+        let rows = Rows { worker_sessions: vec![speaking], ..Rows::default() };
+        assert!(open(&worker(), &open_body(), &rows, NOW, &t, &mut ids()).reply.is_ok(), "no window, no refusal");
     }
 
     #[test]

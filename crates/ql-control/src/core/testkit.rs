@@ -26,6 +26,7 @@ pub(crate) fn timings() -> Timings {
         offer_ttl_ms: 2_000,
         lease_ttl_ms: 5_000,
         outage_after_ms: 5_000,
+        takeover_after_ms: 2_000,
     }
 }
 

@@ -3,7 +3,9 @@
 //! Everything that can refuse a request without its body runs before the body is first
 //! polled, in this order: authentication (the connection's principal), the route, the
 //! binding of the path's worker to the principal, the durable audit record, and the
-//! framing headers. hyper sends `100 Continue` only when the body is first polled, so an
+//! framing headers. A request refused before its admission leaves one audit record with
+//! the refusal's code; one admitted and then refused (framing, a fence, a twin's open)
+//! leaves `admitted` and then its code. hyper sends `100 Continue` only when the body is first polled, so an
 //! agent that sends `Expect: 100-continue` learns of every one of these refusals before it
 //! sends a single body byte. A refusal before the body ends the connection
 //! (`Connection: close`): the unread body must never be taken for the next request.
@@ -114,16 +116,18 @@ pub(super) struct Answer {
     body: Vec<u8>,
     /// End the connection after this response (the request body was not read to its end).
     close: bool,
+    /// The refusal's code, for the audit record of the request's outcome.
+    code: Option<ErrorCode>,
 }
 
 impl Answer {
     pub(super) fn ok<T: Body>(status: StatusCode, body: &T) -> Self {
-        Self { status, body: ql_wire::encode(body), close: false }
+        Self { status, body: ql_wire::encode(body), close: false, code: None }
     }
 
     pub(super) fn refuse(code: ErrorCode) -> Self {
         let status = StatusCode::from_u16(code.status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-        Self { status, body: ql_wire::encode(&ErrorBody::new(code)), close: false }
+        Self { status, body: ql_wire::encode(&ErrorBody::new(code)), close: false, code: Some(code) }
     }
 
     /// A refusal whose request body was not read to its end.
@@ -134,7 +138,8 @@ impl Answer {
     /// `409 log_offset_conflict` with the acknowledged length.
     pub(super) fn log_conflict(acked: u64) -> Self {
         let body = ErrorBody { error: ErrorCode::LogOffsetConflict, acked: Some(acked) };
-        Self { status: StatusCode::CONFLICT, body: ql_wire::encode(&body), close: false }
+        let code = Some(ErrorCode::LogOffsetConflict);
+        Self { status: StatusCode::CONFLICT, body: ql_wire::encode(&body), close: false, code }
     }
 
     /// The same, when the request body was not read to its end.
@@ -184,21 +189,31 @@ async fn handle<S: Store, B: BlobStore>(
     }
     // The admission must be on record before any body byte is read; without the record,
     // no admission.
-    let record = AuditRecord { at: 0, principal: Some(principal), route: name.to_owned(), outcome: "admitted".into() };
+    let record =
+        AuditRecord { at: 0, principal: Some(principal.clone()), route: name.to_owned(), outcome: "admitted".into() };
     if shared.store.audit(record).await.is_err() {
         return Answer::refuse_and_close(ErrorCode::Unavailable);
     }
     let length = match framing::check(&route, req.headers()) {
         Ok(length) => length,
-        Err(code) => return Answer::refuse_and_close(code),
+        Err(code) => {
+            audit_refusal(shared, Some(principal), name, code).await;
+            return Answer::refuse_and_close(code);
+        }
     };
     let body = req.into_body();
     let fault = fault::on_request(route.name());
-    match route {
+    let answer = match route {
         Route::Artifact(path, artifact) => put_artifact(shared, path, artifact, length, body, (fault, reset)).await,
         Route::LogAppend(path) => log::append(shared, path, length, body, (fault, reset)).await,
         route => json_route(shared, route, length, body, (fault, reset)).await,
+    };
+    // An admitted request refused after all (a fence, a replay's conflict, a twin's open)
+    // gets a second record: its outcome.
+    if let Some(code) = answer.code {
+        audit_refusal(shared, Some(principal), name, code).await;
     }
+    answer
 }
 
 /// The fault to inject into one request and the handle to reset its connection (test

@@ -22,6 +22,8 @@ use ql_wire::ErrorCode;
 use tokio::sync::watch;
 
 use crate::core::{Command, Reply};
+use ql_wire::ids::WorkerId;
+
 use crate::model::{Attempt, AuditRecord, Event, Lease, LogChunk, Offer, Run, Session, Worker};
 
 /// The store could not reach or use its database. Maps to `503 unavailable`.
@@ -90,6 +92,10 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Prunes audit records from the old end as `retention` says; returns how many went.
     fn prune_audit(&self, retention: AuditRetention) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Per worker, how many session opens were refused as a twin's (`session_conflict`)
+    /// within the last `within_ms` of DB time, from the audit records.
+    fn twin_refusals(&self, within_ms: u64) -> impl Future<Output = Result<Vec<(WorkerId, u64)>, StoreError>> + Send;
 
     /// Audit records, oldest first (for operators and tests).
     fn audits(&self) -> impl Future<Output = Result<Vec<AuditRecord>, StoreError>> + Send;

@@ -77,8 +77,12 @@ pub fn test_timings() -> Timings {
         offer_ttl_ms: 30_000,
         lease_ttl_ms: 60_000,
         outage_after_ms: OUTAGE_AFTER_MS,
+        takeover_after_ms: TAKEOVER_AFTER_MS,
     }
 }
+
+/// A session seen within this is not taken over (see `test_timings`).
+pub const TAKEOVER_AFTER_MS: u64 = 2_000;
 
 /// No sweep for this long is an outage (see `test_timings`).
 pub const OUTAGE_AFTER_MS: u64 = 3_600_000;

@@ -579,6 +579,12 @@ pub async fn a_new_session_replaces_the_old_one<B: Backend>(b: B) {
         Ok(ql_wire::session::HeartbeatReply { status: SessionStatus::Online })
     );
 
+    // While the session speaks, a second agent with the same identity (a twin) is refused,
+    // and nothing changes.
+    let twin = Command::OpenSession(worker("router-1"), open_body(1, &[]));
+    refused(&store, twin, ErrorCode::SessionConflict, "a twin").await;
+    // Once it has been quiet for the takeover window, its agent is taken for gone.
+    b.advance(TAKEOVER_AFTER_MS as i64);
     let newer = open(&store, "router-1").await;
     assert_eq!(newer.generation.get(), 2);
     let hb = |a: &Agent| {
@@ -927,6 +933,30 @@ pub async fn operator_reads_are_ordered_and_bounded<B: Backend>(b: B) {
     assert_eq!(audits.iter().map(|a| a.outcome.as_str()).collect::<Vec<_>>(), ["admitted", "unauthenticated"]);
     assert!(audits.iter().all(|a| a.at > 0), "the store fills DB time");
     check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// `workers` counts the session opens refused as a twin's from the audit records, per
+/// worker, within a window of DB time.
+pub async fn twin_refusals_are_counted_from_the_audit_records<B: Backend>(b: B) {
+    let store = b.store();
+    let rec = |w: &str, route: &str, outcome: &str| AuditRecord {
+        at: 0,
+        principal: Some(worker(w)),
+        route: route.into(),
+        outcome: outcome.into(),
+    };
+    store.audit(rec("router-1", "session.open", "session_conflict")).await.unwrap();
+    b.advance(120_000);
+    for r in [
+        rec("router-1", "session.open", "session_conflict"),
+        rec("router-1", "session.open", "session_conflict"),
+        rec("router-2", "session.open", "admitted"),
+        rec("router-2", "session.heartbeat", "session_conflict"),
+    ] {
+        store.audit(r).await.unwrap();
+    }
+    assert_eq!(store.twin_refusals(60_000).await.unwrap(), vec![(worker("router-1"), 2)], "the last minute");
+    assert_eq!(store.twin_refusals(600_000).await.unwrap(), vec![(worker("router-1"), 3)]);
 }
 
 /// The sweeper's audit retention removes only from the old end: first by age (DB time),

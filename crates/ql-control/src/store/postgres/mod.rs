@@ -60,7 +60,7 @@ use tokio::sync::watch;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Config, Row};
 
-use ql_wire::ids::{AttemptId, RunId};
+use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use super::records::{
@@ -574,6 +574,25 @@ impl Store for PgStore {
         let row = conn.client().query_one(SQL, &[&self.offset(), &age, &keep]).await.map_err(Error::Pg)?;
         conn.keep();
         Ok(row.get::<_, i64>(0).max(0) as u64)
+    }
+
+    async fn twin_refusals(&self, within_ms: u64) -> Result<Vec<(WorkerId, u64)>, StoreError> {
+        const SQL: &str = "SELECT principal, count(*) FROM audit WHERE route = 'session.open' \
+             AND outcome = 'session_conflict' AND principal IS NOT NULL \
+             AND at >= (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint - $2::bigint \
+             GROUP BY principal ORDER BY principal";
+        let within = i64::try_from(within_ms).unwrap_or(i64::MAX);
+        let conn = self.reading().await?;
+        let found = conn.client().query(SQL, &[&self.offset(), &within]).await.map_err(Error::Pg)?;
+        Self::done(conn).await?;
+        found
+            .iter()
+            .map(|r| {
+                let worker: String = r.get(0);
+                let n: i64 = r.get(1);
+                Ok((WorkerId::parse(worker.as_str()).map_err(|e| StoreError(e.to_string()))?, n.max(0) as u64))
+            })
+            .collect()
     }
 
     async fn audits(&self) -> Result<Vec<AuditRecord>, StoreError> {

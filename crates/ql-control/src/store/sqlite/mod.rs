@@ -56,7 +56,7 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 use tokio::sync::{oneshot, watch};
 
-use ql_wire::ids::{AttemptId, RunId};
+use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use super::records::{
@@ -366,6 +366,10 @@ fn limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
+/// Refused twin opens by worker since `?1` (see [`Store::twin_refusals`]).
+const TWIN_REFUSALS: &str = "SELECT principal, count(*) FROM audit WHERE at >= ?1 AND route = 'session.open' \
+     AND outcome = 'session_conflict' AND principal IS NOT NULL GROUP BY principal ORDER BY principal";
+
 fn clamp(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -436,6 +440,25 @@ impl Store for SqliteStore {
                 pruned += w.conn.execute(q, [clamp(keep)]).map_err(sql)?;
             }
             Ok(pruned as u64)
+        })
+        .await
+    }
+
+    async fn twin_refusals(&self, within_ms: u64) -> Result<Vec<(WorkerId, u64)>, StoreError> {
+        self.call(move |w| {
+            let since = schema::db_now(&w.conn, w.offset()).map_err(sql)?.saturating_sub(clamp(within_ms));
+            let mut stmt = w.conn.prepare_cached(TWIN_REFUSALS).map_err(sql)?;
+            let found: Vec<(String, i64)> = stmt
+                .query_map([since], |r| Ok((r.get(0)?, r.get(1)?)))
+                .map_err(sql)?
+                .collect::<rusqlite::Result<_>>()
+                .map_err(sql)?;
+            found
+                .into_iter()
+                .map(|(w, n)| {
+                    Ok((WorkerId::parse(w.as_str()).map_err(|e| StoreError(e.to_string()))?, n.max(0) as u64))
+                })
+                .collect()
         })
         .await
     }
