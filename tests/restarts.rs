@@ -78,3 +78,24 @@ fn two_agents_with_one_identity_converge_and_the_second_says_why() {
     assert!(listed.contains("TWINS: session opens refused"), "{listed}");
     assert!(!twin.log().contains("claimed"), "the twin ran nothing:\n{}", twin.log());
 }
+
+#[test]
+fn a_clean_exit_closes_the_session_and_the_next_start_opens_a_fresh_one_at_once() {
+    let mut w = World::new("close", &[]);
+    let run = w.control.submit(&["--", "sh", "-c", "echo once"]);
+    w.wait_status(&run, "succeeded");
+    assert!(w.agent.terminate().success(), "{}", w.context());
+    assert!(w.agent.log().contains("closed"), "{}", w.agent.log());
+    let listed = common::text(&w.control.cli(&["workers"]));
+    assert!(listed.lines().any(|l| l.starts_with("w1 ") && l.contains(" closed ")), "{listed}");
+
+    // The next start opens a session straight away: nothing to resume, nothing to wait for.
+    let before = w.agent.log();
+    w.agent = common::Agent::spawn(&w.root.0, w.agent.config.clone());
+    let again = w.control.submit(&["--", "sh", "-c", "echo twice"]);
+    w.wait_status(&again, "succeeded");
+    let log = w.agent.log();
+    let second_life = &log[before.len()..];
+    assert!(!second_life.contains("cannot be resumed"), "{second_life}");
+    assert!(second_life.contains("generation 2 opened"), "{second_life}");
+}

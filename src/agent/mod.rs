@@ -70,7 +70,7 @@ use ql_wire::ids::{Counter, SessionId};
 use ql_wire::lease::Renewed;
 use ql_wire::offer::{Claimed, Offers, PollOffers};
 use ql_wire::route::{AttemptCommand, AttemptPath, Route};
-use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened};
+use ql_wire::session::{CloseSession, Heartbeat, HeartbeatReply, OpenSession, SessionClosed, SessionOpened};
 use ql_wire::text::{AgentVersion, Arch, Reason};
 use ql_wire::time::Timestamp;
 use ql_wire::{ErrorCode, Fence, Outcome};
@@ -300,6 +300,7 @@ impl Agent {
             self.notify.tick(now);
             if self.drain_by.is_some() {
                 if self.state.jobs.is_empty() {
+                    self.close_session()?;
                     info!("drained; exiting");
                     return Ok(());
                 }
@@ -623,6 +624,27 @@ impl Agent {
             },
         }
         Ok(())
+    }
+
+    /// Ends the session for good on a clean exit (nothing left to report), so the next
+    /// start opens a fresh one at once. Best effort: without an answer, the next start
+    /// finds out by itself.
+    fn close_session(&mut self) -> Result<(), Fatal> {
+        let Some(live) = self.session.take() else { return Ok(()) };
+        let route = Route::CloseSession(self.cfg.worker_id.clone(), live.id.clone());
+        let body = CloseSession { generation: live.generation };
+        match self.client.call::<CloseSession, SessionClosed>(&route, &body) {
+            Ok(_) => info!("session {} closed", live.id),
+            // Replaced or lapsed already, or a server without `close`: gone either way.
+            Err(CallError::Refused { code: ErrorCode::SessionConflict | ErrorCode::NotFound, .. }) => {
+                info!("session {} had already ended", live.id);
+            }
+            Err(e) => {
+                warn!("closing session {}: {e}; the next start finds out for itself", live.id);
+                return Ok(());
+            }
+        }
+        self.commit(&Record::SessionClosed { session_id: live.id })
     }
 
     async fn heartbeat(&mut self, now: Instant) {

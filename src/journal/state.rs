@@ -45,6 +45,12 @@ pub(crate) enum Record {
         /// heartbeat and then needs the interval, which only `open` reports.
         heartbeat_ms: u64,
     },
+    /// The agent closed its session on a clean exit: the next start opens a fresh one
+    /// rather than trying to resume it.
+    SessionClosed {
+        /// The session.
+        session_id: SessionId,
+    },
     /// An offer and the lease token made for it, written before the claim is sent.
     Offered {
         /// The session that polled the offer and will claim it.
@@ -320,7 +326,7 @@ impl Record {
     /// The job the record speaks of, if any.
     pub(crate) fn job(&self) -> Option<JobKey> {
         match self {
-            Self::Session { .. } => None,
+            Self::Session { .. } | Self::SessionClosed { .. } => None,
             Self::Offered { session_id, attempt_id, .. } => {
                 Some(JobKey { session_id: session_id.clone(), attempt_id: attempt_id.clone() })
             }
@@ -353,7 +359,7 @@ impl JournalState {
     /// Whether `record` would apply, without changing anything.
     pub(crate) fn check(&self, record: &Record) -> Result<(), Refused> {
         let job = match record {
-            Record::Session { .. } => return Ok(()),
+            Record::Session { .. } | Record::SessionClosed { .. } => return Ok(()),
             Record::Offered { session_id, attempt_id, .. } => {
                 let key = JobKey { session_id: session_id.clone(), attempt_id: attempt_id.clone() };
                 return require(!self.jobs.contains_key(&key), Refused::DuplicateJob);
@@ -365,7 +371,9 @@ impl JournalState {
         };
         let claimed = job.lease.is_some();
         match record {
-            Record::Session { .. } | Record::Offered { .. } | Record::Dropped { .. } => Ok(()),
+            Record::Session { .. } | Record::SessionClosed { .. } | Record::Offered { .. } | Record::Dropped { .. } => {
+                Ok(())
+            }
             Record::Claimed { .. } => require(!claimed, Refused::Repeated),
             Record::Renewed { lease_version, .. } => {
                 let lease = job.lease.as_ref().ok_or(Refused::TooEarly)?;
@@ -420,7 +428,13 @@ impl JournalState {
             });
             return Ok(());
         }
-        let key = record.job().expect("every record but Session names a job");
+        if let Record::SessionClosed { session_id } = record {
+            if self.session.as_ref().is_some_and(|s| &s.session_id == session_id) {
+                self.session = None;
+            }
+            return Ok(());
+        }
+        let key = record.job().expect("every record but the session's names a job");
         if let Record::Offered { session_generation, offer_id, run_id, lease_token, .. } = record {
             let job = Job {
                 session_generation: *session_generation,
@@ -448,7 +462,7 @@ impl JournalState {
         }
         let job = self.jobs.get_mut(&key).expect("check found the job");
         match record {
-            Record::Session { .. } | Record::Offered { .. } | Record::Dropped { .. } => {
+            Record::Session { .. } | Record::SessionClosed { .. } | Record::Offered { .. } | Record::Dropped { .. } => {
                 unreachable!("handled above")
             }
             Record::Claimed { lease_generation, lease_version, lease_ttl_ms, spec, .. } => {
@@ -780,6 +794,18 @@ mod tests {
         let s = state.session.as_ref().unwrap();
         assert_eq!((s.session_id.as_str(), s.generation), ("s2", c(2)));
         assert!(state.jobs.is_empty());
+    }
+
+    #[test]
+    fn a_closed_session_is_forgotten_and_an_older_close_changes_nothing() {
+        let mut state = JournalState::default();
+        expect(&mut state, &session("s2", 2), Ok(()));
+        let closed = |id: &str| Record::SessionClosed { session_id: SessionId::parse(id).unwrap() };
+        expect(&mut state, &closed("s1"), Ok(()));
+        assert_eq!(state.session.as_ref().map(|s| s.session_id.as_str()), Some("s2"), "not the current one");
+        expect(&mut state, &closed("s2"), Ok(()));
+        assert_eq!(state.session, None);
+        assert_eq!(state.session_record(), None, "compaction keeps no session");
     }
 
     #[test]

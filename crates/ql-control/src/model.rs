@@ -57,6 +57,8 @@ status!(
         Replaced = "replaced",
         /// No heartbeat within its TTL.
         Expired = "expired",
+        /// Its agent closed it on a clean exit.
+        Closed = "closed",
     }
 );
 

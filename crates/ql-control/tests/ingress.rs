@@ -735,8 +735,14 @@ fn every_route_succeeds_over_one_keep_alive_connection() {
     let failed: AckReply = client.post(&failing.route(AttemptCommand::StartFailure), &body).json(200);
     assert_eq!(failed.result, Outcome::Failed);
 
-    // Twelve routes, eighteen requests, one TCP connection.
-    assert_eq!(server.stats().requests(), 18);
+    // The clean exit: the session closes, once.
+    let close = ql_wire::session::CloseSession { generation };
+    let closed: ql_wire::session::SessionClosed =
+        client.post(&Route::CloseSession(wid("router-1"), session.clone()), &close).json(200);
+    assert_eq!(closed.result, Outcome::Closed);
+
+    // Thirteen routes, nineteen requests, one TCP connection.
+    assert_eq!(server.stats().requests(), 19);
     assert_eq!(server.stats().connections(), 1, "the agent's one keep-alive connection served everything");
     assert_eq!(server.stats().handshake_failures(), 0);
 

@@ -534,7 +534,10 @@ async fn outage_grace_is_given_only_when_no_replica_served() {
     let tmp = TempDir::new("pg-grace");
     let dir = state_dir(&tmp);
     let layout = Layout::new(&dir);
-    Config { outage_grace_after_ms: 1_000, ..Config::load(&layout).unwrap() }.save(&layout).unwrap();
+    // The worker opens a second session while its first still speaks: no takeover window.
+    let config =
+        Config { outage_grace_after_ms: 1_000, session_takeover_after_ms: 0, ..Config::load(&layout).unwrap() };
+    config.save(&layout).unwrap();
     let url = db.runtime_url();
     let store = PgStore::open(&url, PgOptions { pool_size: 2, ..PgOptions::default() }).await.unwrap();
     let log = |name: &str| std::fs::File::create(tmp.path().join(name)).unwrap();

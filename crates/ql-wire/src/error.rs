@@ -36,6 +36,10 @@ pub enum Outcome {
     Appended,
     /// The log chunk lies within what was acknowledged and equals it.
     AlreadyAppended,
+    /// The session was closed.
+    Closed,
+    /// The session had been closed before.
+    AlreadyClosed,
 }
 
 impl Outcome {
@@ -48,6 +52,7 @@ impl Outcome {
                 | Self::AlreadyStored
                 | Self::AlreadyCompleted
                 | Self::AlreadyAppended
+                | Self::AlreadyClosed
         )
     }
 }

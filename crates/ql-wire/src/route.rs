@@ -84,6 +84,8 @@ pub enum Route {
     OpenSession(WorkerId),
     /// Heartbeat (and drain) a session.
     Heartbeat(WorkerId, SessionId),
+    /// Close a session for good.
+    CloseSession(WorkerId, SessionId),
     /// Long-poll for offers.
     PollOffers(WorkerId, SessionId),
     /// Claim an offer.
@@ -123,6 +125,7 @@ impl Route {
         let route = match (method, &segs[1..]) {
             ("POST", ["sessions"]) => Self::OpenSession(worker),
             ("POST", ["sessions", _, "heartbeat"]) => Self::Heartbeat(worker, session(2)?),
+            ("POST", ["sessions", _, "close"]) => Self::CloseSession(worker, session(2)?),
             ("POST", ["sessions", _, "offers:poll"]) => Self::PollOffers(worker, session(2)?),
             ("POST", ["sessions", _, "offers", offer, "claim"]) => {
                 Self::Claim(worker, session(2)?, OfferId::parse(*offer).map_err(|_| UnknownRoute)?)
@@ -169,6 +172,7 @@ impl Route {
         match self {
             Self::OpenSession(w) => format!("/v1/workers/{w}/sessions"),
             Self::Heartbeat(w, s) => format!("/v1/workers/{w}/sessions/{s}/heartbeat"),
+            Self::CloseSession(w, s) => format!("/v1/workers/{w}/sessions/{s}/close"),
             Self::PollOffers(w, s) => format!("/v1/workers/{w}/sessions/{s}/offers:poll"),
             Self::Claim(w, s, o) => format!("/v1/workers/{w}/sessions/{s}/offers/{o}/claim"),
             Self::Attempt(p, cmd) => format!("{}/{}", attempt(p), cmd.segment()),
@@ -181,13 +185,17 @@ impl Route {
     /// The worker the path speaks for; the server binds it to the certificate's.
     pub fn worker(&self) -> &WorkerId {
         match self {
-            Self::OpenSession(w) | Self::Heartbeat(w, _) | Self::PollOffers(w, _) | Self::Claim(w, ..) => w,
+            Self::OpenSession(w)
+            | Self::Heartbeat(w, _)
+            | Self::CloseSession(w, _)
+            | Self::PollOffers(w, _)
+            | Self::Claim(w, ..) => w,
             Self::Attempt(p, _) | Self::Artifact(p, _) | Self::LogAppend(p) | Self::Seal(p, _) => &p.worker,
         }
     }
 
-    /// Every [`Route::name`], in the order of a run's life (heartbeat second).
-    pub const NAMES: [&'static str; 12] = [
+    /// Every [`Route::name`], in the order of a run's life (heartbeat second, close last).
+    pub const NAMES: [&'static str; 13] = [
         "session.open",
         "session.heartbeat",
         "offers.poll",
@@ -200,6 +208,7 @@ impl Route {
         "artifact.put",
         "attempt.completion",
         "attempt.start_failure",
+        "session.close",
     ];
 
     /// A stable, low-cardinality name for audit records and logs.
@@ -207,6 +216,7 @@ impl Route {
         match self {
             Self::OpenSession(_) => "session.open",
             Self::Heartbeat(..) => "session.heartbeat",
+            Self::CloseSession(..) => "session.close",
             Self::PollOffers(..) => "offers.poll",
             Self::Claim(..) => "offer.claim",
             Self::Attempt(_, AttemptCommand::Starting) => "attempt.starting",
@@ -259,6 +269,7 @@ mod tests {
         let mut all = vec![
             Route::OpenSession(w.clone()),
             Route::Heartbeat(w.clone(), s.clone()),
+            Route::CloseSession(w.clone(), s.clone()),
             Route::PollOffers(w.clone(), s.clone()),
             Route::Claim(w, s, OfferId::parse("o1").unwrap()),
             Route::Artifact(at(), ArtifactId::parse("log").unwrap()),
@@ -290,6 +301,7 @@ mod tests {
         let paths: Vec<String> = every_route().iter().map(|r| format!("{} {}", r.method(), r.path())).collect();
         assert!(paths.contains(&"POST /v1/workers/r1/sessions".to_owned()));
         assert!(paths.contains(&"POST /v1/workers/r1/sessions/s1/offers:poll".to_owned()));
+        assert!(paths.contains(&"POST /v1/workers/r1/sessions/s1/close".to_owned()));
         assert!(paths.contains(&"POST /v1/workers/r1/sessions/s1/runs/run1/attempts/a1/lease:renew".to_owned()));
         assert!(paths.contains(&"POST /v1/workers/r1/sessions/s1/runs/run1/attempts/a1/start-failure".to_owned()));
         assert!(paths.contains(&"PUT /v1/workers/r1/sessions/s1/runs/run1/attempts/a1/artifacts/log".to_owned()));

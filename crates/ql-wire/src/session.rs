@@ -89,3 +89,37 @@ pub struct HeartbeatReply {
 impl Body for HeartbeatReply {
     const CAP: usize = JSON_BODY_CAP;
 }
+
+/// `POST .../sessions/{s}/close`: an agent that stops for good, after draining, ends its
+/// session `closed`, so the worker's next agent opens a fresh one at once instead of
+/// trying to resume it. An agent that only restarts (and re-attaches to its jobs) keeps
+/// its session and sends no close.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CloseSession {
+    /// The session's generation.
+    pub generation: Counter,
+}
+
+impl Body for CloseSession {
+    const CAP: usize = JSON_BODY_CAP;
+}
+
+/// Answer to [`CloseSession`]: `closed`, or `already_closed` for a repeat.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SessionClosed {
+    /// What the close did.
+    pub result: crate::Outcome,
+}
+
+impl Body for SessionClosed {
+    const CAP: usize = JSON_BODY_CAP;
+
+    fn validate(&self) -> Result<(), crate::Invalid> {
+        match self.result {
+            crate::Outcome::Closed | crate::Outcome::AlreadyClosed => Ok(()),
+            _ => Err(crate::Invalid::Schema),
+        }
+    }
+}

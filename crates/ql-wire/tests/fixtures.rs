@@ -12,7 +12,7 @@ use ql_wire::completion::{Completion, CompletionReply};
 use ql_wire::lease::Renewed;
 use ql_wire::log::{LogAppendReply, LogChunkHeader, Seal};
 use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
-use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened};
+use ql_wire::session::{CloseSession, Heartbeat, HeartbeatReply, OpenSession, SessionClosed, SessionOpened};
 use ql_wire::{decode, encode, Body, DecodeError, ErrorBody, Fence};
 
 type Check = fn(&[u8]) -> Result<serde_json::Value, DecodeError>;
@@ -27,6 +27,8 @@ const TYPES: &[(&str, Check)] = &[
     ("session_opened", check::<SessionOpened>),
     ("heartbeat", check::<Heartbeat>),
     ("heartbeat_reply", check::<HeartbeatReply>),
+    ("close_session", check::<CloseSession>),
+    ("session_closed", check::<SessionClosed>),
     ("poll_offers", check::<PollOffers>),
     ("offers", check::<Offers>),
     ("claim", check::<Claim>),

@@ -42,7 +42,7 @@ use ql_wire::lease::Renewed;
 use ql_wire::log::{LogAppendReply, LogChunkHeader, Seal};
 use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
 use ql_wire::route::AttemptPath;
-use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened};
+use ql_wire::session::{CloseSession, Heartbeat, HeartbeatReply, OpenSession, SessionClosed, SessionOpened};
 use ql_wire::{ErrorCode, Fence};
 
 use std::collections::BTreeMap;
@@ -88,6 +88,8 @@ pub enum Command {
     OpenSession(WorkerId, OpenSession),
     /// Heartbeat a session.
     Heartbeat(WorkerId, SessionId, Heartbeat),
+    /// Close a session for good.
+    CloseSession(WorkerId, SessionId, CloseSession),
     /// Place queued runs on the session and list its open offers.
     PollOffers(WorkerId, SessionId, PollOffers),
     /// Claim an offer.
@@ -202,6 +204,8 @@ pub enum Reply {
     SessionOpened(SessionOpened),
     /// To heartbeat.
     Heartbeat(HeartbeatReply),
+    /// To close.
+    SessionClosed(SessionClosed),
     /// To poll.
     Offers(Offers),
     /// To claim.
@@ -363,7 +367,9 @@ impl Command {
         };
         match self {
             Self::OpenSession(w, _) => Keys { worker_sessions: Some(w.clone()), ..Keys::default() },
-            Self::Heartbeat(_, s, _) => Keys { session: Some(s.clone()), ..Keys::default() },
+            Self::Heartbeat(_, s, _) | Self::CloseSession(_, s, _) => {
+                Keys { session: Some(s.clone()), ..Keys::default() }
+            }
             Self::PollOffers(w, s, _) => {
                 Keys { session: Some(s.clone()), worker: Some(w.clone()), placement: true, ..Keys::default() }
             }
@@ -397,6 +403,7 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
     match cmd {
         Command::OpenSession(w, body) => session::open(w, body, rows, now, timings, ids),
         Command::Heartbeat(w, s, body) => session::heartbeat(w, s, body, rows, now, timings),
+        Command::CloseSession(w, s, body) => session::close(w, s, body, rows, now),
         Command::PollOffers(w, s, body) => delivery::poll(w, s, body, rows, now, timings, ids),
         Command::Claim(w, s, o, body) => delivery::claim(w, s, o, body, rows, now, timings, ids),
         Command::Starting(p, fence) => start::starting(p, fence, rows, now, ids).unwrap_or_else(Decision::refuse),

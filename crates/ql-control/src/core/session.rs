@@ -1,8 +1,10 @@
 //! Sessions: open (replacing older ones) and heartbeat (which also drains).
 
 use ql_wire::ids::{Counter, SessionId, WorkerId};
-use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened, SessionStatus};
-use ql_wire::ErrorCode;
+use ql_wire::session::{
+    CloseSession, Heartbeat, HeartbeatReply, OpenSession, SessionClosed, SessionOpened, SessionStatus,
+};
+use ql_wire::{ErrorCode, Outcome};
 
 use super::{Decision, IdGen, Reply, Rows, Timings, Write};
 use crate::model::{Millis, Session, SessionState};
@@ -86,6 +88,25 @@ pub(super) fn heartbeat(
     Decision::apply(Reply::Heartbeat(HeartbeatReply { status }), vec![Write::Session(updated)])
 }
 
+/// Closes a live session for good: its agent exits cleanly. A repeat finds it closed and
+/// answers `already_closed`; a session replaced or lapsed meanwhile is a conflict.
+pub(super) fn close(worker: &WorkerId, session: &SessionId, body: &CloseSession, rows: &Rows, now: Millis) -> Decision {
+    let Some(s) = rows.session.as_ref().filter(|s| &s.worker == worker && &s.id == session) else {
+        return Decision::refuse(ErrorCode::NotFound);
+    };
+    if s.generation != body.generation {
+        return Decision::refuse(ErrorCode::SessionConflict);
+    }
+    if s.state == SessionState::Closed {
+        return Decision::answer(Reply::SessionClosed(SessionClosed { result: Outcome::AlreadyClosed }));
+    }
+    if !is_live(s, worker, now) {
+        return Decision::refuse(ErrorCode::SessionConflict);
+    }
+    let closed = Session { state: SessionState::Closed, seen_at: now, expires_at: now, ..s.clone() };
+    Decision::apply(Reply::SessionClosed(SessionClosed { result: Outcome::Closed }), vec![Write::Session(closed)])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +152,36 @@ mod tests {
         let t = Timings { takeover_after_ms: 0, ..timings() };
         let rows = Rows { worker_sessions: vec![speaking], ..Rows::default() };
         assert!(open(&worker(), &open_body(), &rows, NOW, &t, &mut ids()).reply.is_ok(), "no window, no refusal");
+    }
+
+    #[test]
+    fn close_ends_a_live_session_once_and_a_repeat_changes_nothing() {
+        let s = session(2);
+        let body = CloseSession { generation: s.generation };
+        let rows = Rows { session: Some(s.clone()), ..Rows::default() };
+        let d = close(&worker(), &s.id, &body, &rows, NOW);
+        assert_eq!(d.reply, Ok(Reply::SessionClosed(SessionClosed { result: Outcome::Closed })));
+        let closed = Session { state: SessionState::Closed, seen_at: NOW, expires_at: NOW, ..s.clone() };
+        assert_eq!(d.writes, vec![Write::Session(closed.clone())]);
+        let rows = Rows { session: Some(closed), ..Rows::default() };
+        let again = close(&worker(), &s.id, &body, &rows, NOW + 5);
+        assert_eq!(again, Decision::answer(Reply::SessionClosed(SessionClosed { result: Outcome::AlreadyClosed })));
+        for (rows, code) in [
+            (Rows::default(), ErrorCode::NotFound),
+            (
+                Rows { session: Some(Session { state: SessionState::Replaced, ..s.clone() }), ..Rows::default() },
+                ErrorCode::SessionConflict,
+            ),
+            (
+                Rows { session: Some(Session { expires_at: NOW, ..s.clone() }), ..Rows::default() },
+                ErrorCode::SessionConflict,
+            ),
+        ] {
+            assert_eq!(close(&worker(), &s.id, &body, &rows, NOW), Decision::refuse(code));
+        }
+        let stale = CloseSession { generation: Counter::ONE };
+        let rows = Rows { session: Some(s.clone()), ..Rows::default() };
+        assert_eq!(close(&worker(), &s.id, &stale, &rows, NOW), Decision::refuse(ErrorCode::SessionConflict));
     }
 
     #[test]

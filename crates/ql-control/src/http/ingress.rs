@@ -44,7 +44,7 @@ use ql_wire::ids::{ArtifactId, SessionId, WorkerId};
 use ql_wire::log::Seal;
 use ql_wire::offer::{Claim, PollOffers};
 use ql_wire::route::{AttemptCommand, AttemptPath, Route, JSON_MEDIA_TYPE};
-use ql_wire::session::{Heartbeat, OpenSession};
+use ql_wire::session::{CloseSession, Heartbeat, OpenSession};
 use ql_wire::{Body, ErrorBody, ErrorCode, Fence, Outcome};
 
 use super::{framing, log, IngressConfig, IngressStats};
@@ -334,6 +334,7 @@ async fn json_command<S: Store, B: BlobStore>(
     let command = match route {
         Route::OpenSession(worker) => Command::OpenSession(worker, decode::<OpenSession>(bytes)?),
         Route::Heartbeat(worker, session) => Command::Heartbeat(worker, session, decode::<Heartbeat>(bytes)?),
+        Route::CloseSession(worker, session) => Command::CloseSession(worker, session, decode::<CloseSession>(bytes)?),
         Route::PollOffers(worker, session) => {
             return Ok(poll(shared, worker, session, decode::<PollOffers>(bytes)?).await);
         }
@@ -364,6 +365,7 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
     match reply {
         Reply::SessionOpened(body) => Answer::ok(StatusCode::CREATED, &body),
         Reply::Heartbeat(body) => Answer::ok(StatusCode::OK, &body),
+        Reply::SessionClosed(body) => Answer::ok(StatusCode::OK, &body),
         Reply::Offers(body) => Answer::ok(StatusCode::OK, &body),
         Reply::Claimed(body) => Answer::ok(StatusCode::OK, &*body),
         Reply::Ack(body) => Answer::ok(StatusCode::OK, &body),

@@ -655,6 +655,36 @@ pub async fn placement_honours_labels_and_capacity<B: Backend>(b: B) {
     check_invariants(&store.snapshot().await.unwrap());
 }
 
+/// An agent that exits cleanly closes its session: it ends `closed` at once (a repeat
+/// answers `already_closed` and changes nothing), it takes no more requests, and the
+/// worker's next agent opens a fresh session without waiting for the takeover window.
+pub async fn a_closed_session_ends_and_the_next_opens_at_once<B: Backend>(b: B) {
+    let store = b.store();
+    let agent = open(&store, "router-1").await;
+    let close = || {
+        Command::CloseSession(
+            agent.worker.clone(),
+            agent.session.clone(),
+            ql_wire::session::CloseSession { generation: agent.generation },
+        )
+    };
+    let closed = ql_wire::session::SessionClosed { result: Outcome::Closed };
+    assert_eq!(exec(&store, close()).await, Ok(Reply::SessionClosed(closed)));
+    assert_eq!(session_row(&store, &agent.session).await.state, SessionState::Closed);
+    let again = ql_wire::session::SessionClosed { result: Outcome::AlreadyClosed };
+    replayed(&store, close(), Reply::SessionClosed(again), "a repeated close").await;
+    let hb = Command::Heartbeat(
+        agent.worker.clone(),
+        agent.session.clone(),
+        ql_wire::session::Heartbeat { generation: agent.generation, draining: false },
+    );
+    refused(&store, hb, ErrorCode::SessionConflict, "a heartbeat of a closed session").await;
+    assert_eq!(sweep(&store).await, 0, "nothing left to expire");
+    let next = open(&store, "router-1").await;
+    assert_eq!(next.generation.get(), agent.generation.get() + 1);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
 /// A run's `labels` are matched only by what the operator set of the worker: an agent
 /// declaring them is not offered the run, the labelled worker is, whatever it declares;
 /// a refused labelling changes nothing, and a label taken away stops the placement.

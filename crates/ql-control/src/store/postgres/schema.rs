@@ -18,6 +18,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0003_audit_retention.sql"),
     include_str!("../../../migrations/postgres/0004_trusted_labels.sql"),
     include_str!("../../../migrations/postgres/0005_outage_grace.sql"),
+    include_str!("../../../migrations/postgres/0006_session_closed.sql"),
 ];
 
 /// The schema version this build reads and writes.

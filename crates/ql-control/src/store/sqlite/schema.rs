@@ -20,6 +20,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0004_audit_retention.sql"),
     include_str!("../../../migrations/sqlite/0005_trusted_labels.sql"),
     include_str!("../../../migrations/sqlite/0006_outage_grace.sql"),
+    include_str!("../../../migrations/sqlite/0007_session_closed.sql"),
 ];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.
@@ -66,6 +67,17 @@ pub(super) fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
     if version(conn)? == SCHEMA_VERSION {
         return Ok(());
     }
+    // A migration may rebuild a table others refer to (SQLite's way to change a CHECK):
+    // foreign keys are off while it runs — the pragma is a no-op inside a transaction —
+    // and every reference is checked before the commit.
+    conn.pragma_update(None, "foreign_keys", "OFF")?;
+    let migrated = apply(conn);
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    migrated
+}
+
+fn apply(conn: &mut Connection) -> rusqlite::Result<()> {
+    let version = |c: &Connection| c.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0));
     // IMMEDIATE: two processes opening a fresh file at once must not both migrate it.
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     let current = version(&tx)?;
@@ -77,6 +89,13 @@ pub(super) fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
     }
     for sql in &MIGRATIONS[current as usize..] {
         tx.execute_batch(sql)?;
+    }
+    let broken: i64 = tx.query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |r| r.get(0))?;
+    if broken > 0 {
+        return Err(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CONSTRAINT),
+            Some(format!("migrating left {broken} broken reference(s); nothing was changed")),
+        ));
     }
     tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
     tx.commit()

@@ -441,6 +441,35 @@ fn runs_queued_before_trusted_labels_keep_asking_for_declared_ones() {
 }
 
 #[test]
+fn the_sessions_table_is_rebuilt_for_closed_with_its_rows_and_references_intact() {
+    let dir = TempDir::new("closed-upgrade");
+    let mut c = schema::connect(&dir.db(), Duration::from_secs(5)).unwrap();
+    for sql in &schema::MIGRATIONS[..6] {
+        c.execute_batch(sql).unwrap();
+    }
+    c.pragma_update(None, "user_version", 6).unwrap();
+    c.execute(
+        "INSERT INTO sessions (id, worker, generation, state, capacity, labels, agent_version, arch, created_at, \
+         seen_at, expires_at) VALUES ('ses_old', 'w1', 1, 'online', 1, '{}', '0.1.0', 'x86_64', 1, 1, 9)",
+        [],
+    )
+    .unwrap();
+    schema::migrate(&mut c).unwrap();
+    let fk: i64 = c.query_row("PRAGMA foreign_keys", [], |r| r.get(0)).unwrap();
+    assert_eq!(fk, 1, "foreign keys are back on");
+    let state: String = c.query_row("SELECT state FROM sessions WHERE id = 'ses_old'", [], |r| r.get(0)).unwrap();
+    assert_eq!(state, "online");
+    c.execute("UPDATE sessions SET state = 'closed' WHERE id = 'ses_old'", []).unwrap();
+    assert!(c.execute("UPDATE sessions SET state = 'gone' WHERE id = 'ses_old'", []).is_err(), "still checked");
+    let refs: i64 = c
+        .query_row("SELECT count(*) FROM pragma_foreign_key_list('attempts') WHERE \"table\" = 'sessions'", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(refs, 1, "attempts still refer to sessions");
+}
+
+#[test]
 fn db_time_is_sql_time_plus_the_offset() {
     let dir = TempDir::new("clock");
     let c = conn(&dir);
