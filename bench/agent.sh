@@ -5,6 +5,8 @@
 #   - the stripped release binary's size (the size profile of the root Cargo.toml);
 #   - RSS and threads of an agent connected for IDLE_SECS (default 60) seconds, and where
 #     its RSS is (per mapping, from /proc/<pid>/smaps);
+#   - what a running job's supervisor (`ql-agent supervise`) holds: Rss, Pss and its
+#     private pages (/proc/<pid>/smaps_rollup);
 #   - peak RSS (VmHWM) of a fresh agent that ran one job printing 1 MiB, and of another
 #     that ran RUNS (default 5) jobs printing 64 MiB each: separate processes, so each peak
 #     is its own; the most threads seen while the jobs ran, and (with strace, which the
@@ -186,6 +188,24 @@ idle_threads=$(field Threads "$apid")
 stop_agent
 echo
 
+# A job's supervisor (ql-agent supervise, the same binary): what one running job costs
+# besides the agent. Pss shares the binary's pages among the processes that map them;
+# Private_Dirty is what this process alone holds.
+start_agent supervised
+await_line "$work/supervised.err" "generation 1 opened"
+run=$("$control" submit --dir "$work/control" -- sh -c 'sleep 60')
+await_line "$work/supervised.err" ": running"
+spid=$(pgrep -f -- " supervise $work/supervised/" | head -n 1)
+echo "a running job's supervisor (one per job), beside the agent:"
+echo "  \$ grep -E '^(Rss|Pss|Private_Clean|Private_Dirty):' /proc/$spid/smaps_rollup"
+grep -E '^(Rss|Pss|Private_Clean|Private_Dirty):' "/proc/$spid/smaps_rollup" | sed 's/^/  /'
+sup_dirty=$(awk '/^Private_Dirty:/ { print $2 }' "/proc/$spid/smaps_rollup")
+sup_rss=$(awk '/^Rss:/ { print $2 }' "/proc/$spid/smaps_rollup")
+echo "  the agent meanwhile: VmRSS $(field VmRSS "$apid") kB (idle: $idle_rss kB)"
+"$control" cancel "$run" --dir "$work/control" >/dev/null
+stop_agent
+echo
+
 declare -A peak most
 created=
 tail_ms=()
@@ -265,6 +285,7 @@ row "RSS after ${IDLE_SECS} s connected" "$(mib "$idle_rss")" "<= 2.00 MiB"
 row "peak RSS, 1 MiB log" "$(mib "${peak[1]}")" "about the 64 MiB one"
 row "peak RSS, 64 MiB log" "$(mib "${peak[64]}")" "<= 2.50 MiB"
 row "threads: idle / most seen / created" "$idle_threads / $threads_most / ${created:-?}" "<= 2"
+row "a job's supervisor: private / RSS" "$sup_dirty kB / $sup_rss kB" "per running job"
 row "64 MiB log: last byte to succeeded" "$tail_med ms" "median of $RUNS"
 row "64 MiB log: running to succeeded" "$whole_med ms" "$(rate "$whole_med") end to end, median of $RUNS"
 row "64 MiB in one frame, curl" "$curl_med ms" "$(rate "$curl_med"), after the handshake"

@@ -3,7 +3,8 @@
 //! - `ql-agent run`: the daemon ([`agent`]);
 //! - `ql-agent check`: validates the configuration and credentials against ql-control
 //!   ([`check`]);
-//! - `ql-agent version`.
+//! - `ql-agent version`;
+//! - `ql-agent supervise`: one job's supervisor, started by the agent ([`exec`]).
 //!
 //! Module map: [`config`] (settings), [`log`] (stderr lines), [`core`] (the pure job state
 //! machine), [`agent`] (the one loop that performs it), [`client`] (the one mTLS
@@ -137,6 +138,12 @@ with_config_flags! {
 struct Version {}
 
 fn main() -> ExitCode {
+    // `ql-agent supervise ...` is the agent's own way to run a job (exec::supervise), not a
+    // command for people: it stays out of --help.
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(exec::supervise::SUPERVISE) {
+        return ExitCode::from(u8::try_from(exec::supervise::main(&args[2..])).unwrap_or(1));
+    }
     let cli: Cli = argh::from_env();
     match cli.command {
         Command::Version(Version {}) => {

@@ -157,27 +157,6 @@ fn a_drain_that_runs_out_stops_the_job_and_still_completes_it() {
 }
 
 #[test]
-fn a_restarted_agent_stops_its_orphan_and_completes_the_run() {
-    let mut w = World::new("restart", &[]);
-    let pids = w.path("pids");
-    let body = format!("echo $$ >> {}; echo before; sleep 60", pids.display());
-    let run = w.control.submit(&["--", "sh", "-c", &body]);
-    w.wait_status(&run, "running");
-    wait_for("the job's pid", || w.context(), || (!read_pids(&pids).is_empty()).then_some(()));
-    // A crash: the agent dies at once, its job keeps running.
-    signal(&w.agent.proc.0, rustix::process::Signal::KILL);
-    let _ = w.agent.proc.0.wait();
-    let pid = read_pids(&pids)[0];
-    assert!(alive(pid), "the orphan lives on until the agent comes back");
-    w.agent = Agent::spawn(&w.root.0, w.agent.config.clone());
-    let shown = w.wait_status(&run, "failed");
-    assert_eq!(attempt(&shown)["signal"], 9, "{shown}");
-    assert_eq!(w.control.logs(&run), b"before\n");
-    assert!(!alive(pid), "the orphan was stopped");
-    assert!(w.agent.log().contains("outlived the previous agent"), "{}", w.context());
-}
-
-#[test]
 fn check_reports_the_principal_and_refuses_a_foreign_worker_id() {
     let w = World::new("check", &[]);
     let out =

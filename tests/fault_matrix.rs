@@ -15,9 +15,9 @@
 //! state directory, ql-control from the same database on the same port) and then:
 //!
 //! - the run reaches exactly one terminal state, the expected one: the job's own outcome,
-//!   except that a job whose process was still running when the agent died ends `failed`
-//!   (its restarted agent stops the orphan and reports it killed: the exit status died with
-//!   the old agent); a process that finished before the crash completes from its durable
+//!   whenever the agent died — a job outlives its agent under its supervisor, which keeps
+//!   its output and records its exit, and the restarted agent takes it back or reports the
+//!   recorded exit; a process that finished before the crash completes from its durable
 //!   exit evidence, including from `starting` (ADR-0117);
 //! - each event type exists at most once per attempt;
 //! - the stored log is the spool's: the job prints 256 KiB of known lines, so the stored
@@ -100,8 +100,8 @@ const STREAMING: &[(&str, &str)] = &[("log_flush_bytes", "65536"), ("log_flush_m
 
 /// How long a delayed answer is held back: past the call and the upload timeouts.
 const DELAY_MS: &str = "1800";
-/// The timeout of the timeout outcome's job: shorter than the lease, so a job orphaned by a
-/// crash reaches its deadline before its lease can lapse.
+/// The timeout of the timeout outcome's job: shorter than the lease, so a job whose agent
+/// died reaches its deadline before its lease can lapse.
 const JOB_TIMEOUT_MS: u64 = 1_200;
 /// The environment variable that tags a scenario's job processes.
 const TAG: &str = "QL_MATRIX_TAG";
@@ -175,9 +175,6 @@ struct Row {
     tear: Tear,
     special: Special,
     table: usize,
-    /// The process was started and no exit evidence survives: the restarted agent reports
-    /// it killed (or gone), so the job's own outcome is lost.
-    orphan: bool,
     /// The job is let finish as soon as the agent died, and the agent is restarted only
     /// once the job's leader is gone (what it left behind must still be stopped).
     ends_while_down: bool,
@@ -196,7 +193,6 @@ impl Row {
             tear: Tear::None,
             special: Special::None,
             table: 0,
-            orphan: agent.is_some() && phase == Phase::During,
             ends_while_down: false,
             streams: false,
         }
@@ -205,11 +201,6 @@ impl Row {
     /// Whether the job must stay alive until the control fault fired (renewal faults).
     fn gate_after_fault(&self) -> bool {
         self.agent.is_none() && self.control.as_deref().is_some_and(|c| c.contains("lease.renew"))
-    }
-
-    /// Whether the job's exit evidence is lost with the agent (see [`Row::orphan`]).
-    fn orphaned(&self) -> bool {
-        self.orphan
     }
 }
 
@@ -358,10 +349,8 @@ fn rows() -> Vec<Row> {
             row.tear = tear;
             row.table = 2;
             // Cut short, a record leaves the state before it: a torn `spawned` leaves a
-            // process without its record, a torn `exited` a process without its exit.
-            if tear == Tear::CutOne {
-                row.orphan = ["spawned", "callbackMinted", "runningAcked", "exited"].contains(kind);
-            }
+            // process without its record (its supervisor's files name it), a torn `exited`
+            // a process without its exit (its supervisor recorded it).
             rows.push(row);
         }
     }
@@ -709,19 +698,20 @@ fn drive_fault(s: &mut Scenario<'_>) -> Result<Converged, String> {
             }
             cancelled = true;
         }
-        // Restart a killed agent: at once, except that a timeout job orphaned by the crash
-        // is restarted only once its deadline passed (else the restart kills it first),
-        // and a job let finish while its agent is down first finishes.
+        // Restart a killed agent: at once, except that a job let finish while its agent is
+        // down first finishes.
         if s.agent.is_none() {
-            let wait_for_deadline = outcome == Outcome::Timeout && row.orphaned();
-            let overdue = events(&shown).iter().any(|(_, t)| t == "run.timeout_requested");
             let leader = fs::read_to_string(s.path("starts")).unwrap_or_default();
             let leader_gone = leader.split_whitespace().all(|p| p.parse().map_or(true, |p| !common::alive(p)));
-            let ready = (!wait_for_deadline || overdue || common::is_terminal(&status))
-                && (!row.ends_while_down || leader_gone);
+            let ready = !row.ends_while_down || leader_gone;
             if ready {
                 s.notes.push(format!("agent restarted after {:?}", start.elapsed()));
                 s.start_agent(None);
+                // A job the agent died under lives on: it finishes once the next agent runs
+                // (which takes it back, or finds the exit its supervisor recorded).
+                if gated && row.phase == Phase::During && row.agent.is_some() {
+                    s.open_gate();
+                }
             }
         }
         if terminal.is_none() && common::is_terminal(&status) {
@@ -748,12 +738,11 @@ fn drive_fault(s: &mut Scenario<'_>) -> Result<Converged, String> {
 }
 
 /// The expected terminal status of a cell.
-fn expected(row: &Row, outcome: Outcome) -> &'static str {
+fn expected(outcome: Outcome) -> &'static str {
     match outcome {
         Outcome::Cancel => "cancelled",
         Outcome::Timeout => "timed_out",
         Outcome::Failure | Outcome::StartFail => "failed",
-        Outcome::Success if row.orphaned() => "failed",
         Outcome::Success => "succeeded",
     }
 }
@@ -763,7 +752,7 @@ fn expected(row: &Row, outcome: Outcome) -> &'static str {
 fn check(s: &Scenario<'_>, shown: &Value) -> Result<bool, String> {
     let row = s.row;
     let status = shown["status"].as_str().unwrap_or("");
-    let want = expected(row, s.outcome);
+    let want = expected(s.outcome);
     if status != want {
         return Err(format!("the run ended {status}, not {want}"));
     }
@@ -788,8 +777,7 @@ fn check(s: &Scenario<'_>, shown: &Value) -> Result<bool, String> {
     // How it ended.
     let last = shown["attempts"].as_array().and_then(|a| a.last()).cloned().unwrap_or(Value::Null);
     let swept = last["status"] == "lost";
-    let late_restart = s.outcome == Outcome::Timeout && row.orphaned();
-    if swept && !late_restart && row.special == Special::None {
+    if swept && row.special == Special::None {
         return Err("the run ended by lease expiry although its agent came back at once".into());
     }
     // The process: started at most once, and as many times as the protocol says.
@@ -806,7 +794,7 @@ fn check(s: &Scenario<'_>, shown: &Value) -> Result<bool, String> {
         if status == "succeeded" || error_code.is_none() {
             return Err("no log stored, and no error code says why".into());
         }
-        if status == "succeeded" || (s.outcome == Outcome::Failure && !row.orphaned() && !swept) {
+        if status == "succeeded" || (s.outcome == Outcome::Failure && !swept) {
             return Err("the job finished by itself but its log was not stored".into());
         }
     } else {
@@ -816,7 +804,7 @@ fn check(s: &Scenario<'_>, shown: &Value) -> Result<bool, String> {
         }
         let log = out.stdout;
         let full = expected_log();
-        let finished_by_itself = matches!(s.outcome, Outcome::Success | Outcome::Failure) && !row.orphaned();
+        let finished_by_itself = matches!(s.outcome, Outcome::Success | Outcome::Failure);
         if finished_by_itself && log != full {
             return Err(format!("the stored log is {} bytes, not the job's {} bytes of output", log.len(), full.len()));
         }
@@ -826,7 +814,7 @@ fn check(s: &Scenario<'_>, shown: &Value) -> Result<bool, String> {
     }
     if let Some(code) = last["exitCode"].as_i64() {
         let want_code = if s.outcome == Outcome::Failure { 3 } else { 0 };
-        if !row.orphaned() && matches!(s.outcome, Outcome::Success | Outcome::Failure) && code != want_code {
+        if matches!(s.outcome, Outcome::Success | Outcome::Failure) && code != want_code {
             return Err(format!("exit code {code}, not {want_code}"));
         }
     }

@@ -99,3 +99,51 @@ fn a_clean_exit_closes_the_session_and_the_next_start_opens_a_fresh_one_at_once(
     assert!(!second_life.contains("cannot be resumed"), "{second_life}");
     assert!(second_life.contains("generation 2 opened"), "{second_life}");
 }
+
+/// A job that waits for `go` in `dir` before it finishes, printing its pid first.
+fn gated_job(dir: &std::path::Path, tag: &str) -> String {
+    format!(
+        "echo $$ >> {pids}; echo before {tag}; while [ ! -e {go} ]; do sleep 0.05; done; echo after {tag}",
+        pids = dir.join(format!("{tag}.pids")).display(),
+        go = dir.join(format!("{tag}.go")).display(),
+    )
+}
+
+#[test]
+fn a_job_outlives_its_agent_and_the_restarted_agent_reports_its_whole_log_and_exit() {
+    let mut w = World::new("outlive", &[("capacity", "2")]);
+    let dir = w.path("gates");
+    std::fs::create_dir_all(&dir).unwrap();
+    // One job ends while no agent runs, one after the next agent took it back.
+    let ended_while_down = w.control.submit(&["--", "sh", "-c", &gated_job(&dir, "a")]);
+    let outlived = w.control.submit(&["--", "sh", "-c", &gated_job(&dir, "b")]);
+    for run in [&ended_while_down, &outlived] {
+        w.wait_status(run, "running");
+    }
+    for tag in ["a", "b"] {
+        let pids = dir.join(format!("{tag}.pids"));
+        common::wait_for("the job's pid", || w.context(), || (!common::read_pids(&pids).is_empty()).then_some(()));
+    }
+    // A crash: the agent dies at once. Its jobs do not.
+    common::signal(&w.agent.proc.0, rustix::process::Signal::KILL);
+    let _ = w.agent.proc.0.wait();
+    let a = common::read_pids(&dir.join("a.pids"))[0];
+    assert!(common::alive(a), "the job lives on without its agent");
+    std::fs::write(dir.join("a.go"), b"").unwrap();
+    common::wait_for("job a to end with no agent", || w.context(), || (!common::alive(a)).then_some(()));
+
+    w.agent = common::Agent::spawn(&w.root.0, w.agent.config.clone());
+    common::wait_for(
+        "the restarted agent to take job b back",
+        || w.context(),
+        || w.agent.log().contains("watching it again").then_some(()),
+    );
+    std::fs::write(dir.join("b.go"), b"").unwrap();
+    for (run, tag) in [(&ended_while_down, "a"), (&outlived, "b")] {
+        let shown = w.wait_status(run, "succeeded");
+        assert_eq!(shown["attempts"].as_array().unwrap().len(), 1, "exactly once: {shown}");
+        assert_eq!(attempt(&shown)["exitCode"], 0, "the true exit: {shown}");
+        assert_eq!(w.control.logs(run), format!("before {tag}\nafter {tag}\n").into_bytes(), "the whole log");
+    }
+    assert!(w.agent.log().contains("its supervisor kept the exit"), "{}", w.context());
+}

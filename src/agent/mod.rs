@@ -856,7 +856,7 @@ impl Agent {
                 }
                 let spec = &job.lease.as_ref().expect("a claimed job").spec;
                 let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
-                match exec::Job::spawn(spec, run_dir, self.cfg.group_poll) {
+                match exec::Supervised::spawn(spec, run_dir, self.cfg.group_poll, self.cfg.stop_grace) {
                     Ok(mut process) => {
                         crate::fault::hit("spawned");
                         let record = Record::Spawned {
@@ -926,6 +926,20 @@ impl Agent {
             }
             Step::Adopt => {
                 let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
+                match exec::supervise::handed_off(&run_dir) {
+                    Ok(Some(Ok((handle, pid)))) => {
+                        info!("{who}: found the job the previous agent's supervisor started ({handle})");
+                        self.commit(&Record::Spawned { job: key.clone(), executor_handle: handle, pid, pgid: pid })?;
+                        return Ok(Turn::Moved);
+                    }
+                    Ok(Some(Err(why))) => {
+                        warn!("{who}: {why}");
+                        self.commit(&Record::SpawnFailed { job: key.clone(), reason: Reason::summarise(&why) })?;
+                        return Ok(Turn::Moved);
+                    }
+                    Ok(None) => {}
+                    Err(e) => warn!("{who}: could not read what its supervisor left: {e}"),
+                }
                 let attempt = key.attempt_id.as_str();
                 let found = exec::find_unrecorded(attempt, self.cfg.stop_grace, self.cfg.group_poll).await;
                 match found {
@@ -950,6 +964,37 @@ impl Agent {
             }
             Step::Recover => {
                 let spawn = job.spawn.as_ref().expect("a spawned job");
+                let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
+                // Its supervisor recorded the end while no agent watched: the true exit.
+                if let Ok(Some(exit)) = exec::supervise::exit_recorded(&run_dir) {
+                    info!("{who}: its process ended while the agent was down; its supervisor kept the exit");
+                    let finished_at = core::evidence_time(wall_now(), self.server_clock(), Instant::now());
+                    let ending = Ending {
+                        exit_code: exit.code,
+                        signal: exit.signal,
+                        finished_at,
+                        log_len: exit.log_len,
+                        truncated: exit.truncated,
+                    };
+                    self.commit(&core::exited(key, ending))?;
+                    return Ok(Turn::Moved);
+                }
+                // Its supervisor still runs it: take it back, log and all.
+                if exec::supervise::supervisor_alive(&run_dir) {
+                    match exec::Supervised::attach(run_dir, self.cfg.group_poll) {
+                        Ok(process) => {
+                            info!("{who}: its process outlived the previous agent; watching it again");
+                            let timeout = Duration::from_millis(job.lease.as_ref().map_or(0, |l| l.spec.timeout_ms));
+                            self.supervise(key.clone(), process);
+                            let rt = self.rt(key);
+                            rt.process = Process::Running;
+                            rt.timeout_at = Some(now + timeout);
+                            rt.log_sent_at = Some(now);
+                            return Ok(Turn::Moved);
+                        }
+                        Err(e) => warn!("{who}: could not watch its process again: {e}"),
+                    }
+                }
                 let signal = if exec::is_alive(&spawn.executor_handle) {
                     match exec::stop_orphan(&spawn.executor_handle, self.cfg.stop_grace, self.cfg.group_poll).await {
                         Ok(_) => info!("{who}: its process outlived the previous agent; stopped it"),
@@ -1096,7 +1141,7 @@ impl Agent {
         }
     }
 
-    fn supervise(&mut self, key: JobKey, mut process: exec::Job) {
+    fn supervise(&mut self, key: JobKey, mut process: exec::Supervised) {
         self.spooled.insert(key.clone(), process.spooled());
         let (stop_tx, stop_rx) = channel::bounded::<()>(1);
         let ended = self.ended_tx.clone();

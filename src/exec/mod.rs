@@ -38,17 +38,22 @@
 //! `smol::process::driver()` before the first job, so async-process adds no reaper thread.
 //!
 //! [`Job::stop`] sends TERM to the whole group, waits up to a grace period, sends KILL, and
-//! returns only when no member of the group is alive (zombies excluded). A restarted agent
-//! finds a job again through its [`executor handle`](Job::executor_handle) with
-//! [`is_alive`] and can end it with [`stop_orphan`]; note that its output pipe died with
-//! the old agent, so such a job's next write ends it with SIGPIPE.
+//! returns only when no member of the group is alive (zombies excluded).
+//!
+//! The agent does not run a [`Job`] itself: each job runs under a supervisor process of its
+//! own ([`supervise`]), which holds the pipe, the spool and the exit, so a job outlives its
+//! agent. A restarted agent takes a job back through its supervisor; only a job started by
+//! an agent without supervisors is found through its [`executor handle`](Job::executor_handle)
+//! with [`is_alive`] and ended with [`stop_orphan`].
 //!
 //! No unsafe code: the pipe comes from rustix's `pipe_with` and signals from its
 //! `kill_process_group`, both safe wrappers already in the tree through async-io.
 
 mod group;
+pub(crate) mod supervise;
 
 pub(crate) use group::{find_unrecorded, group_alive, is_alive, stop_leftovers, stop_orphan, Found, ATTEMPT_VAR};
+pub(crate) use supervise::Supervised;
 
 use rustix::pipe::{pipe_with, PipeFlags};
 use rustix::process::Signal;
@@ -137,6 +142,8 @@ pub(crate) enum SpawnError {
     /// The process started but its `/proc` entry could not be read, so it has no handle; it
     /// was killed.
     Handle(io::Error),
+    /// The job's supervisor could not start it: what it said.
+    Supervised(String),
 }
 
 impl fmt::Display for SpawnError {
@@ -147,6 +154,7 @@ impl fmt::Display for SpawnError {
             Self::Pipe(e) => write!(f, "cannot create the output pipe: {e}"),
             Self::Program { program, error } => write!(f, "cannot start `{program}`: {error}"),
             Self::Handle(e) => write!(f, "cannot read the started process's /proc entry: {e}"),
+            Self::Supervised(why) => f.write_str(why),
         }
     }
 }
@@ -154,7 +162,7 @@ impl fmt::Display for SpawnError {
 impl std::error::Error for SpawnError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::NothingToRun => None,
+            Self::NothingToRun | Self::Supervised(_) => None,
             Self::RunDir(e) | Self::Pipe(e) | Self::Handle(e) | Self::Program { error: e, .. } => Some(e),
         }
     }

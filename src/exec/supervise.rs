@@ -1,0 +1,361 @@
+//! Jobs that outlive the agent: each job runs under a small supervisor of its own.
+//!
+//! The agent does not hold a job's output pipe itself. It starts `ql-agent supervise
+//! <run dir>` (its own binary, through `/proc/self/exe`, so an upgrade that replaced the
+//! file on disk does not stop it), in a process group of its own, and the supervisor runs
+//! the job as [`Job`] always did: the job's group, the pipe into the capped spool, the
+//! wait, the clean-up of members left behind. What the supervisor learns it leaves in the
+//! run directory, each file written whole (temporary name, fsync, rename, fsync of the
+//! directory):
+//!
+//! ```text
+//! <run dir>/spec.json     the spec, from the agent (0600); the supervisor deletes it once
+//!                         read, since its environment may hold secrets
+//!           job           `pid:<p> start:<t>` of the job, then of the supervisor, once the
+//!                         job runs
+//!           status.json   how the job ended (exit code or signal, log length, truncated),
+//!                         or why it could not start
+//! ```
+//!
+//! When the agent dies — SIGKILL, a crash, procd or systemd restarting it — the supervisor
+//! and the job go on, and the job keeps its whole output. The restarted agent finds them
+//! through the journal: [`Supervised::attach`] when the supervisor still runs (the agent
+//! streams the log on from where the server acknowledged it and reports the true exit),
+//! [`exit_recorded`] when the job ended meanwhile. Only when the machine itself went down
+//! are both gone, and the exit is unknown.
+//!
+//! [`Supervised`] has the shape of [`Job`] for the agent: the spool's length for the live
+//! log ([`Supervised::spooled`], read from the file every `poll`), [`Supervised::wait`]
+//! for the status, [`Supervised::stop`] to end the job's group (TERM, grace, KILL — the
+//! supervisor then records the signal). A stop sent to the agent's own process group does
+//! not reach the supervisor or the job.
+
+use std::cell::Cell;
+use std::fs::{self, OpenOptions};
+use std::io::{self, Write as _};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use smol::process::{Child, Command, Stdio};
+use smol::Timer;
+
+use ql_wire::ids::AttemptId;
+use ql_wire::spec::ExecutionSpec;
+use ql_wire::text::ExecutorHandle;
+
+use super::group::{self, executor_handle, group_alive, is_alive, parse_handle, read_stat};
+use super::{sync_dir, Exit, Job, RunDir, SpawnError};
+
+/// The subcommand that runs a supervisor.
+pub(crate) const SUPERVISE: &str = "supervise";
+/// How long the agent waits for a new supervisor to say its job runs.
+const HANDOFF_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `status.json`: how the job ended, or why it never started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+enum Status {
+    Exited { code: Option<i32>, signal: Option<i32>, truncated: bool, log_len: u64 },
+    NotStarted { error: String },
+}
+
+impl RunDir {
+    fn spec_file(&self) -> PathBuf {
+        self.root.join("spec.json")
+    }
+
+    fn job_file(&self) -> PathBuf {
+        self.root.join("job")
+    }
+
+    fn status_file(&self) -> PathBuf {
+        self.root.join("status.json")
+    }
+
+    /// The run directory at `root` (`<state>/runs/<attemptId>`).
+    fn at(root: &Path) -> io::Result<Self> {
+        let name = root.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let attempt = AttemptId::parse(name).map_err(|_| io::Error::other(format!("{name:?} is not an attempt id")))?;
+        let state = root.parent().and_then(Path::parent).ok_or_else(|| io::Error::other("not a run directory"))?;
+        Ok(RunDir::new(state, &attempt))
+    }
+}
+
+/// Writes `bytes` to `path` whole: a reader sees all of it or nothing.
+fn write_whole(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut file = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    fs::rename(&tmp, path)?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+fn read_status(run_dir: &RunDir) -> io::Result<Option<Status>> {
+    match fs::read(run_dir.status_file()) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(io::Error::other),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The job's and the supervisor's handles from the `job` file.
+fn read_handoff(run_dir: &RunDir) -> io::Result<Option<(ExecutorHandle, ExecutorHandle)>> {
+    let text = match fs::read_to_string(run_dir.job_file()) {
+        Ok(text) => text,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut lines = text.lines().map(|l| ExecutorHandle::parse(l).map_err(|_| io::Error::other("a bad job file")));
+    match (lines.next(), lines.next()) {
+        (Some(job), Some(supervisor)) => Ok(Some((job?, supervisor?))),
+        _ => Err(io::Error::other("a short job file")),
+    }
+}
+
+/// How the job ended while no agent watched, if its supervisor recorded it.
+pub(crate) fn exit_recorded(run_dir: &RunDir) -> io::Result<Option<Exit>> {
+    Ok(match read_status(run_dir)? {
+        Some(Status::Exited { code, signal, truncated, log_len }) => Some(Exit { code, signal, truncated, log_len }),
+        _ => None,
+    })
+}
+
+/// Whether the job's supervisor still runs (it will record the job's end).
+pub(crate) fn supervisor_alive(run_dir: &RunDir) -> bool {
+    matches!(read_handoff(run_dir), Ok(Some((_, supervisor))) if is_alive(&supervisor))
+}
+
+/// What a supervisor started for a previous agent that died before journaling it: the
+/// job's handle and pid once it runs, or why it could not start. A start under way (the
+/// spec is still there) is waited for; `None` when no supervisor got this far.
+pub(crate) fn handed_off(run_dir: &RunDir) -> io::Result<Option<Result<(ExecutorHandle, u32), String>>> {
+    let gave_up = Instant::now() + HANDOFF_TIMEOUT;
+    loop {
+        if let Some(Status::NotStarted { error }) = read_status(run_dir)? {
+            return Ok(Some(Err(error)));
+        }
+        if let Some((handle, _)) = read_handoff(run_dir)? {
+            let (pid, _) = parse_handle(&handle).ok_or_else(|| io::Error::other("a bad job file"))?;
+            return Ok(Some(Ok((handle, pid))));
+        }
+        if !run_dir.spec_file().exists() || Instant::now() > gave_up {
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A job run by its supervisor, as the agent sees it.
+pub(crate) struct Supervised {
+    /// The supervisor, when this agent started it (to reap it).
+    child: Option<Child>,
+    supervisor: ExecutorHandle,
+    pid: u32,
+    handle: ExecutorHandle,
+    run_dir: RunDir,
+    spooled: Rc<Cell<u64>>,
+    poll: Duration,
+    exit: Option<Exit>,
+}
+
+impl Supervised {
+    /// Starts `spec`'s job under a new supervisor and returns once the job runs (or could
+    /// not be started). `poll` is how often the supervisor's files and the job's group are
+    /// looked at, `grace` what the supervisor gives members the job left behind.
+    pub(crate) fn spawn(
+        spec: &ExecutionSpec,
+        run_dir: RunDir,
+        poll: Duration,
+        grace: Duration,
+    ) -> Result<Supervised, SpawnError> {
+        fs::DirBuilder::new().recursive(true).mode(0o700).create(&run_dir.root).map_err(SpawnError::RunDir)?;
+        for stale in [run_dir.job_file(), run_dir.status_file()] {
+            match fs::remove_file(stale) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(SpawnError::RunDir(e)),
+                _ => {}
+            }
+        }
+        let spec_json = serde_json::to_vec(spec).map_err(|e| SpawnError::RunDir(io::Error::other(e)))?;
+        write_whole(&run_dir.spec_file(), &spec_json).map_err(SpawnError::RunDir)?;
+        let mut cmd = std::process::Command::new("/proc/self/exe");
+        cmd.arg(SUPERVISE)
+            .arg(&run_dir.root)
+            .arg(poll.as_millis().to_string())
+            .arg(grace.as_millis().to_string())
+            // Its own group: what is sent to the agent's group does not reach it.
+            .process_group(0);
+        let mut cmd = Command::from(cmd);
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+        let mut child =
+            cmd.spawn().map_err(|error| SpawnError::Program { program: "ql-agent supervise".into(), error })?;
+        let gave_up = Instant::now() + HANDOFF_TIMEOUT;
+        loop {
+            if let Some(Status::NotStarted { error }) = read_status(&run_dir).map_err(SpawnError::RunDir)? {
+                return Err(SpawnError::Supervised(error));
+            }
+            if let Some((handle, supervisor)) = read_handoff(&run_dir).map_err(SpawnError::RunDir)? {
+                let (pid, _) = parse_handle(&handle).ok_or_else(|| SpawnError::Supervised("a bad job file".into()))?;
+                let spooled = Rc::new(Cell::new(0));
+                let poll = poll.max(Duration::from_millis(1));
+                return Ok(Supervised {
+                    child: Some(child),
+                    supervisor,
+                    pid,
+                    handle,
+                    run_dir,
+                    spooled,
+                    poll,
+                    exit: None,
+                });
+            }
+            let ended = child.try_status().map_or(true, |s| s.is_some());
+            if ended || Instant::now() > gave_up {
+                let _ = child.kill();
+                return Err(SpawnError::Supervised("the supervisor did not start the job".into()));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// The job a previous agent started, whose supervisor still runs.
+    pub(crate) fn attach(run_dir: RunDir, poll: Duration) -> io::Result<Supervised> {
+        let (handle, supervisor) = read_handoff(&run_dir)?.ok_or_else(|| io::Error::other("no job file"))?;
+        let (pid, _) = parse_handle(&handle).ok_or_else(|| io::Error::other("a bad job file"))?;
+        let spooled = Rc::new(Cell::new(fs::metadata(&run_dir.spool).map_or(0, |m| m.len())));
+        let poll = poll.max(Duration::from_millis(1));
+        Ok(Supervised { child: None, supervisor, pid, handle, run_dir, spooled, poll, exit: None })
+    }
+
+    /// The job's pid.
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The job's process group: its pid.
+    pub(crate) fn pgid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The job's handle, `pid:<pid> start:<starttime>`.
+    pub(crate) fn executor_handle(&self) -> &ExecutorHandle {
+        &self.handle
+    }
+
+    /// The run's files.
+    pub(crate) fn run_dir(&self) -> &RunDir {
+        &self.run_dir
+    }
+
+    /// The spool's length, kept current while [`Supervised::wait`] is polled.
+    pub(crate) fn spooled(&self) -> Rc<Cell<u64>> {
+        self.spooled.clone()
+    }
+
+    /// Waits for the supervisor to record the job's end. An error when the supervisor
+    /// ended without recording it.
+    pub(crate) async fn wait(&mut self) -> io::Result<Exit> {
+        if let Some(exit) = self.exit {
+            return Ok(exit);
+        }
+        loop {
+            if let Ok(meta) = fs::metadata(&self.run_dir.spool) {
+                self.spooled.set(meta.len());
+            }
+            if let Some(exit) = exit_recorded(&self.run_dir)? {
+                if let Some(child) = self.child.as_mut() {
+                    let _ = child.status().await;
+                }
+                self.spooled.set(exit.log_len);
+                self.exit = Some(exit);
+                return Ok(exit);
+            }
+            let gone = match self.child.as_mut() {
+                Some(child) => child.try_status()?.is_some(),
+                None => !is_alive(&self.supervisor),
+            };
+            if gone {
+                // It may have written the status just before it ended.
+                if let Some(exit) = exit_recorded(&self.run_dir)? {
+                    self.exit = Some(exit);
+                    return Ok(exit);
+                }
+                return Err(io::Error::other("the job's supervisor ended without recording how the job ended"));
+            }
+            Timer::after(self.poll).await;
+        }
+    }
+
+    /// Ends the job's whole group (TERM, `grace`, KILL) and waits for the supervisor to
+    /// record the end.
+    pub(crate) async fn stop(&mut self, grace: Duration) -> io::Result<Exit> {
+        if self.exit.is_none() && group_alive(self.pid)? {
+            group::terminate_group(self.pid, grace, self.poll).await?;
+        }
+        self.wait().await
+    }
+}
+
+/// `ql-agent supervise <run dir> <poll ms> <grace ms>`: runs one job (see the module doc).
+pub(crate) fn main(args: &[String]) -> i32 {
+    let [root, poll, grace] = args else {
+        eprintln!("usage: ql-agent supervise <run dir> <poll ms> <grace ms>");
+        return 2;
+    };
+    let ms = |s: &str| Duration::from_millis(s.parse().unwrap_or(50));
+    let (poll, grace) = (ms(poll), ms(grace));
+    let run_dir = match RunDir::at(Path::new(root)) {
+        Ok(run_dir) => run_dir,
+        Err(e) => {
+            eprintln!("ql-agent supervise: {e}");
+            return 2;
+        }
+    };
+    let record = |status: &Status| {
+        let bytes = serde_json::to_vec(status).expect("a status serialises");
+        write_whole(&run_dir.status_file(), &bytes)
+    };
+    let spec: Result<ExecutionSpec, String> = fs::read(run_dir.spec_file())
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| serde_json::from_slice(&bytes).map_err(|e| e.to_string()));
+    let spec = match spec {
+        Ok(spec) => spec,
+        Err(e) => return i32::from(record(&Status::NotStarted { error: format!("reading the spec: {e}") }).is_err()),
+    };
+    let ex = smol::LocalExecutor::new();
+    ex.spawn(smol::process::driver()).detach();
+    smol::block_on(ex.run(async {
+        let mut job = match Job::spawn(&spec, run_dir.clone(), poll) {
+            Ok(job) => job,
+            Err(e) => return i32::from(record(&Status::NotStarted { error: e.to_string() }).is_err()),
+        };
+        let me = std::process::id();
+        let handoff =
+            read_stat(me).map(|stat| format!("{}\n{}\n", job.executor_handle(), executor_handle(me, stat.starttime)));
+        if handoff.and_then(|text| write_whole(&run_dir.job_file(), text.as_bytes())).is_err() {
+            // The agent could never find the job: it must not run unwatched.
+            let _ = job.stop(grace).await;
+            return 1;
+        }
+        // The spec's environment may hold secrets: once the job runs it leaves the disk.
+        // (Until then, its presence tells a restarted agent a start is under way.)
+        let _ = fs::remove_file(run_dir.spec_file());
+        // The leader's end, then whatever it left running in its group.
+        let _ = job.wait().await;
+        let exit = match job.stop(grace).await {
+            Ok(exit) => exit,
+            // The end is not known: the agent reports the run without an exit status.
+            Err(_) => {
+                let log_len = fs::metadata(&run_dir.spool).map_or(0, |m| m.len());
+                Exit { code: None, signal: None, truncated: log_len >= spec.log_limit_bytes, log_len }
+            }
+        };
+        let status =
+            Status::Exited { code: exit.code, signal: exit.signal, truncated: exit.truncated, log_len: exit.log_len };
+        i32::from(record(&status).is_err())
+    }))
+}
