@@ -192,7 +192,7 @@ echo
 # besides the agent. Pss shares the binary's pages among the processes that map them;
 # Private_Dirty is what this process alone holds.
 start_agent supervised
-await_line "$work/supervised.err" "generation 1 opened"
+await_line "$work/supervised.err" " opened (heartbeat"
 run=$("$control" submit --dir "$work/control" -- sh -c 'sleep 60')
 await_line "$work/supervised.err" ": running"
 spid=$(pgrep -f -- " supervise $work/supervised/" | head -n 1)
@@ -255,8 +255,10 @@ for case in 1 64; do
   grep -E 'log (stored|sealed)' "$work/log$case.err" | sed 's/^/  /'
   stop_agent
   if [ "${#wrapper[@]}" -gt 0 ]; then
-    created=$(grep -c 'CLONE_THREAD' "$work/clone.trace" || true)
-    echo "  \$ ${wrapper[*]} $agent run ...; grep -c CLONE_THREAD $work/clone.trace"
+    # strace -f follows the job's supervisor too: count the agent's own lines (each starts
+    # with the pid that made the call).
+    created=$(awk -v p="$apid" '$1 == p && /CLONE_THREAD/' "$work/clone.trace" | wc -l)
+    echo "  \$ ${wrapper[*]} $agent run ...; awk '\$1 == $apid && /CLONE_THREAD/' $work/clone.trace | wc -l"
     echo "  threads the agent created in its whole life (start, connect, the job, drain): $created"
   fi
   echo

@@ -202,10 +202,18 @@ fn run(cfg: config::Config) -> Result<(), String> {
     let client = client::Client::new(&cfg.server, &creds, timeouts).map_err(|e| e.0)?;
     drop(creds);
     let ex = Rc::new(smol::LocalExecutor::new());
-    // Reaping children on this executor keeps async-process from starting its own thread.
-    ex.spawn(smol::process::driver()).detach();
     let agent = agent::Agent::new(cfg, client, ex.clone()).map_err(|e| e.0)?;
-    // Boxed: block_on and the executor move the loop's future around by value, and each
-    // copy on the main thread's stack stays resident (about 40 KiB of RSS).
-    smol::block_on(ex.run(Box::pin(agent.run()))).map_err(|e| e.0)
+    run_local(&ex, Box::pin(async move { agent.run().await.map_err(|e| e.0) }))
+}
+
+/// A program's main future, boxed: block_on and the executor move it around by value, and
+/// each copy on the main thread's stack stays resident (about 40 KiB of RSS). One type for
+/// the agent and a job's supervisor, so the executor's code is in the binary once.
+pub(crate) type MainFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>>>>;
+
+/// Runs `main` on `ex`, one thread. Children are reaped on this executor, which keeps
+/// async-process from starting a thread of its own.
+pub(crate) fn run_local(ex: &smol::LocalExecutor<'static>, main: MainFuture) -> Result<(), String> {
+    ex.spawn(smol::process::driver()).detach();
+    smol::block_on(ex.run(main))
 }

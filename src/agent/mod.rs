@@ -151,6 +151,8 @@ pub(crate) struct Agent {
     ended_tx: Sender<Ended>,
     ended_rx: Receiver<Ended>,
     ex: Rc<LocalExecutor<'static>>,
+    /// Whether jobs start under a supervisor; off once one could not be started.
+    supervise_jobs: bool,
     session: Option<Live>,
     resume_tried: bool,
     net: Net,
@@ -264,6 +266,7 @@ impl Agent {
             ended_tx,
             ended_rx,
             ex,
+            supervise_jobs: true,
             session: None,
             resume_tried: false,
             net: Net::default(),
@@ -856,8 +859,15 @@ impl Agent {
                 }
                 let spec = &job.lease.as_ref().expect("a claimed job").spec;
                 let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
-                match exec::Supervised::spawn(spec, run_dir, self.cfg.group_poll, self.cfg.stop_grace) {
-                    Ok(mut process) => {
+                let supervise = self.supervise_jobs;
+                match exec::Running::spawn(spec, run_dir, self.cfg.group_poll, self.cfg.stop_grace, supervise) {
+                    Ok((mut process, unsupervised)) => {
+                        if let Some(why) = unsupervised {
+                            warn!(
+                                "jobs run in the agent itself, without a supervisor ({why}): they end with the agent"
+                            );
+                            self.supervise_jobs = false;
+                        }
                         crate::fault::hit("spawned");
                         let record = Record::Spawned {
                             job: key.clone(),
@@ -983,6 +993,7 @@ impl Agent {
                 if exec::supervise::supervisor_alive(&run_dir) {
                     match exec::Supervised::attach(run_dir, self.cfg.group_poll) {
                         Ok(process) => {
+                            let process = exec::Running::Supervised(process);
                             info!("{who}: its process outlived the previous agent; watching it again");
                             let timeout = Duration::from_millis(job.lease.as_ref().map_or(0, |l| l.spec.timeout_ms));
                             self.supervise(key.clone(), process);
@@ -1141,7 +1152,7 @@ impl Agent {
         }
     }
 
-    fn supervise(&mut self, key: JobKey, mut process: exec::Supervised) {
+    fn supervise(&mut self, key: JobKey, mut process: exec::Running) {
         self.spooled.insert(key.clone(), process.spooled());
         let (stop_tx, stop_rx) = channel::bounded::<()>(1);
         let ended = self.ended_tx.clone();

@@ -144,6 +144,9 @@ pub(crate) enum SpawnError {
     Handle(io::Error),
     /// The job's supervisor could not start it: what it said.
     Supervised(String),
+    /// No supervisor could be started (say, under an emulator that cannot execute the
+    /// agent's own binary again): the job was not started.
+    NoSupervisor(String),
 }
 
 impl fmt::Display for SpawnError {
@@ -155,6 +158,7 @@ impl fmt::Display for SpawnError {
             Self::Program { program, error } => write!(f, "cannot start `{program}`: {error}"),
             Self::Handle(e) => write!(f, "cannot read the started process's /proc entry: {e}"),
             Self::Supervised(why) => f.write_str(why),
+            Self::NoSupervisor(why) => write!(f, "cannot start a supervisor for the job: {why}"),
         }
     }
 }
@@ -162,7 +166,7 @@ impl fmt::Display for SpawnError {
 impl std::error::Error for SpawnError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::NothingToRun | Self::Supervised(_) => None,
+            Self::NothingToRun | Self::Supervised(_) | Self::NoSupervisor(_) => None,
             Self::RunDir(e) | Self::Pipe(e) | Self::Handle(e) | Self::Program { error: e, .. } => Some(e),
         }
     }
@@ -441,6 +445,86 @@ impl Job {
         };
         self.exit = Some(exit);
         Ok(exit)
+    }
+}
+
+/// A job the agent watches: under its supervisor (the rule), or, where no supervisor can
+/// be started, run by the agent itself as [`Job`] (it then dies with the agent).
+pub(crate) enum Running {
+    /// Under its supervisor.
+    Supervised(Supervised),
+    /// In the agent itself.
+    Direct(Job),
+}
+
+impl Running {
+    /// Starts `spec` under a supervisor, or in the agent when none can be started (`Ok`
+    /// with the reason why not, to be said once).
+    pub(crate) fn spawn(
+        spec: &ExecutionSpec,
+        run_dir: RunDir,
+        poll: Duration,
+        grace: Duration,
+        supervise: bool,
+    ) -> Result<(Running, Option<String>), SpawnError> {
+        if supervise {
+            match Supervised::spawn(spec, run_dir.clone(), poll, grace) {
+                Ok(job) => return Ok((Self::Supervised(job), None)),
+                Err(SpawnError::NoSupervisor(why)) => {
+                    return Job::spawn(spec, run_dir, poll).map(|job| (Self::Direct(job), Some(why)))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Job::spawn(spec, run_dir, poll).map(|job| (Self::Direct(job), None))
+    }
+
+    /// The job's pid.
+    pub(crate) fn pid(&self) -> u32 {
+        match self {
+            Self::Supervised(j) => j.pid(),
+            Self::Direct(j) => j.pid(),
+        }
+    }
+
+    /// The job's process group.
+    pub(crate) fn pgid(&self) -> u32 {
+        match self {
+            Self::Supervised(j) => j.pgid(),
+            Self::Direct(j) => j.pgid(),
+        }
+    }
+
+    /// The job's handle.
+    pub(crate) fn executor_handle(&self) -> &ExecutorHandle {
+        match self {
+            Self::Supervised(j) => j.executor_handle(),
+            Self::Direct(j) => j.executor_handle(),
+        }
+    }
+
+    /// The spool's length as it grows.
+    pub(crate) fn spooled(&self) -> Rc<Cell<u64>> {
+        match self {
+            Self::Supervised(j) => j.spooled(),
+            Self::Direct(j) => j.spooled(),
+        }
+    }
+
+    /// Waits for the job's end.
+    pub(crate) async fn wait(&mut self) -> io::Result<Exit> {
+        match self {
+            Self::Supervised(j) => j.wait().await,
+            Self::Direct(j) => j.wait().await,
+        }
+    }
+
+    /// Ends the job's group and waits for its end.
+    pub(crate) async fn stop(&mut self, grace: Duration) -> io::Result<Exit> {
+        match self {
+            Self::Supervised(j) => j.stop(grace).await,
+            Self::Direct(j) => j.stop(grace).await,
+        }
     }
 }
 

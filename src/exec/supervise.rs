@@ -13,8 +13,8 @@
 //!                         read, since its environment may hold secrets
 //!           job           `pid:<p> start:<t>` of the job, then of the supervisor, once the
 //!                         job runs
-//!           status.json   how the job ended (exit code or signal, log length, truncated),
-//!                         or why it could not start
+//!           status        how the job ended (exit code or signal, log length, truncated),
+//!                         or why it could not start: one line of text
 //! ```
 //!
 //! When the agent dies — SIGKILL, a crash, procd or systemd restarting it — the supervisor
@@ -39,7 +39,6 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use smol::process::{Child, Command, Stdio};
 use smol::Timer;
 
@@ -55,12 +54,40 @@ pub(crate) const SUPERVISE: &str = "supervise";
 /// How long the agent waits for a new supervisor to say its job runs.
 const HANDOFF_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// `status.json`: how the job ended, or why it never started.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+/// `status`: how the job ended, or why it never started. One line of text, written whole:
+/// `exited <code|-> <signal|-> <truncated 0|1> <log length>`, or `not-started <why>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Status {
-    Exited { code: Option<i32>, signal: Option<i32>, truncated: bool, log_len: u64 },
-    NotStarted { error: String },
+    Exited(Exit),
+    NotStarted(String),
+}
+
+impl Status {
+    fn to_line(&self) -> String {
+        let opt = |n: Option<i32>| n.map_or_else(|| "-".to_owned(), |n| n.to_string());
+        match self {
+            Self::Exited(e) => {
+                format!("exited {} {} {} {}\n", opt(e.code), opt(e.signal), u8::from(e.truncated), e.log_len)
+            }
+            Self::NotStarted(why) => format!("not-started {}\n", why.replace('\n', " ")),
+        }
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        let line = text.strip_suffix('\n')?;
+        if let Some(why) = line.strip_prefix("not-started ") {
+            return Some(Self::NotStarted(why.to_owned()));
+        }
+        let mut words = line.strip_prefix("exited ")?.split(' ');
+        let mut opt = || match words.next()? {
+            "-" => Some(None),
+            w => w.parse().ok().map(Some),
+        };
+        let (code, signal) = (opt()?, opt()?);
+        let truncated = words.next()? == "1";
+        let log_len = words.next()?.parse().ok()?;
+        words.next().is_none().then_some(Self::Exited(Exit { code, signal, truncated, log_len }))
+    }
 }
 
 impl RunDir {
@@ -73,13 +100,13 @@ impl RunDir {
     }
 
     fn status_file(&self) -> PathBuf {
-        self.root.join("status.json")
+        self.root.join("status")
     }
 
     /// The run directory at `root` (`<state>/runs/<attemptId>`).
     fn at(root: &Path) -> io::Result<Self> {
         let name = root.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        let attempt = AttemptId::parse(name).map_err(|_| io::Error::other(format!("{name:?} is not an attempt id")))?;
+        let attempt = AttemptId::parse(name).map_err(|_| io::Error::other("not a run directory"))?;
         let state = root.parent().and_then(Path::parent).ok_or_else(|| io::Error::other("not a run directory"))?;
         Ok(RunDir::new(state, &attempt))
     }
@@ -96,8 +123,8 @@ fn write_whole(path: &Path, bytes: &[u8]) -> io::Result<()> {
 }
 
 fn read_status(run_dir: &RunDir) -> io::Result<Option<Status>> {
-    match fs::read(run_dir.status_file()) {
-        Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(io::Error::other),
+    match fs::read_to_string(run_dir.status_file()) {
+        Ok(text) => Status::parse(&text).map(Some).ok_or_else(|| io::Error::other("a bad status file")),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
     }
@@ -120,7 +147,7 @@ fn read_handoff(run_dir: &RunDir) -> io::Result<Option<(ExecutorHandle, Executor
 /// How the job ended while no agent watched, if its supervisor recorded it.
 pub(crate) fn exit_recorded(run_dir: &RunDir) -> io::Result<Option<Exit>> {
     Ok(match read_status(run_dir)? {
-        Some(Status::Exited { code, signal, truncated, log_len }) => Some(Exit { code, signal, truncated, log_len }),
+        Some(Status::Exited(exit)) => Some(exit),
         _ => None,
     })
 }
@@ -136,7 +163,7 @@ pub(crate) fn supervisor_alive(run_dir: &RunDir) -> bool {
 pub(crate) fn handed_off(run_dir: &RunDir) -> io::Result<Option<Result<(ExecutorHandle, u32), String>>> {
     let gave_up = Instant::now() + HANDOFF_TIMEOUT;
     loop {
-        if let Some(Status::NotStarted { error }) = read_status(run_dir)? {
+        if let Some(Status::NotStarted(error)) = read_status(run_dir)? {
             return Ok(Some(Err(error)));
         }
         if let Some((handle, _)) = read_handoff(run_dir)? {
@@ -191,11 +218,10 @@ impl Supervised {
             .process_group(0);
         let mut cmd = Command::from(cmd);
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
-        let mut child =
-            cmd.spawn().map_err(|error| SpawnError::Program { program: "ql-agent supervise".into(), error })?;
+        let mut child = cmd.spawn().map_err(|e| SpawnError::NoSupervisor(e.to_string()))?;
         let gave_up = Instant::now() + HANDOFF_TIMEOUT;
         loop {
-            if let Some(Status::NotStarted { error }) = read_status(&run_dir).map_err(SpawnError::RunDir)? {
+            if let Some(Status::NotStarted(error)) = read_status(&run_dir).map_err(SpawnError::RunDir)? {
                 return Err(SpawnError::Supervised(error));
             }
             if let Some((handle, supervisor)) = read_handoff(&run_dir).map_err(SpawnError::RunDir)? {
@@ -216,7 +242,10 @@ impl Supervised {
             let ended = child.try_status().map_or(true, |s| s.is_some());
             if ended || Instant::now() > gave_up {
                 let _ = child.kill();
-                return Err(SpawnError::Supervised("the supervisor did not start the job".into()));
+                // Nothing was started: the spec is not left behind.
+                let _ = fs::remove_file(run_dir.spec_file());
+                let why = if ended { "it ended at once" } else { "it did not start the job in time" };
+                return Err(SpawnError::NoSupervisor(why.into()));
             }
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -300,6 +329,11 @@ impl Supervised {
     }
 }
 
+/// Writes the job's `status` whole.
+fn record(run_dir: &RunDir, status: &Status) -> io::Result<()> {
+    write_whole(&run_dir.status_file(), status.to_line().as_bytes())
+}
+
 /// `ql-agent supervise <run dir> <poll ms> <grace ms>`: runs one job (see the module doc).
 pub(crate) fn main(args: &[String]) -> i32 {
     let [root, poll, grace] = args else {
@@ -315,47 +349,64 @@ pub(crate) fn main(args: &[String]) -> i32 {
             return 2;
         }
     };
-    let record = |status: &Status| {
-        let bytes = serde_json::to_vec(status).expect("a status serialises");
-        write_whole(&run_dir.status_file(), &bytes)
-    };
     let spec: Result<ExecutionSpec, String> = fs::read(run_dir.spec_file())
         .map_err(|e| e.to_string())
         .and_then(|bytes| serde_json::from_slice(&bytes).map_err(|e| e.to_string()));
     let spec = match spec {
         Ok(spec) => spec,
-        Err(e) => return i32::from(record(&Status::NotStarted { error: format!("reading the spec: {e}") }).is_err()),
+        Err(e) => return i32::from(record(&run_dir, &Status::NotStarted(format!("reading the spec: {e}"))).is_err()),
     };
     let ex = smol::LocalExecutor::new();
-    ex.spawn(smol::process::driver()).detach();
-    smol::block_on(ex.run(async {
-        let mut job = match Job::spawn(&spec, run_dir.clone(), poll) {
-            Ok(job) => job,
-            Err(e) => return i32::from(record(&Status::NotStarted { error: e.to_string() }).is_err()),
-        };
-        let me = std::process::id();
-        let handoff =
-            read_stat(me).map(|stat| format!("{}\n{}\n", job.executor_handle(), executor_handle(me, stat.starttime)));
-        if handoff.and_then(|text| write_whole(&run_dir.job_file(), text.as_bytes())).is_err() {
-            // The agent could never find the job: it must not run unwatched.
-            let _ = job.stop(grace).await;
-            return 1;
-        }
-        // The spec's environment may hold secrets: once the job runs it leaves the disk.
-        // (Until then, its presence tells a restarted agent a start is under way.)
-        let _ = fs::remove_file(run_dir.spec_file());
-        // The leader's end, then whatever it left running in its group.
-        let _ = job.wait().await;
-        let exit = match job.stop(grace).await {
-            Ok(exit) => exit,
-            // The end is not known: the agent reports the run without an exit status.
-            Err(_) => {
-                let log_len = fs::metadata(&run_dir.spool).map_or(0, |m| m.len());
-                Exit { code: None, signal: None, truncated: log_len >= spec.log_limit_bytes, log_len }
+    let ran = crate::run_local(
+        &ex,
+        Box::pin(async move {
+            let mut job = match Job::spawn(&spec, run_dir.clone(), poll) {
+                Ok(job) => job,
+                Err(e) => return record(&run_dir, &Status::NotStarted(e.to_string())).map_err(|e| e.to_string()),
+            };
+            let me = std::process::id();
+            let handoff = read_stat(me)
+                .map(|stat| format!("{}\n{}\n", job.executor_handle(), executor_handle(me, stat.starttime)));
+            if let Err(e) = handoff.and_then(|text| write_whole(&run_dir.job_file(), text.as_bytes())) {
+                // The agent could never find the job: it must not run unwatched.
+                let _ = job.stop(grace).await;
+                return Err(e.to_string());
             }
-        };
-        let status =
-            Status::Exited { code: exit.code, signal: exit.signal, truncated: exit.truncated, log_len: exit.log_len };
-        i32::from(record(&status).is_err())
-    }))
+            // The spec's environment may hold secrets: once the job runs it leaves the disk.
+            // (Until then, its presence tells a restarted agent a start is under way.)
+            let _ = fs::remove_file(run_dir.spec_file());
+            // The leader's end, then whatever it left running in its group.
+            let _ = job.wait().await;
+            let exit = match job.stop(grace).await {
+                Ok(exit) => exit,
+                // The end is not known: the agent reports the run without an exit status.
+                Err(_) => {
+                    let log_len = fs::metadata(&run_dir.spool).map_or(0, |m| m.len());
+                    Exit { code: None, signal: None, truncated: log_len >= spec.log_limit_bytes, log_len }
+                }
+            };
+            record(&run_dir, &Status::Exited(exit)).map_err(|e| e.to_string())
+        }),
+    );
+    i32::from(ran.is_err())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_line_round_trips_and_anything_else_is_refused() {
+        let statuses = [
+            Status::Exited(Exit { code: Some(0), signal: None, truncated: false, log_len: 12 }),
+            Status::Exited(Exit { code: None, signal: Some(9), truncated: true, log_len: 1 << 26 }),
+            Status::NotStarted("cannot start `nope`: No such file or directory (os error 2)".into()),
+        ];
+        for status in statuses {
+            assert_eq!(Status::parse(&status.to_line()), Some(status));
+        }
+        for bad in ["", "exited 0 - 0\n", "exited 0 - 0 12", "exited x - 0 12\n", "done\n"] {
+            assert_eq!(Status::parse(bad), None, "{bad:?}");
+        }
+    }
 }
