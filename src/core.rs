@@ -52,7 +52,7 @@
 
 use std::time::{Duration, Instant};
 
-use ql_wire::ack::{Running, StartFailure};
+use ql_wire::ack::{Abandon, Running, StartFailure};
 use ql_wire::artifact::{ArtifactHeader, ArtifactSchema};
 use ql_wire::capability::Token;
 use ql_wire::completion::{Completion, CompletionSchema};
@@ -75,6 +75,9 @@ pub(crate) const SHUT_DOWN_BEFORE_START: &str = "agent shut down before start";
 /// The start-failure reason when the agent died while starting the process and cannot tell
 /// whether it ran: reported rather than run a second time.
 pub(crate) const START_INTERRUPTED: &str = "the agent stopped while starting the process; not started again";
+/// The abandon reason when a restarted agent finds a job's process and its supervisor
+/// gone with no recorded end: lost through no fault of the job.
+pub(crate) const JOB_LOST: &str = "the job's process and its supervisor were gone, with no recorded end";
 
 /// Whether this agent holds the job's process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -460,6 +463,13 @@ fn earliest<const N: usize>(times: [Option<Instant>; N]) -> Option<Instant> {
 }
 
 /// The fence of `job` at `version`.
+/// The `abandon` of `job`, with the fence its next command would carry (`None` before a
+/// claim: there is no lease to give up).
+pub(crate) fn abandon(job: &Job, rt: &Runtime) -> Option<Abandon> {
+    let lease = job.lease.as_ref()?;
+    Some(Abandon::new(fence(job, lease, version_in_doubt(lease, rt.renew_doubt)), Reason::summarise(JOB_LOST)))
+}
+
 fn fence(job: &Job, lease: &Lease, version: Counter) -> Fence {
     Fence {
         session_generation: job.session_generation,

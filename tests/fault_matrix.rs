@@ -257,12 +257,13 @@ fn rows() -> Vec<Row> {
     }
     // The control plane and the network: each kind of fault at the routes in `routes` but
     // those it leaves out. Heartbeats and the close at a clean exit are left out: they
-    // carry no part of a run.
+    // carry no part of a run; so is the abandon of a job lost with its supervisor, which
+    // no row loses (its supervisor always outlives the agent here).
     // The one-frame upload is only for a job that ended before its `running` ACK: its
     // faults are rows of the starting-only window below.
     let routes: Vec<&str> = Route::NAMES
         .into_iter()
-        .filter(|r| !["session.heartbeat", "session.close", "artifact.put"].contains(r))
+        .filter(|r| !["session.heartbeat", "session.close", "attempt.abandon", "artifact.put"].contains(r))
         .collect();
     let before_spawn = &routes[..4];
     let kinds: &[(&str, &str, &[&str])] = &[

@@ -147,3 +147,51 @@ fn a_job_outlives_its_agent_and_the_restarted_agent_reports_its_whole_log_and_ex
     }
     assert!(w.agent.log().contains("its supervisor kept the exit"), "{}", w.context());
 }
+
+#[test]
+fn a_job_lost_with_its_supervisor_is_given_up_and_its_run_runs_again_within_its_retries() {
+    let mut w = World::new("lost", &[]);
+    let dir = w.path("gates");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (marker, pids) = (dir.join("first"), dir.join("pids"));
+    let body = format!(
+        "if [ -e {m} ]; then echo second; else touch {m}; echo $$ >> {p}; echo first; sleep 600; fi",
+        m = marker.display(),
+        p = pids.display()
+    );
+    let run = w.control.submit(&["--retries", "1", "--", "sh", "-c", &body]);
+    let shown = w.wait_status(&run, "running");
+    common::wait_for("the job's pid", || w.context(), || (!common::read_pids(&pids).is_empty()).then_some(()));
+    // What a machine that went down leaves behind (with the journal on disk): neither the
+    // agent, nor the supervisor, nor the job.
+    common::signal(&w.agent.proc.0, rustix::process::Signal::KILL);
+    let _ = w.agent.proc.0.wait();
+    let attempt_id = attempt(&shown)["attemptId"].as_str().unwrap().to_owned();
+    let job_file = w.path("agent-state").join("runs").join(&attempt_id).join("job");
+    let handles = std::fs::read_to_string(&job_file).unwrap();
+    let pid_of = |line: &str| -> i32 { line.split_whitespace().next().unwrap()[4..].parse().unwrap() };
+    let (job, supervisor) = {
+        let mut lines = handles.lines();
+        (pid_of(lines.next().unwrap()), pid_of(lines.next().unwrap()))
+    };
+    for pid in [supervisor, job] {
+        let _ =
+            rustix::process::kill_process(rustix::process::Pid::from_raw(pid).unwrap(), rustix::process::Signal::KILL);
+    }
+    common::wait_for(
+        "the job and its supervisor to be gone",
+        || w.context(),
+        || (!common::alive(job as u32) && !common::alive(supervisor as u32)).then_some(()),
+    );
+
+    w.agent = common::Agent::spawn(&w.root.0, w.agent.config.clone());
+    let shown = w.wait_status(&run, "succeeded");
+    let attempts = shown["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{shown}");
+    assert_eq!(
+        (attempts[0]["status"].as_str(), attempts[0]["errorCode"].as_str()),
+        (Some("lost"), Some("WORKER_LOST"))
+    );
+    assert_eq!(w.control.logs(&run), b"second\n");
+    assert!(w.agent.log().contains("reported lost, not failed"), "{}", w.context());
+}

@@ -1022,6 +1022,31 @@ impl Agent {
                     }
                     None
                 };
+                // Nobody knows how it ended: not the job's failure. Unless the server ended
+                // the job already, it is given up, and its run goes back to the queue
+                // within its retries (the events say WORKER_LOST).
+                let abandon = if self.rt(key).finished { None } else { core::abandon(&job, self.rt(key)) };
+                if let Some(body) = abandon {
+                    let route = attempt_route(&self.cfg, key, &job, AttemptCommand::Abandon);
+                    match self.client.call::<_, AckReply>(&route, &body) {
+                        Ok(AckReply { result: Outcome::Abandoned }) => {
+                            self.call_ok();
+                            warn!("{who}: its process ended with no recorded end; reported lost, not failed");
+                        }
+                        Ok(other) => return Ok(self.unexpected(key, &who, "abandon", other.result)),
+                        // Applied before (an answer lost), or ended some other way: gone either way.
+                        Err(CallError::Refused {
+                            code:
+                                ErrorCode::LeaseConflict
+                                | ErrorCode::AlreadyTerminal
+                                | ErrorCode::NotFound
+                                | ErrorCode::SessionConflict,
+                            ..
+                        }) => info!("{who}: its attempt had already ended"),
+                        Err(e) => return Ok(self.job_call_failed(key, &who, "abandon", e)),
+                    }
+                    self.rt(key).finished = true;
+                }
                 let (log_len, truncated) = self.spool_facts(key, &job);
                 let finished_at = core::evidence_time(wall_now(), self.server_clock(), Instant::now());
                 let ending = Ending { exit_code: None, signal, finished_at, log_len, truncated };

@@ -27,7 +27,7 @@ use ql_control::model::AuditRecord;
 use ql_control::pki::{self, PkiPaths};
 use ql_control::store::sqlite::{SqliteOptions, SqliteStore};
 use ql_control::store::{Snapshot, Store as _};
-use ql_wire::ack::{AckReply, Running, StartFailure};
+use ql_wire::ack::{Abandon, AckReply, Running, StartFailure};
 use ql_wire::artifact::{ArtifactHeader, ArtifactReply, ArtifactSchema, Receipt};
 use ql_wire::capability::{Digest, Token};
 use ql_wire::completion::{Completion, CompletionReply, CompletionSchema, TerminalStatus};
@@ -735,14 +735,24 @@ fn every_route_succeeds_over_one_keep_alive_connection() {
     let failed: AckReply = client.post(&failing.route(AttemptCommand::StartFailure), &body).json(200);
     assert_eq!(failed.result, Outcome::Failed);
 
+    // A job lost with its supervisor: abandoned, its run queued again.
+    let lost_run = server.submit();
+    let offers = client.poll(&session, generation, 0, 1);
+    let lost = client.claim(&session, generation, &offers.offers[0]);
+    assert_eq!(lost.path.run, lost_run);
+    assert_eq!(client.starting(&lost).result, Outcome::Started);
+    let body = Abandon::new(lost.fence.clone(), Reason::parse("gone").unwrap());
+    let abandoned: AckReply = client.post(&lost.route(AttemptCommand::Abandon), &body).json(200);
+    assert_eq!(abandoned.result, Outcome::Abandoned);
+
     // The clean exit: the session closes, once.
     let close = ql_wire::session::CloseSession { generation };
     let closed: ql_wire::session::SessionClosed =
         client.post(&Route::CloseSession(wid("router-1"), session.clone()), &close).json(200);
     assert_eq!(closed.result, Outcome::Closed);
 
-    // Thirteen routes, nineteen requests, one TCP connection.
-    assert_eq!(server.stats().requests(), 19);
+    // Fourteen routes, twenty-three requests, one TCP connection.
+    assert_eq!(server.stats().requests(), 23);
     assert_eq!(server.stats().connections(), 1, "the agent's one keep-alive connection served everything");
     assert_eq!(server.stats().handshake_failures(), 0);
 

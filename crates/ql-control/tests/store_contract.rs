@@ -159,6 +159,7 @@ contract_suite!(
         trusted_labels_come_from_the_operator_not_the_agent,
         an_expired_offer_requeues_without_spending_retries,
         expired_leases_are_lost_then_the_run_fails,
+        an_abandoned_attempt_is_lost_at_once_and_its_run_queued_again,
         an_outage_of_the_authority_gives_its_time_back_to_live_leases,
         an_overdue_run_gets_a_timeout_stop,
         no_raw_token_reaches_the_database,

@@ -1,5 +1,5 @@
 //! The start ACKs of ADR-0109: `starting` (whose body is the bare [`Fence`]), `running`
-//! and `start-failure`, and their common reply.
+//! and `start-failure`, the `abandon` of a job the worker lost, and their common reply.
 
 use serde::{Deserialize, Serialize};
 
@@ -44,12 +44,27 @@ impl Body for StartFailure {
     const CAP: usize = JSON_BODY_CAP;
 }
 
+fenced_body! {
+    /// `POST .../attempts/{a}/abandon`: the worker lost the job through no fault of the job
+    /// — its process and the supervisor that would have recorded its end are gone (the
+    /// machine went down, say) — so nobody knows how it ended. The attempt is lost and the
+    /// run goes back to the queue within its retry budget, as when a lease lapses, at once.
+    pub struct Abandon {
+        /// A short summary without secrets.
+        pub reason: Reason,
+    }
+}
+
+impl Body for Abandon {
+    const CAP: usize = JSON_BODY_CAP;
+}
+
 /// The reply to every start ACK (and, with other outcomes, to renewals' siblings).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AckReply {
-    /// `started`, `already_starting`, `running`, `already_running`, or for a
-    /// start-failure the terminal `failed`, `cancelled` or `timed_out`.
+    /// `started`, `already_starting`, `running`, `already_running`, for a start-failure
+    /// the terminal `failed`, `cancelled` or `timed_out`, for an abandon `abandoned`.
     pub result: Outcome,
 }
 

@@ -40,6 +40,8 @@ pub enum Outcome {
     Closed,
     /// The session had been closed before.
     AlreadyClosed,
+    /// The attempt was abandoned: lost, its run queued again within its retry budget.
+    Abandoned,
 }
 
 impl Outcome {

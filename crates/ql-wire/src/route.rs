@@ -60,10 +60,13 @@ pub enum AttemptCommand {
     RenewLease,
     /// `completion`.
     Completion,
+    /// `abandon`.
+    Abandon,
 }
 
 impl AttemptCommand {
-    const ALL: [Self; 5] = [Self::Starting, Self::Running, Self::StartFailure, Self::RenewLease, Self::Completion];
+    const ALL: [Self; 6] =
+        [Self::Starting, Self::Running, Self::StartFailure, Self::RenewLease, Self::Completion, Self::Abandon];
 
     /// The last path segment.
     pub fn segment(self) -> &'static str {
@@ -73,6 +76,7 @@ impl AttemptCommand {
             Self::StartFailure => "start-failure",
             Self::RenewLease => "lease:renew",
             Self::Completion => "completion",
+            Self::Abandon => "abandon",
         }
     }
 }
@@ -195,7 +199,7 @@ impl Route {
     }
 
     /// Every [`Route::name`], in the order of a run's life (heartbeat second, close last).
-    pub const NAMES: [&'static str; 13] = [
+    pub const NAMES: [&'static str; 14] = [
         "session.open",
         "session.heartbeat",
         "offers.poll",
@@ -209,6 +213,7 @@ impl Route {
         "attempt.completion",
         "attempt.start_failure",
         "session.close",
+        "attempt.abandon",
     ];
 
     /// A stable, low-cardinality name for audit records and logs.
@@ -224,6 +229,7 @@ impl Route {
             Self::Attempt(_, AttemptCommand::StartFailure) => "attempt.start_failure",
             Self::Attempt(_, AttemptCommand::RenewLease) => "lease.renew",
             Self::Attempt(_, AttemptCommand::Completion) => "attempt.completion",
+            Self::Attempt(_, AttemptCommand::Abandon) => "attempt.abandon",
             Self::Artifact(..) => "artifact.put",
             Self::LogAppend(_) => "log.append",
             Self::Seal(..) => "artifact.seal",

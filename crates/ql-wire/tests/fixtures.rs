@@ -6,7 +6,7 @@
 use std::fs;
 use std::path::Path;
 
-use ql_wire::ack::{AckReply, Running, StartFailure};
+use ql_wire::ack::{Abandon, AckReply, Running, StartFailure};
 use ql_wire::artifact::{ArtifactHeader, ArtifactReply};
 use ql_wire::completion::{Completion, CompletionReply};
 use ql_wire::lease::Renewed;
@@ -36,6 +36,7 @@ const TYPES: &[(&str, Check)] = &[
     ("fence", check::<Fence>),
     ("running", check::<Running>),
     ("start_failure", check::<StartFailure>),
+    ("abandon", check::<Abandon>),
     ("ack_reply", check::<AckReply>),
     ("renewed", check::<Renewed>),
     ("artifact_header", check::<ArtifactHeader>),

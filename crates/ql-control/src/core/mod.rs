@@ -13,6 +13,7 @@
 //! Nothing here touches a database, a clock or a socket, so each rule is unit-tested
 //! directly. A refusal never carries writes (see [`Decision::refuse`]).
 
+mod abandon;
 mod delivery;
 mod fence;
 mod finish;
@@ -26,6 +27,7 @@ mod sweep;
 pub(crate) mod testkit;
 mod worker;
 
+pub use abandon::WORKER_LOST;
 pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
 pub use grace::{absence, Grace, Graced};
 pub use log::{same_bytes, ChunkAdmitted, ChunkPlan};
@@ -33,7 +35,7 @@ pub use operator::{check_labels, CancelOutcome, Submit};
 pub use start::{EXECUTION_CANCELLED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED};
 pub use sweep::{LEASE_LOST, OFFER_EXPIRED};
 
-use ql_wire::ack::{AckReply, Running, StartFailure};
+use ql_wire::ack::{Abandon, AckReply, Running, StartFailure};
 use ql_wire::artifact::{ArtifactHeader, Receipt};
 use ql_wire::capability::Digest;
 use ql_wire::completion::{Completion, CompletionReply};
@@ -102,6 +104,8 @@ pub enum Command {
     StartFailure(AttemptPath, StartFailure),
     /// `lease:renew`.
     Renew(AttemptPath, Fence),
+    /// `abandon`: the worker lost the job through no fault of the job.
+    Abandon(AttemptPath, Abandon),
     /// The fence check before an artifact's content is read.
     AdmitArtifact(AttemptPath, ArtifactId, ArtifactHeader),
     /// The same check once the content has arrived, before it is stored.
@@ -384,6 +388,7 @@ impl Command {
             | Self::Running(p, _)
             | Self::StartFailure(p, _)
             | Self::Renew(p, _)
+            | Self::Abandon(p, _)
             | Self::AdmitArtifact(p, ..)
             | Self::ConfirmArtifact(p, ..)
             | Self::AdmitLogChunk(p, _)
@@ -412,6 +417,7 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
             start::start_failure(p, body, rows, now, ids).unwrap_or_else(Decision::refuse)
         }
         Command::Renew(p, fence) => start::renew(p, fence, rows, now).unwrap_or_else(Decision::refuse),
+        Command::Abandon(p, body) => abandon::abandon(p, body, rows, now, ids).unwrap_or_else(Decision::refuse),
         Command::AdmitArtifact(p, artifact, header) => {
             finish::admit_artifact(p, artifact, header, rows, now, false).unwrap_or_else(Decision::refuse)
         }

@@ -69,21 +69,36 @@ pub(super) fn sweep(lapsed: &Lapsed, now: Millis, ids: &mut IdGen) -> Decision {
 /// An expired lease: the attempt is lost; the run follows its stop intent, else is
 /// re-queued within its retry budget, else fails with `LEASE_LOST`.
 fn lose_lease(lease: &Lease, run: &Run, attempt: &Attempt, now: Millis, ids: &mut IdGen) -> Vec<Write> {
+    lost_lease(lease, run, attempt, LEASE_LOST, None, now, ids)
+}
+
+/// A lease given up or lapsed, as [`lose_lease`] says, with `code` as the loss's error
+/// code (and the run's, when its budget is spent) and `summary` on the attempt.
+pub(super) fn lost_lease(
+    lease: &Lease,
+    run: &Run,
+    attempt: &Attempt,
+    code: &str,
+    summary: Option<&str>,
+    now: Millis,
+    ids: &mut IdGen,
+) -> Vec<Write> {
     let lost = Attempt {
         status: AttemptStatus::Lost,
         end: Some(EndKind::LeaseLost),
         ended_at: Some(now),
-        error_code: Some(LEASE_LOST.to_owned()),
+        error_code: Some(code.to_owned()),
+        summary: summary.map(str::to_owned).or_else(|| attempt.summary.clone()),
         ..attempt.clone()
     };
     let next_run = match run.stop {
         Some(StopIntent::Timeout) => ended(run, RunStatus::TimedOut, EXECUTION_TIMED_OUT, now),
         Some(StopIntent::Cancel) => ended(run, RunStatus::Cancelled, EXECUTION_CANCELLED, now),
         None if run.retries_used < run.retry_budget => requeued(run, run.retries_used + 1),
-        None => ended(run, RunStatus::Failed, LEASE_LOST, now),
+        None => ended(run, RunStatus::Failed, code, now),
     };
     let mut writes = vec![Write::Lease(Lease { state: LeaseState::Expired, ..lease.clone() })];
-    writes.extend(lose(attempt, lost, run, next_run, LEASE_LOST, now, ids));
+    writes.extend(lose(attempt, lost, run, next_run, code, now, ids));
     writes
 }
 

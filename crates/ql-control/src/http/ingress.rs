@@ -35,7 +35,7 @@ use hyper::{Request, Response, StatusCode};
 use tokio::time::{sleep_until, timeout, Instant};
 use zeroize::Zeroizing;
 
-use ql_wire::ack::{Running, StartFailure};
+use ql_wire::ack::{Abandon, Running, StartFailure};
 use ql_wire::artifact::ArtifactHeader;
 use ql_wire::artifact::ArtifactReply;
 use ql_wire::completion::Completion;
@@ -345,6 +345,7 @@ async fn json_command<S: Store, B: BlobStore>(
             Command::StartFailure(path, decode::<StartFailure>(bytes)?)
         }
         Route::Attempt(path, AttemptCommand::RenewLease) => Command::Renew(path, decode::<Fence>(bytes)?),
+        Route::Attempt(path, AttemptCommand::Abandon) => Command::Abandon(path, decode::<Abandon>(bytes)?),
         Route::Attempt(path, AttemptCommand::Completion) => {
             return Ok(complete(shared, path, decode::<Completion>(bytes)?).await);
         }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ql_control::core::{
     CancelOutcome, Command, Reply, EXECUTION_CANCELLED, EXECUTION_FAILED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED,
-    LEASE_LOST, OFFER_EXPIRED,
+    LEASE_LOST, OFFER_EXPIRED, WORKER_LOST,
 };
 use ql_control::model::{
     AttemptStatus, AuditRecord, EndKind, LeaseState, OfferState, RunStatus, SessionState, REMOTE_WORKER,
@@ -757,6 +757,42 @@ pub async fn an_expired_offer_requeues_without_spending_retries<B: Backend>(b: B
     assert_eq!(exec(&store, h.complete(Some(0))).await, Ok(completed(Outcome::Completed, TerminalStatus::Succeeded)));
     let d = detail(&store, &run).await;
     assert_eq!(d.attempts.iter().map(|a| a.number).collect::<Vec<_>>(), [1, 2]);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// A job its worker lost through no fault of the job is given up at once: the attempt is
+/// lost with `WORKER_LOST`, the run queued again within its budget (then failed with that
+/// code), nothing is sent on the given-up lease, and a stale fence changes nothing.
+pub async fn an_abandoned_attempt_is_lost_at_once_and_its_run_queued_again<B: Backend>(b: B) {
+    let store = b.store();
+    let run = submit(&store, LONG_TIMEOUT_MS, 1).await;
+    let agent = open(&store, "router-1").await;
+    let offer = poll(&store, &agent).await.remove(0);
+    let h = claim(&store, &agent, &offer).await;
+    to_running(&store, &h).await;
+    let abandon = |h: &Held, fence: Fence| {
+        Command::Abandon(
+            h.path.clone(),
+            ql_wire::ack::Abandon::new(fence, ql_wire::text::Reason::parse("gone").unwrap()),
+        )
+    };
+    refused(&store, abandon(&h, h.fence_at(Counter::new(9).unwrap())), ErrorCode::LeaseConflict, "a stale fence").await;
+    let reply = exec(&store, abandon(&h, h.fence())).await;
+    assert_eq!(reply, Ok(Reply::Ack(ql_wire::ack::AckReply { result: Outcome::Abandoned })));
+    let d = detail(&store, &run).await;
+    assert_eq!((d.run.status, d.run.retries_used), (RunStatus::Queued, 1));
+    assert_eq!((d.attempts[0].status, d.attempts[0].error_code.as_deref()), (AttemptStatus::Lost, Some(WORKER_LOST)));
+    assert!(kinds(&d).ends_with(&["attempt.lost", "run.queued"]));
+    refused(&store, abandon(&h, h.fence()), ErrorCode::LeaseConflict, "a repeat").await;
+    refused(&store, h.complete(Some(0)), ErrorCode::LeaseConflict, "a completion on the given-up lease").await;
+
+    // The second attempt, lost too: the budget is spent.
+    let offer = poll(&store, &agent).await.remove(0);
+    let h2 = claim(&store, &agent, &offer).await;
+    to_running(&store, &h2).await;
+    exec(&store, abandon(&h2, h2.fence())).await.unwrap();
+    let d = detail(&store, &run).await;
+    assert_eq!((d.run.status, d.run.error_code.as_deref()), (RunStatus::Failed, Some(WORKER_LOST)));
     check_invariants(&store.snapshot().await.unwrap());
 }
 
