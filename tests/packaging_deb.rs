@@ -198,11 +198,19 @@ fn a_first_install_creates_the_user_and_enables_the_unit() {
 }
 
 #[test]
-fn an_upgrade_keeps_the_user_and_restarts_only_a_running_agent() {
+fn an_upgrade_keeps_the_user_and_restarts_only_a_running_agent_keeping_its_jobs() {
     let log = run_script("ql-agent", "postinst", &["configure", "0.0.9-1"], true);
     assert!(!log.contains("adduser"), "{log}");
     if systemd_runs() {
-        assert!(log.contains("deb-systemd-invoke try-restart ql-agent.service"), "{log}");
+        // The running agent alone is ended, so its jobs run on for the new one.
+        let lines: Vec<&str> = log.lines().collect();
+        let at = |line: &str| lines.iter().position(|l| *l == line).unwrap_or_else(|| panic!("{line}: {log}"));
+        let (active, kill, restart) = (
+            at("systemctl --quiet is-active ql-agent.service"),
+            at("systemctl kill --kill-whom=main --signal=KILL ql-agent.service"),
+            at("deb-systemd-invoke restart ql-agent.service"),
+        );
+        assert!(active < kill && kill < restart, "{log}");
         assert!(!log.contains("deb-systemd-invoke start"), "{log}");
     }
 }
