@@ -188,6 +188,11 @@ fn open_journal(cfg: &Config) -> Result<(Journal, JournalState), Fatal> {
     }
 }
 
+/// The journal's facts of how a process ended, finished at `finished_at`.
+fn ending_of(exit: &exec::Exit, finished_at: Timestamp) -> Ending {
+    Ending { exit_code: exit.code, signal: exit.signal, finished_at, log_len: exit.log_len, truncated: exit.truncated }
+}
+
 fn wall_now() -> Timestamp {
     let ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
     let ms = i64::try_from(ms).unwrap_or(0).saturating_add(crate::fault::clock_skew_ms());
@@ -422,13 +427,7 @@ impl Agent {
         }
         let who = who(&key, job);
         let ending = match result {
-            Ok(exit) => Ending {
-                exit_code: exit.code,
-                signal: exit.signal,
-                finished_at,
-                log_len: exit.log_len,
-                truncated: exit.truncated,
-            },
+            Ok(exit) => ending_of(&exit, finished_at),
             Err(e) => {
                 warn!("{who}: lost track of the process ({e}); reporting it without an exit status");
                 let (log_len, truncated) = self.spool_facts(&key, job);
@@ -979,14 +978,7 @@ impl Agent {
                 if let Ok(Some(exit)) = exec::supervise::exit_recorded(&run_dir) {
                     info!("{who}: its process ended while the agent was down; its supervisor kept the exit");
                     let finished_at = core::evidence_time(wall_now(), self.server_clock(), Instant::now());
-                    let ending = Ending {
-                        exit_code: exit.code,
-                        signal: exit.signal,
-                        finished_at,
-                        log_len: exit.log_len,
-                        truncated: exit.truncated,
-                    };
-                    self.commit(&core::exited(key, ending))?;
+                    self.commit(&core::exited(key, ending_of(&exit, finished_at)))?;
                     return Ok(Turn::Moved);
                 }
                 // Its supervisor still runs it: take it back, log and all.

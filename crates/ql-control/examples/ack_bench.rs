@@ -23,6 +23,8 @@
 #[path = "../tests/common/worker_client.rs"]
 mod worker_client;
 
+use worker_client::post;
+
 use std::time::{Duration, Instant};
 
 use ql_control::admin::{self, SubmitArgs};
@@ -36,7 +38,7 @@ use ql_wire::offer::{Claimed, Offers, PollOffers};
 use ql_wire::route::{AttemptCommand, AttemptPath, Route};
 use ql_wire::session::{OpenSession, SessionOpened};
 use ql_wire::time::Timestamp;
-use ql_wire::{decode, encode, Body, Fence};
+use ql_wire::{decode, Fence};
 
 struct Args {
     dir: std::path::PathBuf,
@@ -87,28 +89,8 @@ fn agent(dir: &std::path::Path, worker: &WorkerId) -> ureq::Agent {
 
 /// Enrols `worker` and returns a client presenting its certificate, and its PEM files.
 fn enrolled_agent(dir: &std::path::Path, worker: &WorkerId) -> (ureq::Agent, ql_control::pki::Enrolled) {
-    let out = dir.join("bench-workers");
-    // Later runs against the same state directory reuse the worker's first enrolment.
-    let enrolled = match ql_control::pki::enroll(dir, worker, &out) {
-        Err(ql_control::pki::PkiError::Exists(_)) => ql_control::pki::Enrolled {
-            cert: out.join(format!("{worker}.crt")),
-            key: out.join(format!("{worker}.key")),
-            ca: out.join("ca.crt"),
-        },
-        other => other.expect("enroll"),
-    };
+    let enrolled = worker_client::enrolled(dir, worker);
     (worker_client::client(&enrolled, Duration::from_secs(60)), enrolled)
-}
-
-fn post<Req: Body, Resp: Body>(agent: &ureq::Agent, url: &str, route: &Route, body: &Req) -> Resp {
-    let mut resp = agent
-        .post(format!("{url}{}", route.path()))
-        .header("Content-Type", "application/json")
-        .send(&encode(body)[..])
-        .expect("request");
-    let bytes = resp.body_mut().read_to_vec().expect("body");
-    assert!(resp.status().is_success(), "{} {}: {}", route.name(), resp.status(), String::from_utf8_lossy(&bytes));
-    decode(&bytes).expect("answer decodes")
 }
 
 /// One client's loop; returns the latency of each fenced ACK transaction.

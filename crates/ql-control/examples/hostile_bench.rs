@@ -5,8 +5,8 @@
 //! Each phase keeps `--attackers N` hostile connections going (each one reopened as soon
 //! as the server closes it, as a determined attacker would), waits `--settle-ms`, then
 //! times `--samples` honest rounds of another worker: a fresh connection (TCP, TLS 1.3
-//! handshake with its certificate), a session opened and an offers poll answered. It
-//! prints the p50, p95 and worst round, the server's RSS at the end of the phase and how
+//! handshake with its certificate), then a heartbeat and an offers poll answered on its
+//! session (opened once: a second open would be refused as a twin's). It prints the p50, p95 and worst round, the server's RSS at the end of the phase and how
 //! many attacker connections the server ended (closed, timed out or turned away). The
 //! settle time outlasts the handshake timeout, so the reopening is part of the attack.
 //!
@@ -26,6 +26,8 @@
 #[path = "../tests/common/worker_client.rs"]
 mod worker_client;
 
+use worker_client::post;
+
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -36,8 +38,7 @@ use ql_control::pki::Enrolled;
 use ql_wire::ids::WorkerId;
 use ql_wire::offer::{Offers, PollOffers};
 use ql_wire::route::Route;
-use ql_wire::session::{OpenSession, SessionOpened};
-use ql_wire::{decode, encode};
+use ql_wire::session::{Heartbeat, HeartbeatReply, OpenSession, SessionOpened};
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
@@ -79,16 +80,7 @@ fn args() -> Args {
 }
 
 fn enrolled(dir: &std::path::Path, worker: &str) -> Enrolled {
-    let out = dir.join("bench-workers");
-    let worker = WorkerId::parse(worker).unwrap();
-    match ql_control::pki::enroll(dir, &worker, &out) {
-        Err(ql_control::pki::PkiError::Exists(_)) => Enrolled {
-            cert: out.join(format!("{worker}.crt")),
-            key: out.join(format!("{worker}.key")),
-            ca: out.join("ca.crt"),
-        },
-        other => other.expect("enroll"),
-    }
+    worker_client::enrolled(dir, &WorkerId::parse(worker).unwrap())
 }
 
 /// A rustls client configuration presenting `e`'s certificate (TLS 1.3, ring).
@@ -216,21 +208,9 @@ fn connect_from(from: SocketAddr, to: SocketAddr, rt: &tokio::runtime::Runtime) 
     Ok(tcp)
 }
 
-fn post<Req: ql_wire::Body, Resp: ql_wire::Body>(agent: &ureq::Agent, url: &str, route: &Route, body: &Req) -> Resp {
-    let mut resp = agent
-        .post(format!("{url}{}", route.path()))
-        .header("Content-Type", "application/json")
-        .send(&encode(body)[..])
-        .expect("request");
-    let bytes = resp.body_mut().read_to_vec().expect("body");
-    assert!(resp.status().is_success(), "{} {}: {}", route.name(), resp.status(), String::from_utf8_lossy(&bytes));
-    decode(&bytes).expect("answer decodes")
-}
-
-/// One honest round on a fresh connection: open a session, poll once.
-fn honest_round(e: &Enrolled, url: &str) -> Duration {
-    let worker = WorkerId::parse("w-honest").unwrap();
-    let started = Instant::now();
+/// The honest worker's session, opened once: a worker whose session speaks is not given
+/// another (a twin would be refused).
+fn honest_session(e: &Enrolled, url: &str) -> SessionOpened {
     let agent = worker_client::client(e, Duration::from_secs(60));
     let open = OpenSession {
         agent_version: "bench".parse().unwrap(),
@@ -238,9 +218,18 @@ fn honest_round(e: &Enrolled, url: &str) -> Duration {
         labels: Default::default(),
         capacity: 1,
     };
-    let session: SessionOpened = post(&agent, url, &Route::OpenSession(worker.clone()), &open);
+    post(&agent, url, &Route::OpenSession(WorkerId::parse("w-honest").unwrap()), &open)
+}
+
+/// One honest round on a fresh connection: a heartbeat, then a poll.
+fn honest_round(e: &Enrolled, url: &str, session: &SessionOpened) -> Duration {
+    let worker = WorkerId::parse("w-honest").unwrap();
+    let started = Instant::now();
+    let agent = worker_client::client(e, Duration::from_secs(60));
+    let beat = Heartbeat { generation: session.generation, draining: false };
+    let _: HeartbeatReply = post(&agent, url, &Route::Heartbeat(worker.clone(), session.session_id.clone()), &beat);
     let poll = PollOffers { generation: session.generation, wait_ms: 0, max: 1 };
-    let _: Offers = post(&agent, url, &Route::PollOffers(worker, session.session_id), &poll);
+    let _: Offers = post(&agent, url, &Route::PollOffers(worker, session.session_id.clone()), &poll);
     started.elapsed()
 }
 
@@ -256,6 +245,7 @@ fn main() {
     let a = args();
     let addr: SocketAddr = a.url.trim_start_matches("https://").parse().expect("--url https://IP:PORT");
     let honest = enrolled(&a.dir, "w-honest");
+    let session = honest_session(&honest, &a.url);
     let attacker = tls_config(&enrolled(&a.dir, "w-attacker"));
     println!(
         "{:<10} {:>9} {:>9} {:>9} {:>12} {:>16}",
@@ -275,7 +265,7 @@ fn main() {
                 .collect()
         };
         std::thread::sleep(a.settle);
-        let mut times: Vec<Duration> = (0..a.samples).map(|_| honest_round(&honest, &a.url)).collect();
+        let mut times: Vec<Duration> = (0..a.samples).map(|_| honest_round(&honest, &a.url, &session)).collect();
         times.sort();
         let at = |q: f64| times[((times.len() as f64 - 1.0) * q).round() as usize].as_secs_f64() * 1e3;
         let rss = rss_kib(a.server_pid, "VmRSS:");

@@ -42,6 +42,39 @@ pub(crate) fn client(enrolled: &Enrolled, timeout: Duration) -> ureq::Agent {
         .new_agent()
 }
 
+/// `worker`'s enrolment under `dir/bench-workers`: made on the first call, the same files
+/// on later ones (benchmarks run again against one state directory).
+#[allow(dead_code)] // Not every includer uses every helper.
+pub(crate) fn enrolled(dir: &std::path::Path, worker: &WorkerId) -> Enrolled {
+    let out = dir.join("bench-workers");
+    match ql_control::pki::enroll(dir, worker, &out) {
+        Err(ql_control::pki::PkiError::Exists(_)) => Enrolled {
+            cert: out.join(format!("{worker}.crt")),
+            key: out.join(format!("{worker}.key")),
+            ca: out.join("ca.crt"),
+        },
+        other => other.expect("enroll"),
+    }
+}
+
+/// POSTs `body` to `route` and decodes the answer, which must be a success.
+#[allow(dead_code)] // Not every includer uses every helper.
+pub(crate) fn post<Req: ql_wire::Body, Resp: ql_wire::Body>(
+    agent: &ureq::Agent,
+    url: &str,
+    route: &ql_wire::route::Route,
+    body: &Req,
+) -> Resp {
+    let mut resp = agent
+        .post(format!("{url}{}", route.path()))
+        .header("Content-Type", "application/json")
+        .send(&ql_wire::encode(body)[..])
+        .expect("request");
+    let bytes = resp.body_mut().read_to_vec().expect("body");
+    assert!(resp.status().is_success(), "{} {}: {}", route.name(), resp.status(), String::from_utf8_lossy(&bytes));
+    ql_wire::decode(&bytes).expect("answer decodes")
+}
+
 /// A fresh lease token, and the claim of `offer` in `session` under it.
 pub(crate) fn claim(session: &SessionOpened, offer: &Offer) -> (Token, Claim) {
     let token = Token::generate().unwrap();
