@@ -623,8 +623,14 @@ pub(crate) fn evidence_time(wall: Timestamp, server: Option<ServerClock>, now: I
 pub(crate) fn disposition(code: ErrorCode) -> Disposition {
     match code {
         ErrorCode::Unavailable => Disposition::Retry,
-        ErrorCode::Unauthenticated | ErrorCode::PrincipalMismatch => Disposition::Misconfigured,
-        ErrorCode::NotFound
+        ErrorCode::Unauthenticated | ErrorCode::PrincipalMismatch | ErrorCode::EnrolmentRefused => {
+            Disposition::Misconfigured
+        }
+        // The server gave the worker's attempts up when it revoked or disabled it, and
+        // queued their runs again: running on here would only duplicate them.
+        ErrorCode::CertificateRevoked
+        | ErrorCode::WorkerDisabled
+        | ErrorCode::NotFound
         | ErrorCode::SessionConflict
         | ErrorCode::OfferConflict
         | ErrorCode::LeaseConflict

@@ -526,6 +526,12 @@ impl Agent {
             CallError::Refused { code, retry_after, .. } => {
                 if core::disposition(*code) == Disposition::Retry {
                     warn!("{what}: {err}; will repeat");
+                } else if matches!(code, ErrorCode::CertificateRevoked | ErrorCode::WorkerDisabled) {
+                    error!(
+                        "{what}: {err}: the operator revoked this certificate or disabled worker {}; \
+                         nothing runs here until it is enrolled again or enabled",
+                        self.cfg.worker_id
+                    );
                 } else {
                     error!(
                         "{what}: {err}; check the configuration and the certificate (worker {})",

@@ -152,8 +152,18 @@ impl Store for Authority {
     async fn audit(&self, record: crate::model::AuditRecord) -> Result<(), StoreError> {
         either!(self, s => s.audit(record))
     }
+    async fn admit(
+        &self,
+        record: crate::model::AuditRecord,
+        serial: String,
+    ) -> Result<Option<ql_wire::ErrorCode>, StoreError> {
+        either!(self, s => s.admit(record, serial))
+    }
     async fn prune_audit(&self, retention: crate::store::AuditRetention) -> Result<u64, StoreError> {
         either!(self, s => s.prune_audit(retention))
+    }
+    async fn certificates(&self, limit: usize) -> Result<Vec<crate::model::Certificate>, StoreError> {
+        either!(self, s => s.certificates(limit))
     }
     async fn twin_refusals(&self, within_ms: u64) -> Result<Vec<(WorkerId, u64)>, StoreError> {
         either!(self, s => s.twin_refusals(within_ms))
@@ -278,12 +288,35 @@ pub async fn workers<S: Store>(store: &S, limit: usize) -> Result<String, String
     let sessions = store.sessions(limit).await.map_err(|e| e.to_string())?;
     let records = store.workers(limit).await.map_err(|e| e.to_string())?;
     let twins = store.twin_refusals(3_600_000).await.map_err(|e| e.to_string())?;
-    let trusted = |w: &WorkerId| records.iter().find(|r| &r.id == w).map_or("-".into(), |r| label_list(&r.labels));
+    let certificates = store.certificates(usize::MAX).await.map_err(|e| e.to_string())?;
+    let record = |w: &WorkerId| records.iter().find(|r| &r.id == w);
+    let trusted = |w: &WorkerId| record(w).map_or("-".into(), |r| label_list(&r.labels));
+    let access = |w: &WorkerId| match record(w) {
+        Some(r) if r.disabled_at.is_some() => "disabled",
+        Some(r) if r.revoked_at.is_some() => "revoked",
+        _ => "active",
+    };
+    // The latest not-after among the worker's certificates still valid for it.
+    let not_after = |w: &WorkerId| {
+        let latest = certificates.iter().filter(|c| &c.worker == w && c.revoked_at.is_none()).map(|c| c.not_after).max();
+        latest.map_or_else(|| "-".to_owned(), |t| when(Some(t)))
+    };
     let refused = |w: &WorkerId| twins.iter().find(|(t, _)| t == w).map_or(0, |(_, n)| *n);
-    let line = |cells: [&str; 10]| {
+    let line = |cells: [&str; 12]| {
         format!(
-            "{:<24} {:<28} {:>4} {:<9} {:>8} {:<24} {:<20} {:>5} {:<24} {}\n",
-            cells[0], cells[1], cells[2], cells[3], cells[4], cells[5], cells[6], cells[7], cells[8], cells[9]
+            "{:<24} {:<28} {:>4} {:<9} {:>8} {:<24} {:<20} {:>5} {:<8} {:<24} {:<24} {}\n",
+            cells[0],
+            cells[1],
+            cells[2],
+            cells[3],
+            cells[4],
+            cells[5],
+            cells[6],
+            cells[7],
+            cells[8],
+            cells[9],
+            cells[10],
+            cells[11]
         )
     };
     let mut out = line([
@@ -295,6 +328,8 @@ pub async fn workers<S: Store>(store: &S, limit: usize) -> Result<String, String
         "LAST SEEN",
         "AGENT",
         "TWINS",
+        "ACCESS",
+        "CERT NOT AFTER",
         "TRUSTED LABELS",
         "DECLARED",
     ]);
@@ -308,12 +343,18 @@ pub async fn workers<S: Store>(store: &S, limit: usize) -> Result<String, String
             &when(Some(s.seen_at)),
             &format!("{} {}", s.agent_version, s.arch),
             &refused(&s.worker).to_string(),
+            access(&s.worker),
+            &not_after(&s.worker),
             &trusted(&s.worker),
             &label_list(&s.labels),
         ]);
     }
-    for r in records.iter().filter(|r| !sessions.iter().any(|s| s.worker == r.id)) {
-        out += &line([r.id.as_str(), "-", "-", "-", "-", "-", "-", "-", &label_list(&r.labels), "-"]);
+    let mut quiet: Vec<&WorkerId> = records.iter().map(|r| &r.id).collect();
+    quiet.extend(certificates.iter().map(|c| &c.worker));
+    quiet.sort();
+    quiet.dedup();
+    for w in quiet.into_iter().filter(|w| !sessions.iter().any(|s| &s.worker == *w)) {
+        out += &line([w.as_str(), "-", "-", "-", "-", "-", "-", "-", access(w), &not_after(w), &trusted(w), "-"]);
     }
     if twins.iter().any(|(_, n)| *n > 0) {
         out += "TWINS: session opens refused in the last hour because another agent with the same worker id \

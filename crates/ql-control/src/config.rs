@@ -61,6 +61,14 @@ pub struct Config {
     pub audit_max_age_ms: u64,
     /// The sweeper keeps at most this many audit records, the newest (0: any number).
     pub audit_max_records: u64,
+    /// How long a worker certificate is valid; its agent renews it when about two thirds
+    /// of that has passed.
+    pub worker_cert_lifetime_ms: u64,
+    /// How long a one-time enrolment token (`enroll --token`) can be used.
+    pub enrolment_token_ttl_ms: u64,
+    /// Concurrent connections without a client certificate (agents enrolling with a
+    /// token); each is served one request.
+    pub max_anonymous_connections: u64,
 }
 
 impl Default for Config {
@@ -90,6 +98,9 @@ impl Default for Config {
             refusal_report_ms: 10_000,
             audit_max_age_ms: 30 * 24 * 3_600_000,
             audit_max_records: 1_000_000,
+            worker_cert_lifetime_ms: crate::pki::WORKER_VALIDITY.as_millis() as u64,
+            enrolment_token_ttl_ms: 3_600_000,
+            max_anonymous_connections: 16,
         }
     }
 }
@@ -172,6 +183,11 @@ impl Config {
         }
     }
 
+    /// How long a worker certificate is valid.
+    pub fn worker_cert_lifetime(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.worker_cert_lifetime_ms)
+    }
+
     /// What the sweeper keeps of the audit records.
     pub fn audit_retention(&self) -> crate::store::AuditRetention {
         let bound = |n: u64| (n > 0).then_some(n);
@@ -199,6 +215,8 @@ impl Config {
             ("max_handshakes_per_ip", self.max_handshakes_per_ip),
             ("max_connections_per_worker", self.max_connections_per_worker),
             ("min_upload_rate", self.min_upload_rate),
+            ("worker_cert_lifetime_ms", self.worker_cert_lifetime_ms),
+            ("enrolment_token_ttl_ms", self.enrolment_token_ttl_ms),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be greater than 0"));

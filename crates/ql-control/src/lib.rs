@@ -15,6 +15,7 @@ pub mod config;
 pub mod core;
 pub mod fault;
 pub mod http;
+pub mod identity;
 pub mod logs;
 pub mod model;
 pub mod pki;

@@ -61,7 +61,9 @@ struct Init {
     listen: Option<String>,
 }
 
-/// Issue a worker's client certificate and key (with the CA certificate) for its agent.
+/// Enrol a worker: with --token, print a one-time token for `ql-agent enroll` on the
+/// device (its key never leaves it); with --out, issue its certificate and key here
+/// (with the CA certificate) to copy over, for air-gapped setups.
 #[derive(FromArgs)]
 #[argh(subcommand, name = "enroll")]
 struct Enroll {
@@ -70,7 +72,22 @@ struct Enroll {
     worker: String,
     /// directory to write <worker>.crt, <worker>.key and ca.crt into
     #[argh(option)]
-    out: PathBuf,
+    out: Option<PathBuf>,
+    /// print a one-time enrolment token instead of issuing a key
+    #[argh(switch)]
+    token: bool,
+    /// how long the token can be used, in milliseconds (default: control.json's
+    /// enrolment_token_ttl_ms, one hour)
+    #[argh(option)]
+    token_ttl_ms: Option<u64>,
+    /// the server URL the agent will use, for the printed command (default
+    /// https://<first host of the server certificate>:<listen port>)
+    #[argh(option)]
+    server: Option<String>,
+    /// revoke every certificate the worker had before issuing the new one (a replaced
+    /// device, a re-enrolment after a theft)
+    #[argh(switch)]
+    replace: bool,
     /// key=value the operator vouches for of this worker (repeatable): runs submitted
     /// with --label match these; replaces the worker's labels when given
     #[argh(option)]
@@ -239,10 +256,13 @@ struct Logs {
     database: Option<String>,
 }
 
-/// List worker sessions: generation, status, capacity, last heartbeat.
+/// List worker sessions (generation, status, capacity, last heartbeat, access, the
+/// certificate's not-after); or disable, enable or revoke a worker.
 #[derive(FromArgs)]
 #[argh(subcommand, name = "workers")]
 struct Workers {
+    #[argh(subcommand)]
+    action: Option<WorkersAction>,
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
@@ -254,6 +274,53 @@ struct Workers {
     #[argh(option, default = "50")]
     limit: usize,
 }
+
+#[derive(FromArgs)]
+#[argh(subcommand)]
+enum WorkersAction {
+    Revoke(Revoke),
+    Disable(Disable),
+    Enable(Enable),
+    Certificates(Certificates),
+}
+
+/// Revoke a worker: every certificate issued to it so far (or with --serial, one) is
+/// refused from its next request on, on every replica; its sessions close and its
+/// running attempts are lost and queued again within their retry budget.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "revoke")]
+struct Revoke {
+    /// the worker
+    #[argh(positional)]
+    worker: String,
+    /// revoke only the certificate with this serial (`workers certificates`)
+    #[argh(option)]
+    serial: Option<String>,
+}
+
+/// Disable a worker until `workers enable`: its certificates are refused, its sessions
+/// close and its running attempts are queued again.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "disable")]
+struct Disable {
+    /// the worker
+    #[argh(positional)]
+    worker: String,
+}
+
+/// Enable a disabled worker again (revoked certificates stay revoked).
+#[derive(FromArgs)]
+#[argh(subcommand, name = "enable")]
+struct Enable {
+    /// the worker
+    #[argh(positional)]
+    worker: String,
+}
+
+/// List the recorded worker certificates: serial, issued, not-after, revoked.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "certificates")]
+struct Certificates {}
 
 /// Print the version.
 #[derive(FromArgs)]
@@ -327,6 +394,85 @@ fn init(cmd: Init) -> Result<(), String> {
     Ok(())
 }
 
+fn enroll(cmd: Enroll, worker: WorkerId) -> Result<(), String> {
+    use ql_control::identity;
+    // Refuse bad labels and bad combinations before anything is issued.
+    admin::labels_of(&cmd.label, "--label")?;
+    if cmd.token == cmd.out.is_some() {
+        return Err("enroll takes either --token (the agent makes its key) or --out DIR (a key made here)".into());
+    }
+    let dir = state_dir(cmd.dir.clone());
+    let config = Config::load(&Layout::new(&dir))?;
+    let ca = if cmd.token { None } else { Some(ql_control::pki::Ca::load(&dir).map_err(|e| e.to_string())?) };
+    with_authority(cmd.dir, cmd.database, async |store| {
+        if cmd.replace {
+            let done = identity::set_access(store, &worker, ql_control::core::Access::Revoke).await?;
+            println!("{done}");
+        }
+        if !cmd.label.is_empty() {
+            println!("{}", admin::label_worker(store, &worker, &cmd.label).await?);
+        }
+        match (&cmd.out, ca) {
+            (Some(out), _) => {
+                let lifetime = config.worker_cert_lifetime();
+                let (done, issued) =
+                    ql_control::pki::enroll(&dir, &worker, out, lifetime).map_err(|e| e.to_string())?;
+                identity::record_issued(store, &worker, &issued).await?;
+                println!("enrolled {worker}: {} {} {}", done.cert.display(), done.key.display(), done.ca.display());
+                println!("certificate serial {}, valid until {}", issued.serial, millis_text(issued.not_after_ms));
+            }
+            (None, _) => {
+                let ttl = std::time::Duration::from_millis(cmd.token_ttl_ms.unwrap_or(config.enrolment_token_ttl_ms));
+                let token = identity::create_token(store, &worker, ttl).await?;
+                let fingerprint = ql_control::pki::ca_fingerprint(&dir).map_err(|e| e.to_string())?;
+                let server = cmd.server.clone().unwrap_or_else(|| default_server(&dir, &config));
+                println!("enrolment token for {worker} (single use, valid for {} s):", ttl.as_secs());
+                println!("{token}");
+                println!("on the device:");
+                println!("  ql-agent enroll --server {server} --token {token} --ca-fingerprint {fingerprint}");
+            }
+        }
+        Ok(())
+    })
+}
+
+fn millis_text(ms: i64) -> String {
+    ql_wire::time::Timestamp::from_millis(ms).map_or_else(|_| ms.to_string(), |t| t.to_string())
+}
+
+/// `https://<first name of the server certificate>:<port ql-control listens on>`.
+fn default_server(dir: &std::path::Path, config: &Config) -> String {
+    let host = ql_control::pki::server_hosts(dir).ok().and_then(|h| h.into_iter().next()).unwrap_or_else(|| "HOST".into());
+    let port = config.listen.rsplit_once(':').map_or("8443", |(_, p)| p);
+    let host = if host.contains(':') { format!("[{host}]") } else { host };
+    format!("https://{host}:{port}")
+}
+
+fn workers(cmd: Workers) -> Result<(), String> {
+    use ql_control::core::Access;
+    use ql_control::identity;
+    with_authority(cmd.dir, cmd.database, async |store| {
+        let line = match cmd.action {
+            None => admin::workers(store, cmd.limit).await?,
+            Some(WorkersAction::Certificates(Certificates {})) => identity::certificates(store).await?,
+            Some(WorkersAction::Revoke(Revoke { worker, serial: Some(serial) })) => {
+                identity::revoke_certificate(store, &worker_id(&worker)?, &serial).await? + "\n"
+            }
+            Some(WorkersAction::Revoke(Revoke { worker, serial: None })) => {
+                identity::set_access(store, &worker_id(&worker)?, Access::Revoke).await? + "\n"
+            }
+            Some(WorkersAction::Disable(Disable { worker })) => {
+                identity::set_access(store, &worker_id(&worker)?, Access::Disable).await? + "\n"
+            }
+            Some(WorkersAction::Enable(Enable { worker })) => {
+                identity::set_access(store, &worker_id(&worker)?, Access::Enable).await? + "\n"
+            }
+        };
+        print!("{line}");
+        Ok(())
+    })
+}
+
 fn main() -> ExitCode {
     let cli: Cli = argh::from_env();
     let result = match cli.command {
@@ -335,20 +481,7 @@ fn main() -> ExitCode {
             Ok(())
         }
         Cmd::Init(cmd) => init(cmd),
-        Cmd::Enroll(cmd) => worker_id(&cmd.worker).and_then(|worker| {
-            // Refuse bad labels before anything is issued.
-            admin::labels_of(&cmd.label, "--label")?;
-            let dir = state_dir(cmd.dir.clone());
-            let done = ql_control::pki::enroll(&dir, &worker, &cmd.out).map_err(|e| e.to_string())?;
-            println!("enrolled {worker}: {} {} {}", done.cert.display(), done.key.display(), done.ca.display());
-            if cmd.label.is_empty() {
-                return Ok(());
-            }
-            with_authority(cmd.dir, cmd.database, async |store| {
-                println!("{}", admin::label_worker(store, &worker, &cmd.label).await?);
-                Ok(())
-            })
-        }),
+        Cmd::Enroll(cmd) => worker_id(&cmd.worker).and_then(|worker| enroll(cmd, worker)),
         Cmd::Label(cmd) => worker_id(&cmd.worker).and_then(|worker| {
             with_authority(cmd.dir, cmd.database, async |store| {
                 println!("{}", admin::label_worker(store, &worker, &cmd.labels).await?);
@@ -408,10 +541,7 @@ fn main() -> ExitCode {
                 ql_control::logs::logs(store, &blobs, &run, follow, &mut std::io::stdout().lock()).await
             })
         }),
-        Cmd::Workers(cmd) => with_authority(cmd.dir, cmd.database, async |store| {
-            print!("{}", admin::workers(store, cmd.limit).await?);
-            Ok(())
-        }),
+        Cmd::Workers(cmd) => workers(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

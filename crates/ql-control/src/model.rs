@@ -175,10 +175,56 @@ pub struct Worker {
     pub id: WorkerId,
     /// Labels the operator vouches for: placement by `--label`.
     pub labels: BTreeMap<String, String>,
+    /// Disabled by the operator since: every certificate of the worker is refused until
+    /// it is enabled again.
+    pub disabled_at: Option<Millis>,
+    /// Revoked whole by the operator (last) at: every certificate recorded until then is
+    /// revoked, and a certificate the authority has no record of (issued before
+    /// certificates were recorded) is refused from then on.
+    pub revoked_at: Option<Millis>,
     /// First recorded at.
     pub created_at: Millis,
     /// Last changed at.
     pub updated_at: Millis,
+}
+
+impl Worker {
+    /// A record with no labels and nothing refused (the default of a worker without one).
+    pub fn new(id: WorkerId, now: Millis) -> Self {
+        Self { id, labels: BTreeMap::new(), disabled_at: None, revoked_at: None, created_at: now, updated_at: now }
+    }
+}
+
+/// A one-time enrolment token, known only by its digest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Enrolment {
+    /// SHA-256 of the token.
+    pub token_digest: ql_wire::capability::Digest,
+    /// The worker it may enrol.
+    pub worker: WorkerId,
+    /// Made at.
+    pub created_at: Millis,
+    /// Useless from then on.
+    pub expires_at: Millis,
+    /// Spent at, with the certificate it was spent on.
+    pub used_at: Option<Millis>,
+    /// The serial of that certificate.
+    pub serial: Option<String>,
+}
+
+/// A worker certificate the authority issued, by serial number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Certificate {
+    /// The serial number, lowercase hex without leading zero bytes (as in the DER).
+    pub serial: String,
+    /// The worker it names.
+    pub worker: WorkerId,
+    /// Issued at (DB time of the record).
+    pub issued_at: Millis,
+    /// Its last valid moment.
+    pub not_after: Millis,
+    /// Revoked at, if it was.
+    pub revoked_at: Option<Millis>,
 }
 
 /// A worker session.

@@ -45,10 +45,11 @@ pub const WORKER_URI_PREFIX: &str = "urn:qinglong:worker:";
 pub const CA_VALIDITY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 /// How long the server certificate is valid.
 pub const SERVER_VALIDITY: Duration = Duration::from_secs(2 * 365 * 24 * 3600);
-/// How long a worker certificate is valid.
-pub const WORKER_VALIDITY: Duration = Duration::from_secs(2 * 365 * 24 * 3600);
-/// Certificates start this long before they are made, so a peer whose clock is a little
-/// behind does not refuse a fresh one.
+/// How long a worker certificate is valid by default (`worker_cert_lifetime_ms`); its
+/// agent renews it when about two thirds of that has passed.
+pub const WORKER_VALIDITY: Duration = Duration::from_secs(90 * 24 * 3600);
+/// Certificates start up to this long before they are made, so a peer whose clock is a
+/// little behind does not refuse a fresh one (an eighth of a shorter lifetime).
 pub const BACKDATE: Duration = Duration::from_secs(3600);
 
 /// The principal URI of a worker: `urn:qinglong:worker:<id>`.
@@ -96,6 +97,17 @@ pub struct Enrolled {
     pub ca: PathBuf,
 }
 
+/// A worker certificate just issued, for the authority's record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Issued {
+    /// The certificate (PEM).
+    pub pem: String,
+    /// Its serial number ([`serial_hex`]).
+    pub serial: String,
+    /// Its last valid moment, in milliseconds since the epoch.
+    pub not_after_ms: i64,
+}
+
 /// Why a PKI command failed. Never carries key material.
 #[derive(Debug)]
 pub enum PkiError {
@@ -111,6 +123,8 @@ pub enum PkiError {
     BadCa(String),
     /// Certificate generation failed.
     Cert(rcgen::Error),
+    /// A certificate signing request was refused (why, in a few words).
+    Csr(&'static str),
 }
 
 impl fmt::Display for PkiError {
@@ -122,6 +136,7 @@ impl fmt::Display for PkiError {
             Self::Host(host) => write!(f, "{host:?} is neither an IP address nor a DNS name"),
             Self::BadCa(why) => write!(f, "the worker CA is unusable: {why}"),
             Self::Cert(e) => write!(f, "certificate generation failed: {e}"),
+            Self::Csr(why) => write!(f, "certificate signing request refused: {why}"),
         }
     }
 }
@@ -179,45 +194,173 @@ pub fn init_pki(dir: &Path, hosts: &[String]) -> Result<PkiPaths, PkiError> {
 /// name is still used as a directory name. An existing certificate or key for the worker is
 /// never overwritten, and an existing `ca.crt` must be this CA's (the agent's trust anchor
 /// is never swapped silently).
-pub fn enroll(dir: &Path, worker: &WorkerId, out: &Path) -> Result<Enrolled, PkiError> {
-    let paths = PkiPaths::new(dir);
-    let ca_pem = fs::read_to_string(&paths.ca_cert).map_err(|e| PkiError::Io(paths.ca_cert.clone(), e))?;
-    let ca_key_pem = read_secret(&paths.ca_key)?;
-    let ca_key = KeyPair::from_pem(&ca_key_pem).map_err(|_| PkiError::BadCa("ca.key is not a PEM key".into()))?;
-    let issuer = load_issuer(&ca_pem, &ca_key)?;
-
-    let enrolled = Enrolled {
-        cert: out.join(format!("{worker}.crt")),
-        key: out.join(format!("{worker}.key")),
-        ca: out.join("ca.crt"),
-    };
-    for path in [&enrolled.cert, &enrolled.key] {
+pub fn enroll(dir: &Path, worker: &WorkerId, out: &Path, lifetime: Duration) -> Result<(Enrolled, Issued), PkiError> {
+    let ca = Ca::load(dir)?;
+    let ca_pem = &ca.cert_pem;
+    let cert_path = out.join(format!("{worker}.crt"));
+    let key_path = out.join(format!("{worker}.key"));
+    let ca_path = out.join("ca.crt");
+    for path in [&cert_path, &key_path] {
         if fs::symlink_metadata(path).is_ok() {
             return Err(PkiError::Exists(path.clone()));
         }
     }
-    let ca_present = match fs::read(&enrolled.ca) {
+    let ca_present = match fs::read(&ca_path) {
         Ok(existing) if existing == ca_pem.as_bytes() => true,
-        Ok(_) => return Err(PkiError::Exists(enrolled.ca.clone())),
+        Ok(_) => return Err(PkiError::Exists(ca_path.clone())),
         Err(e) if e.kind() == io::ErrorKind::NotFound => false,
-        Err(e) => return Err(PkiError::Io(enrolled.ca.clone(), e)),
+        Err(e) => return Err(PkiError::Io(ca_path.clone(), e)),
     };
 
     let key = KeyPair::generate()?;
-    let mut params = leaf_params(worker.as_str(), WORKER_VALIDITY);
-    let uri = worker_uri(worker).try_into().map_err(|_| PkiError::Host(worker.to_string()))?;
-    params.subject_alt_names = vec![SanType::URI(uri)];
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let cert = params.signed_by(&key, &issuer)?;
+    let issued = ca.issue(worker, &key, lifetime)?;
 
     create_dir(out)?;
-    write_new(&enrolled.key, Zeroizing::new(key.serialize_pem()).as_bytes(), 0o600)?;
-    write_new(&enrolled.cert, cert.pem().as_bytes(), 0o644)?;
+    write_new(&key_path, Zeroizing::new(key.serialize_pem()).as_bytes(), 0o600)?;
+    write_new(&cert_path, issued.pem.as_bytes(), 0o644)?;
     if !ca_present {
-        write_new(&enrolled.ca, ca_pem.as_bytes(), 0o644)?;
+        write_new(&ca_path, ca_pem.as_bytes(), 0o644)?;
     }
     sync_dir(out)?;
-    Ok(enrolled)
+    Ok((Enrolled { cert: cert_path, key: key_path, ca: ca_path }, issued))
+}
+
+/// The worker CA, loaded to issue certificates: for `enroll`, and in `serve` for the
+/// agents that enrol with a token or renew (a replica without `ca.key` cannot).
+pub struct Ca {
+    /// `ca.crt` as stored.
+    pub cert_pem: String,
+    key: KeyPair,
+    common_name: String,
+}
+
+impl fmt::Debug for Ca {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ca").field("common_name", &self.common_name).finish_non_exhaustive()
+    }
+}
+
+impl Ca {
+    /// Loads `<dir>/pki/ca.crt` and `ca.key`, checking that they belong together.
+    pub fn load(dir: &Path) -> Result<Self, PkiError> {
+        let paths = PkiPaths::new(dir);
+        let cert_pem = fs::read_to_string(&paths.ca_cert).map_err(|e| PkiError::Io(paths.ca_cert.clone(), e))?;
+        let key_pem = read_secret(&paths.ca_key)?;
+        let key = KeyPair::from_pem(&key_pem).map_err(|_| PkiError::BadCa("ca.key is not a PEM key".into()))?;
+        let common_name = ca_common_name(&cert_pem, &key)?;
+        Ok(Self { cert_pem, key, common_name })
+    }
+
+    /// The CA certificate's SHA-256 fingerprint (of its DER), lowercase hex: what an
+    /// agent pins when it enrols with a token.
+    pub fn fingerprint(&self) -> String {
+        fingerprint(&self.cert_pem).unwrap_or_default()
+    }
+
+    /// Issues `worker`'s client certificate for `key` (the worker URI as its only SAN,
+    /// client-auth), valid for `lifetime`.
+    pub fn issue(&self, worker: &WorkerId, key: &impl rcgen::PublicKeyData, lifetime: Duration) -> Result<Issued, PkiError> {
+        let issuer = Issuer::new(ca_params(&self.common_name), &self.key);
+        let mut params = leaf_params(worker.as_str(), lifetime);
+        let uri = worker_uri(worker).try_into().map_err(|_| PkiError::Host(worker.to_string()))?;
+        params.subject_alt_names = vec![SanType::URI(uri)];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let not_after_ms = params.not_after.unix_timestamp().saturating_mul(1000);
+        let serial = params.serial_number.as_ref().map(|s| serial_hex(s.as_ref())).unwrap_or_default();
+        let cert = params.signed_by(key, &issuer)?;
+        Ok(Issued { pem: cert.pem(), serial, not_after_ms })
+    }
+
+    /// Issues `worker`'s certificate for the key of a PKCS#10 request (DER), after
+    /// checking it: an ECDSA P-256 key, a valid signature by that key (the holder has
+    /// it), and the worker id as the subject's common name.
+    pub fn issue_for_request(&self, worker: &WorkerId, csr_der: &[u8], lifetime: Duration) -> Result<Issued, PkiError> {
+        let key = RequestKey::check(worker, csr_der)?;
+        self.issue(worker, &key, lifetime)
+    }
+}
+
+/// The public key of a checked certificate signing request.
+struct RequestKey(Vec<u8>);
+
+/// id-ecPublicKey, prime256v1 and ecdsa-with-SHA256.
+const EC_PUBLIC_KEY: &str = "1.2.840.10045.2.1";
+const P256: &str = "1.2.840.10045.3.1.7";
+const ECDSA_SHA256: &str = "1.2.840.10045.4.3.2";
+
+impl RequestKey {
+    fn check(worker: &WorkerId, der: &[u8]) -> Result<Self, PkiError> {
+        use x509_parser::prelude::FromDer as _;
+        let (rest, csr) = x509_parser::certification_request::X509CertificationRequest::from_der(der)
+            .map_err(|_| PkiError::Csr("not a PKCS#10 request"))?;
+        if !rest.is_empty() {
+            return Err(PkiError::Csr("trailing bytes after the request"));
+        }
+        let info = &csr.certification_request_info;
+        let spki = &info.subject_pki;
+        let curve = spki.algorithm.parameters.as_ref().and_then(|p| p.as_oid().ok()).map(|o| o.to_id_string());
+        if spki.algorithm.algorithm.to_id_string() != EC_PUBLIC_KEY || curve.as_deref() != Some(P256) {
+            return Err(PkiError::Csr("the key is not ECDSA P-256"));
+        }
+        if csr.signature_algorithm.algorithm.to_id_string() != ECDSA_SHA256 {
+            return Err(PkiError::Csr("the signature is not ECDSA with SHA-256"));
+        }
+        let point = spki.subject_public_key.data.to_vec();
+        let key = ring::signature::UnparsedPublicKey::new(&ring::signature::ECDSA_P256_SHA256_ASN1, &point);
+        key.verify(info.raw, &csr.signature_value.data).map_err(|_| PkiError::Csr("the signature does not verify"))?;
+        let cn = info.subject.iter_common_name().next().and_then(|cn| cn.as_str().ok());
+        if cn != Some(worker.as_str()) {
+            return Err(PkiError::Csr("the subject's common name is not the worker id"));
+        }
+        Ok(Self(point))
+    }
+}
+
+impl rcgen::PublicKeyData for RequestKey {
+    fn der_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
+        &rcgen::PKCS_ECDSA_P256_SHA256
+    }
+}
+
+/// The fingerprint of the worker CA under `dir` ([`fingerprint`]).
+pub fn ca_fingerprint(dir: &Path) -> Result<String, PkiError> {
+    let paths = PkiPaths::new(dir);
+    let pem = fs::read_to_string(&paths.ca_cert).map_err(|e| PkiError::Io(paths.ca_cert.clone(), e))?;
+    fingerprint(&pem).ok_or_else(|| PkiError::BadCa("ca.crt is not PEM".into()))
+}
+
+/// The DNS names and IP addresses of the server certificate under `dir`, in order.
+pub fn server_hosts(dir: &Path) -> Result<Vec<String>, PkiError> {
+    let paths = PkiPaths::new(dir);
+    let pem = fs::read(&paths.server_cert).map_err(|e| PkiError::Io(paths.server_cert.clone(), e))?;
+    let bad = || PkiError::BadCa("server.crt is not a certificate".into());
+    let (_, pem) = x509_parser::pem::parse_x509_pem(&pem).map_err(|_| bad())?;
+    let cert = pem.parse_x509().map_err(|_| bad())?;
+    let san = cert.subject_alternative_name().map_err(|_| bad())?;
+    Ok(san
+        .iter()
+        .flat_map(|ext| ext.value.general_names.iter())
+        .filter_map(|name| match name {
+            x509_parser::extensions::GeneralName::DNSName(d) => Some((*d).to_owned()),
+            x509_parser::extensions::GeneralName::IPAddress(ip) => match ip.len() {
+                4 => Some(std::net::Ipv4Addr::from(<[u8; 4]>::try_from(*ip).ok()?).to_string()),
+                16 => Some(std::net::Ipv6Addr::from(<[u8; 16]>::try_from(*ip).ok()?).to_string()),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect())
+}
+
+/// The SHA-256 of the first certificate in `pem` (its DER), lowercase hex.
+pub fn fingerprint(pem: &str) -> Option<String> {
+    use sha2::Digest as _;
+    let (_, pem) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).ok()?;
+    Some(hex(&sha2::Sha256::digest(&pem.contents)))
 }
 
 /// Reads a key file into a zeroizing buffer.
@@ -270,9 +413,10 @@ fn host_san(host: &str) -> Result<SanType, PkiError> {
     Ok(SanType::DnsName(host.try_into().map_err(|_| PkiError::Host(host.to_owned()))?))
 }
 
-/// Rebuilds the issuer from the stored CA: its subject and key usages, checked against
-/// the key, so a swapped `ca.key` cannot sign certificates that chain to nothing.
-fn load_issuer<'k>(ca_pem: &str, ca_key: &'k KeyPair) -> Result<Issuer<'static, &'k KeyPair>, PkiError> {
+/// The stored CA's common name, from which the issuer is rebuilt (its subject and key
+/// usages), checked against the key, so a swapped `ca.key` cannot sign certificates that
+/// chain to nothing.
+fn ca_common_name(ca_pem: &str, ca_key: &KeyPair) -> Result<String, PkiError> {
     let (_, pem) =
         x509_parser::pem::parse_x509_pem(ca_pem.as_bytes()).map_err(|_| PkiError::BadCa("ca.crt is not PEM".into()))?;
     let cert = pem.parse_x509().map_err(|_| PkiError::BadCa("ca.crt is not a certificate".into()))?;
@@ -289,12 +433,12 @@ fn load_issuer<'k>(ca_pem: &str, ca_key: &'k KeyPair) -> Result<Issuer<'static, 
         .next()
         .and_then(|cn| cn.as_str().ok())
         .ok_or_else(|| PkiError::BadCa("ca.crt has no common name".into()))?;
-    Ok(Issuer::new(ca_params(cn), ca_key))
+    Ok(cn.to_owned())
 }
 
 fn set_validity(params: &mut CertificateParams, lifetime: Duration) {
     let now = ASN1Time::now().to_datetime();
-    params.not_before = now - BACKDATE;
+    params.not_before = now - BACKDATE.min(lifetime / 8);
     params.not_after = now + lifetime;
 }
 
@@ -309,6 +453,13 @@ fn serial() -> SerialNumber {
     let mut bytes = random::<16>();
     bytes[0] = (bytes[0] & 0x7f) | 0x01;
     SerialNumber::from_slice(&bytes)
+}
+
+/// A certificate serial number as the authority records it: lowercase hex of its DER
+/// content bytes with leading zero bytes dropped (a positive serial may carry one).
+pub fn serial_hex(raw: &[u8]) -> String {
+    let start = raw.iter().position(|&b| b != 0).unwrap_or(raw.len());
+    hex(&raw[start..])
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -452,7 +603,8 @@ pub(crate) mod tests {
         let dir = TempDir::new("pki-enroll");
         let paths = init_pki(dir.path(), &["127.0.0.1".into()]).unwrap();
         let out = dir.path().join("out");
-        let enrolled = enroll(dir.path(), &worker("router-1"), &out).unwrap();
+        let (enrolled, issued) = enroll(dir.path(), &worker("router-1"), &out, WORKER_VALIDITY).unwrap();
+        assert_eq!(issued.pem.as_bytes(), fs::read(&enrolled.cert).unwrap());
         assert_eq!(enrolled.cert, out.join("router-1.crt"));
         assert_eq!(enrolled.key, out.join("router-1.key"));
         assert_eq!(mode(&enrolled.key), 0o600);
@@ -470,7 +622,7 @@ pub(crate) mod tests {
         assert_eq!(crate::http::tls::principal(&[der.into()]), Ok(worker("router-1")));
 
         // A second worker shares the directory and its ca.crt.
-        enroll(dir.path(), &worker("router-2"), &out).unwrap();
+        enroll(dir.path(), &worker("router-2"), &out, WORKER_VALIDITY).unwrap();
     }
 
     #[test]
@@ -478,14 +630,14 @@ pub(crate) mod tests {
         let dir = TempDir::new("pki-enroll-again");
         init_pki(dir.path(), &["localhost".into()]).unwrap();
         let out = dir.path().join("out");
-        let first = enroll(dir.path(), &worker("router-1"), &out).unwrap();
+        let (first, _) = enroll(dir.path(), &worker("router-1"), &out, WORKER_VALIDITY).unwrap();
         let key = fs::read(&first.key).unwrap();
-        assert!(matches!(enroll(dir.path(), &worker("router-1"), &out), Err(PkiError::Exists(_))));
+        assert!(matches!(enroll(dir.path(), &worker("router-1"), &out, WORKER_VALIDITY), Err(PkiError::Exists(_))));
         assert_eq!(fs::read(&first.key).unwrap(), key);
 
         let foreign = TempDir::new("pki-foreign");
         init_pki(foreign.path(), &["localhost".into()]).unwrap();
-        assert!(matches!(enroll(foreign.path(), &worker("router-3"), &out), Err(PkiError::Exists(p)) if p == first.ca));
+        assert!(matches!(enroll(foreign.path(), &worker("router-3"), &out, WORKER_VALIDITY), Err(PkiError::Exists(p)) if p == first.ca));
         assert!(!out.join("router-3.key").exists());
     }
 
@@ -497,7 +649,7 @@ pub(crate) mod tests {
         let other_paths = init_pki(other.path(), &["localhost".into()]).unwrap();
         fs::remove_file(&paths.ca_key).unwrap();
         fs::copy(&other_paths.ca_key, &paths.ca_key).unwrap();
-        let refused = enroll(dir.path(), &worker("router-1"), &dir.path().join("out"));
+        let refused = enroll(dir.path(), &worker("router-1"), &dir.path().join("out"), WORKER_VALIDITY);
         assert!(matches!(refused, Err(PkiError::BadCa(_))), "{refused:?}");
     }
 }

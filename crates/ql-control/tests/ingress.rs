@@ -179,7 +179,7 @@ impl Server {
         let out = self.dir.path().join("agents").join(worker);
         let (cert, key) = (out.join(format!("{worker}.crt")), out.join(format!("{worker}.key")));
         if !cert.exists() {
-            pki::enroll(self.dir.path(), &wid(worker), &out).unwrap();
+            pki::enroll(self.dir.path(), &wid(worker), &out, pki::WORKER_VALIDITY).unwrap();
         }
         Creds::read(&out.join("ca.crt"), &cert, &key)
     }
@@ -867,7 +867,8 @@ fn a_certificate_from_a_foreign_ca_is_refused() {
     let server = Server::start("foreign");
     let foreign = TempDir::new("foreign-ca");
     pki::init_pki(foreign.path(), &["localhost".into()]).unwrap();
-    let files = pki::enroll(foreign.path(), &wid("router-1"), &foreign.path().join("out")).unwrap();
+    let (files, _) =
+        pki::enroll(foreign.path(), &wid("router-1"), &foreign.path().join("out"), pki::WORKER_VALIDITY).unwrap();
     let creds = Creds::read(&files.ca, &files.cert, &files.key);
     assert!(!gets_an_answer(&server, client_config(&server.ca_pem(), Some(&creds), &[&rustls::version::TLS13])));
     server.wait_for("the handshake to fail", |st| st.handshake_failures() == 1);

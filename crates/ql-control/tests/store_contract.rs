@@ -134,7 +134,11 @@ macro_rules! contract_suite {
             $(
                 #[tokio::test]
                 async fn $scenario() {
-                    contract::scenarios::$scenario($make).await;
+                    #[allow(unused_imports)]
+                    use contract::identity::*;
+                    #[allow(unused_imports)]
+                    use contract::scenarios::*;
+                    $scenario($make).await;
                 }
             )*
         }
@@ -146,6 +150,10 @@ contract_suite!(
     postgres: contract::pg::Pg::new().await,
     => [
         the_whole_protocol_with_replays,
+        admission_follows_the_worker_and_its_certificates,
+        revoking_a_worker_ends_what_it_holds_and_requeues_its_runs,
+        disabling_a_worker_requeues_its_runs_and_a_repeat_changes_nothing_more,
+        an_enrolment_token_is_spent_once,
         completion_from_starting_registers_the_callback,
         artifacts_are_admitted_and_completions_match_their_receipt,
         the_live_log_appends_at_the_acknowledged_offset_then_seals,

@@ -69,6 +69,14 @@ pub enum ErrorCode {
     Unauthenticated,
     /// The path's worker is not the certificate's.
     PrincipalMismatch,
+    /// The client certificate was revoked (alone, or with every certificate of its
+    /// worker): enrol again.
+    CertificateRevoked,
+    /// The operator disabled the worker: every certificate of it is refused until it is
+    /// enabled again.
+    WorkerDisabled,
+    /// The enrolment token is unknown, spent, expired or for another worker.
+    EnrolmentRefused,
     /// No such session, offer, run or attempt (or route).
     NotFound,
     /// The session was replaced, closed or expired.
@@ -104,7 +112,7 @@ impl ErrorCode {
         match self {
             Self::InvalidRequest => 400,
             Self::Unauthenticated => 401,
-            Self::PrincipalMismatch => 403,
+            Self::PrincipalMismatch | Self::CertificateRevoked | Self::WorkerDisabled | Self::EnrolmentRefused => 403,
             Self::NotFound => 404,
             Self::SessionConflict
             | Self::OfferConflict
@@ -127,6 +135,9 @@ impl ErrorCode {
             Self::InvalidRequest => "invalid_request",
             Self::Unauthenticated => "unauthenticated",
             Self::PrincipalMismatch => "principal_mismatch",
+            Self::CertificateRevoked => "certificate_revoked",
+            Self::WorkerDisabled => "worker_disabled",
+            Self::EnrolmentRefused => "enrolment_refused",
             Self::NotFound => "not_found",
             Self::SessionConflict => "session_conflict",
             Self::OfferConflict => "offer_conflict",
@@ -184,10 +195,13 @@ impl Body for ErrorBody {
 mod tests {
     use super::*;
 
-    const ALL: [ErrorCode; 16] = [
+    const ALL: [ErrorCode; 19] = [
         ErrorCode::InvalidRequest,
         ErrorCode::Unauthenticated,
         ErrorCode::PrincipalMismatch,
+        ErrorCode::CertificateRevoked,
+        ErrorCode::WorkerDisabled,
+        ErrorCode::EnrolmentRefused,
         ErrorCode::NotFound,
         ErrorCode::SessionConflict,
         ErrorCode::OfferConflict,
@@ -216,6 +230,9 @@ mod tests {
         assert!(table.contains(&(400, "invalid_request")));
         assert!(table.contains(&(401, "unauthenticated")));
         assert!(table.contains(&(403, "principal_mismatch")));
+        assert!(table.contains(&(403, "certificate_revoked")));
+        assert!(table.contains(&(403, "worker_disabled")));
+        assert!(table.contains(&(403, "enrolment_refused")));
         assert!(table.contains(&(404, "not_found")));
         assert!(table.contains(&(411, "length_required")));
         assert!(table.contains(&(413, "payload_too_large")));

@@ -324,10 +324,8 @@ mod tests {
     #[test]
     fn a_trusted_label_is_matched_only_by_the_operators_record_of_the_worker() {
         let trusted = |pairs: &[(&str, &str)]| crate::model::Worker {
-            id: worker(),
             labels: pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
-            created_at: NOW - 5,
-            updated_at: NOW - 5,
+            ..crate::model::Worker::new(worker(), NOW - 5)
         };
         let mut rows = placement_rows(1, 1);
         rows.queued[0].labels.insert("site".into(), "cluster-prod".into());

@@ -18,6 +18,7 @@ mod delivery;
 mod fence;
 mod finish;
 mod grace;
+mod identity;
 mod log;
 mod operator;
 mod session;
@@ -30,6 +31,7 @@ mod worker;
 pub use abandon::WORKER_LOST;
 pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
 pub use grace::{absence, Grace, Graced};
+pub use identity::{admission, Access, AccessChanged, Issuer, WORKER_DISABLED, WORKER_REVOKED};
 pub use log::{same_bytes, ChunkAdmitted, ChunkPlan};
 pub use operator::{check_labels, CancelOutcome, Submit};
 pub use start::{EXECUTION_CANCELLED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED};
@@ -49,7 +51,7 @@ use ql_wire::{ErrorCode, Fence};
 
 use std::collections::BTreeMap;
 
-use crate::model::{Attempt, Event, Lease, LogChunk, Millis, Offer, Run, Session, Worker};
+use crate::model::{Attempt, Certificate, Enrolment, Event, Lease, LogChunk, Millis, Offer, Run, Session, Worker};
 
 /// Durations the authority hands out. Every one is configurable so tests run short.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +127,16 @@ pub enum Command {
     Cancel(RunId),
     /// Operator: set the labels it vouches for of a worker.
     LabelWorker(WorkerId, BTreeMap<String, String>),
+    /// Operator: disable, enable or revoke a worker.
+    SetAccess(WorkerId, Access),
+    /// Operator: revoke one certificate of a worker by serial.
+    RevokeCertificate(WorkerId, String),
+    /// Record a certificate just issued (by an operator, or renewed by its worker).
+    RecordCertificate(Certificate, Issuer),
+    /// Operator: record a one-time enrolment token's digest, valid this long.
+    CreateEnrolment(WorkerId, Digest, u64),
+    /// An agent spends an enrolment token (this digest) on a certificate just issued.
+    Enrol(Digest, Certificate),
     /// Expire what has lapsed, by DB time.
     Sweep,
 }
@@ -144,6 +156,14 @@ pub struct Keys {
     pub worker_sessions: Option<WorkerId>,
     /// Load this worker's record (its trusted labels).
     pub worker: Option<WorkerId>,
+    /// Load every certificate recorded for this worker.
+    pub worker_certificates: Option<WorkerId>,
+    /// Load this worker's leased attempts and open offers, with their runs.
+    pub worker_work: Option<WorkerId>,
+    /// Load this certificate by serial.
+    pub certificate: Option<String>,
+    /// Load this enrolment by token digest.
+    pub enrolment: Option<Digest>,
     /// Load placement candidates: queued runs, and the session's open offers and
     /// active attempt count.
     pub placement: bool,
@@ -174,6 +194,14 @@ pub struct Rows {
     pub worker_sessions: Vec<Session>,
     /// The worker's record, when asked for (placement loads the session's).
     pub worker: Option<Worker>,
+    /// The worker's certificates, when asked for.
+    pub certificates: Vec<Certificate>,
+    /// The worker's leased attempts and open offers, when asked for.
+    pub worker_work: Work,
+    /// The certificate named by serial.
+    pub certificate: Option<Certificate>,
+    /// The enrolment named by digest.
+    pub enrolment: Option<Enrolment>,
     /// Queued runs, oldest first (placement).
     pub queued: Vec<Run>,
     /// The session's open offers (placement).
@@ -186,6 +214,15 @@ pub struct Rows {
     pub alive_at: Option<Millis>,
     /// The live rows an outage's grace extends, instead of the lapsed ones (sweep).
     pub grace: Option<Grace>,
+}
+
+/// What one worker holds: leases and open offers, each with its run and attempt.
+#[derive(Debug, Clone, Default)]
+pub struct Work {
+    /// Leased leases.
+    pub leases: Vec<(Lease, Run, Attempt)>,
+    /// Open offers.
+    pub offers: Vec<(Offer, Run, Attempt)>,
 }
 
 /// What the sweeper found lapsed, each with the rows its decision needs.
@@ -238,6 +275,14 @@ pub enum Reply {
     Cancelled(CancelOutcome),
     /// To labelling a worker: its record now.
     WorkerLabelled(Worker),
+    /// To disabling, enabling or revoking a worker: what it ended.
+    AccessChanged(AccessChanged),
+    /// To revoking a certificate: its record now.
+    CertificateRevoked(Certificate),
+    /// A certificate was recorded (as issued, or on enrolment).
+    CertificateRecorded(Certificate),
+    /// An enrolment token was recorded.
+    EnrolmentCreated(Enrolment),
     /// To sweep: how many rows it changed.
     Swept(usize),
     /// To a sweep after an outage: what its grace gave back (nothing was swept).
@@ -265,6 +310,10 @@ pub enum Write {
     LogChunk(LogChunk),
     /// Insert or replace a worker's record.
     Worker(Worker),
+    /// Insert or replace a certificate's record.
+    Certificate(Certificate),
+    /// Insert or replace an enrolment.
+    Enrolment(Enrolment),
     /// Record that a replica swept at this DB time.
     Alive(Millis),
 }
@@ -398,6 +447,25 @@ impl Command {
             Self::Submit(_) => Keys::default(),
             Self::Cancel(r) => Keys { run: Some(r.clone()), current_attempt: true, ..Keys::default() },
             Self::LabelWorker(w, _) => Keys { worker: Some(w.clone()), ..Keys::default() },
+            Self::SetAccess(w, Access::Enable) => Keys { worker: Some(w.clone()), ..Keys::default() },
+            Self::SetAccess(w, _) => Keys {
+                worker_work: Some(w.clone()),
+                worker_sessions: Some(w.clone()),
+                worker: Some(w.clone()),
+                worker_certificates: Some(w.clone()),
+                ..Keys::default()
+            },
+            Self::RevokeCertificate(_, serial) => Keys { certificate: Some(serial.clone()), ..Keys::default() },
+            Self::RecordCertificate(c, _) => {
+                Keys { worker: Some(c.worker.clone()), certificate: Some(c.serial.clone()), ..Keys::default() }
+            }
+            Self::CreateEnrolment(_, digest, _) => Keys { enrolment: Some(digest.clone()), ..Keys::default() },
+            Self::Enrol(digest, c) => Keys {
+                enrolment: Some(digest.clone()),
+                worker: Some(c.worker.clone()),
+                certificate: Some(c.serial.clone()),
+                ..Keys::default()
+            },
             Self::Sweep => Keys { sweep: true, ..Keys::default() },
         }
     }
@@ -433,6 +501,11 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::Submit(s) => operator::submit(s, now, ids),
         Command::Cancel(_) => operator::cancel(rows, now, ids),
         Command::LabelWorker(w, labels) => worker::set_labels(w, labels, rows, now),
+        Command::SetAccess(w, access) => identity::set_access(w, *access, rows, now, ids),
+        Command::RevokeCertificate(w, serial) => identity::revoke_certificate(w, serial, rows, now),
+        Command::RecordCertificate(cert, issuer) => identity::record_certificate(cert, *issuer, rows, now),
+        Command::CreateEnrolment(w, digest, ttl_ms) => identity::create_enrolment(w, digest, *ttl_ms, rows, now),
+        Command::Enrol(digest, cert) => identity::enrol(digest, cert, rows, now),
         Command::Sweep => match &rows.grace {
             Some(grace) => grace::give_back(grace, now, timings),
             None => sweep::sweep(&rows.lapsed, now, ids),

@@ -105,16 +105,28 @@ pub(super) fn lost_lease(
 /// An offer nobody claimed: the attempt is lost and the run goes back to the queue
 /// without spending its retry budget (it never started).
 fn lapse_offer(offer: &Offer, run: &Run, attempt: &Attempt, now: Millis, ids: &mut IdGen) -> Vec<Write> {
+    lost_offer(offer, run, attempt, OFFER_EXPIRED, now, ids)
+}
+
+/// An open offer ended unclaimed, as [`lapse_offer`] says, with `code` as the loss's code.
+pub(super) fn lost_offer(
+    offer: &Offer,
+    run: &Run,
+    attempt: &Attempt,
+    code: &str,
+    now: Millis,
+    ids: &mut IdGen,
+) -> Vec<Write> {
     let lost = Attempt {
         status: AttemptStatus::Lost,
         end: Some(EndKind::OfferExpired),
         ended_at: Some(now),
-        error_code: Some(OFFER_EXPIRED.to_owned()),
+        error_code: Some(code.to_owned()),
         ..attempt.clone()
     };
     let next_run = requeued(run, run.retries_used);
     let mut writes = vec![Write::Offer(Offer { state: OfferState::Expired, ..offer.clone() })];
-    writes.extend(lose(attempt, lost, run, next_run, OFFER_EXPIRED, now, ids));
+    writes.extend(lose(attempt, lost, run, next_run, code, now, ids));
     writes
 }
 

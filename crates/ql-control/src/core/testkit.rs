@@ -251,6 +251,8 @@ pub(crate) fn applied(rows: &Rows, d: &super::Decision) -> Rows {
             super::Write::Event(e) if e.kind == super::COMPLETION_EVENT => next.completion_event = Some(e.clone()),
             super::Write::Worker(w) => next.worker = Some(w.clone()),
             super::Write::Alive(at) => next.alive_at = Some(*at),
+            super::Write::Certificate(c) => next.certificate = Some(c.clone()),
+            super::Write::Enrolment(e) => next.enrolment = Some(e.clone()),
             super::Write::Event(_) | super::Write::LogChunk(_) => {}
         }
     }

@@ -21,12 +21,8 @@ pub(super) fn set_labels(worker: &WorkerId, labels: &BTreeMap<String, String>, r
         return Decision::refuse(ErrorCode::InvalidRequest);
     }
     let existing = rows.worker.as_ref().filter(|w| &w.id == worker);
-    let updated = Worker {
-        id: worker.clone(),
-        labels: labels.clone(),
-        created_at: existing.map_or(now, |w| w.created_at),
-        updated_at: now,
-    };
+    let base = existing.cloned().unwrap_or_else(|| Worker::new(worker.clone(), now));
+    let updated = Worker { labels: labels.clone(), updated_at: now, ..base };
     if existing.is_some_and(|w| w.labels == *labels) {
         return Decision::apply(Reply::WorkerLabelled(updated), Vec::new());
     }
@@ -65,7 +61,7 @@ mod tests {
 
     #[test]
     fn the_same_labels_again_write_nothing() {
-        let first = Worker { id: w1(), labels: labels(&[("site", "attic")]), created_at: NOW, updated_at: NOW };
+        let first = Worker { labels: labels(&[("site", "attic")]), ..Worker::new(w1(), NOW) };
         let rows = Rows { worker: Some(first), ..Rows::default() };
         let d = set_labels(&w1(), &labels(&[("site", "attic")]), &rows, NOW + 5);
         assert!(d.reply.is_ok());

@@ -73,6 +73,8 @@ pub(super) struct Shared<S, B> {
 pub(super) struct Service<S, B> {
     pub(super) shared: Arc<Shared<S, B>>,
     pub(super) principal: Option<WorkerId>,
+    /// The client certificate's serial number (lowercase hex), when it has a principal.
+    pub(super) serial: String,
     /// Set when an answer left request bytes unread: the connection then ends with a
     /// lingering close.
     pub(super) unread: Arc<AtomicBool>,
@@ -94,13 +96,14 @@ impl<S: Store, B: BlobStore> hyper::service::Service<Request<Incoming>> for Serv
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         let shared = self.shared.clone();
         let principal = self.principal.clone();
+        let serial = self.serial.clone();
         let unread = self.unread.clone();
         let reset = self.reset.clone();
         let clock = self.clock.clone();
         clock.answering();
         Box::pin(async move {
             shared.stats.requests.fetch_add(1, Ordering::Relaxed);
-            let answer = handle(&shared, principal, req, &reset).await;
+            let answer = handle(&shared, principal, serial, req, &reset).await;
             clock.answered();
             if answer.close {
                 unread.store(true, Ordering::Relaxed);
@@ -166,6 +169,7 @@ impl Answer {
 async fn handle<S: Store, B: BlobStore>(
     shared: &Arc<Shared<S, B>>,
     principal: Option<WorkerId>,
+    serial: String,
     req: Request<Incoming>,
     reset: &Reset,
 ) -> Answer {
@@ -188,11 +192,14 @@ async fn handle<S: Store, B: BlobStore>(
         return Answer::refuse_and_close(ErrorCode::PrincipalMismatch);
     }
     // The admission must be on record before any body byte is read; without the record,
-    // no admission.
+    // no admission. It is decided per request, so a certificate revoked (or a worker
+    // disabled) while a connection is open is refused on that connection's next request.
     let record =
         AuditRecord { at: 0, principal: Some(principal.clone()), route: name.to_owned(), outcome: "admitted".into() };
-    if shared.store.audit(record).await.is_err() {
-        return Answer::refuse_and_close(ErrorCode::Unavailable);
+    match shared.store.admit(record, serial.clone()).await {
+        Ok(None) => {}
+        Ok(Some(code)) => return Answer::refuse_and_close(code),
+        Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
     }
     let length = match framing::check(&route, req.headers()) {
         Ok(length) => length,
@@ -382,6 +389,10 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
         | Reply::Submitted(_)
         | Reply::Cancelled(_)
         | Reply::WorkerLabelled(_)
+        | Reply::AccessChanged(_)
+        | Reply::CertificateRevoked(_)
+        | Reply::CertificateRecorded(_)
+        | Reply::EnrolmentCreated(_)
         | Reply::Swept(_)
         | Reply::Graced(_) => Answer::refuse(ErrorCode::Unavailable),
     }

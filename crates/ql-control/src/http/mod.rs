@@ -470,7 +470,9 @@ async fn connection<S: Store, B: BlobStore>(
         shared.reports.turned_away.event(&format!("from {ip}: all {limit} connection slots (max_connections) taken"));
         return;
     };
-    let principal = tls::principal(stream.get_ref().1.peer_certificates().unwrap_or_default()).ok();
+    let peer = stream.get_ref().1.peer_certificates().unwrap_or_default();
+    let principal = tls::principal(peer).ok();
+    let serial = tls::serial(peer);
     if principal.is_some() {
         shared.stats.authenticated.fetch_add(1, Ordering::Relaxed);
     }
@@ -483,6 +485,7 @@ async fn connection<S: Store, B: BlobStore>(
     let service = Service {
         shared: shared.clone(),
         principal,
+        serial,
         unread: unread.clone(),
         reset: reset.clone(),
         clock: clock.clone(),

@@ -131,6 +131,15 @@ impl fmt::Display for Unauthenticated {
 
 impl std::error::Error for Unauthenticated {}
 
+/// The serial number of a verified peer's end-entity certificate, as the authority
+/// records it ([`crate::pki::serial_hex`]); empty without a parsable certificate.
+pub fn serial(peer: &[CertificateDer<'_>]) -> String {
+    peer.first()
+        .and_then(|der| x509_parser::parse_x509_certificate(der).ok())
+        .map(|(_, cert)| crate::pki::serial_hex(cert.raw_serial()))
+        .unwrap_or_default()
+}
+
 /// The worker principal of a verified peer chain (end-entity certificate first).
 pub fn principal(peer: &[CertificateDer<'_>]) -> Result<WorkerId, Unauthenticated> {
     let end_entity = peer.first().ok_or(Unauthenticated::NoCertificate)?;

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use crate::core::{Command, Reply};
 use ql_wire::ids::WorkerId;
 
-use crate::model::{Attempt, AuditRecord, Event, Lease, LogChunk, Offer, Run, Session, Worker};
+use crate::model::{Attempt, AuditRecord, Certificate, Enrolment, Event, Lease, LogChunk, Offer, Run, Session, Worker};
 
 /// The store could not reach or use its database. Maps to `503 unavailable`.
 #[derive(Debug)]
@@ -70,6 +70,10 @@ pub struct Snapshot {
     pub log_chunks: Vec<LogChunk>,
     /// Workers' records by id.
     pub workers: Vec<Worker>,
+    /// Certificates by serial.
+    pub certificates: Vec<Certificate>,
+    /// Enrolments by token digest.
+    pub enrolments: Vec<Enrolment>,
 }
 
 /// How long audit records are kept: the sweeper removes those older than `max_age_ms`
@@ -89,6 +93,16 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Appends a security audit record (its `at` is filled with DB time).
     fn audit(&self, record: AuditRecord) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Admits a request of `record.principal` presenting the certificate `serial`, or
+    /// refuses it ([`crate::core::admission`]: a disabled worker, a revoked certificate),
+    /// and records the outcome in the same step: `admitted`, or the refusal's code, which
+    /// is returned.
+    fn admit(
+        &self,
+        record: AuditRecord,
+        serial: String,
+    ) -> impl Future<Output = Result<Option<ErrorCode>, StoreError>> + Send;
 
     /// Prunes audit records from the old end as `retention` says; returns how many went.
     fn prune_audit(&self, retention: AuditRetention) -> impl Future<Output = Result<u64, StoreError>> + Send;
@@ -111,6 +125,9 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Workers' records (their trusted labels), by id, at most `limit`.
     fn workers(&self, limit: usize) -> impl Future<Output = Result<Vec<Worker>, StoreError>> + Send;
+
+    /// Certificates recorded, by worker then newest first, at most `limit`.
+    fn certificates(&self, limit: usize) -> impl Future<Output = Result<Vec<Certificate>, StoreError>> + Send;
 
     /// Sessions, newest first, at most `limit`.
     fn sessions(&self, limit: usize) -> impl Future<Output = Result<Vec<Session>, StoreError>> + Send;

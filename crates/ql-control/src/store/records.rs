@@ -10,7 +10,7 @@ use ql_wire::lease::StopIntent;
 
 use super::columns::{Columns, Corrupt, Table, Value as V};
 use crate::model::{
-    Attempt, AttemptStatus, AuditRecord, ClaimFacts, EndKind, Event, Lease, LeaseFacts, LeaseState, LogChunk, Offer,
+    Attempt, AttemptStatus, AuditRecord, Certificate, ClaimFacts, Enrolment, EndKind, Event, Lease, LeaseFacts, LeaseState, LogChunk, Offer,
     OfferState, Run, RunStatus, Session, SessionState, Worker,
 };
 
@@ -64,7 +64,11 @@ pub(super) const EVENT_COLS: &str = "id, run_id, attempt_id, kind, from_status, 
 /// Columns of `log_chunks`, in select order.
 pub(super) const LOG_CHUNK_COLS: &str = "attempt_id, byte_offset, length, sha256";
 /// Columns of `workers`, in select order.
-pub(super) const WORKER_COLS: &str = "id, labels, created_at, updated_at";
+pub(super) const WORKER_COLS: &str = "id, labels, disabled_at, revoked_at, created_at, updated_at";
+/// Columns of `enrolments`, in select order.
+pub(super) const ENROLMENT_COLS: &str = "token_digest, worker, created_at, expires_at, used_at, serial";
+/// Columns of `certificates`, in select order.
+pub(super) const CERTIFICATE_COLS: &str = "serial, worker, issued_at, not_after, revoked_at";
 /// Columns of `audit`, in select order (`seq` as for events).
 pub(super) const AUDIT_COLS: &str = "at, principal, route, outcome";
 
@@ -81,10 +85,23 @@ pub(super) const AUDIT: Table = Table { name: "audit", key: None, cols: AUDIT_CO
 /// refuses a second one at the same offset).
 pub(super) const LOG_CHUNKS: Table = Table { name: "log_chunks", key: None, cols: LOG_CHUNK_COLS };
 pub(super) const WORKERS: Table = Table { name: "workers", key: Some("id"), cols: WORKER_COLS };
+pub(super) const CERTIFICATES: Table = Table { name: "certificates", key: Some("serial"), cols: CERTIFICATE_COLS };
+pub(super) const ENROLMENTS: Table = Table { name: "enrolments", key: Some("token_digest"), cols: ENROLMENT_COLS };
 
 /// Every table a model type is stored in.
-pub(super) const TABLES: [&Table; 9] =
-    [&SESSIONS, &RUNS, &ATTEMPTS, &OFFERS, &LEASES, &EVENTS, &AUDIT, &LOG_CHUNKS, &WORKERS];
+pub(super) const TABLES: [&Table; 11] = [
+    &SESSIONS,
+    &RUNS,
+    &ATTEMPTS,
+    &OFFERS,
+    &LEASES,
+    &EVENTS,
+    &AUDIT,
+    &LOG_CHUNKS,
+    &WORKERS,
+    &CERTIFICATES,
+    &ENROLMENTS,
+];
 
 impl Stored for Session {
     const TABLE: &'static Table = &SESSIONS;
@@ -407,13 +424,72 @@ impl Stored for Worker {
         Ok(Worker {
             id: c.valid("id")?,
             labels: c.json("labels")?,
+            disabled_at: c.opt_int("disabled_at")?,
+            revoked_at: c.opt_int("revoked_at")?,
             created_at: c.int("created_at")?,
             updated_at: c.int("updated_at")?,
         })
     }
 
     fn values(&self) -> Result<Vec<V>, Corrupt> {
-        Ok(vec![V::text(self.id.as_str()), V::json(&self.labels)?, V::int(self.created_at), V::int(self.updated_at)])
+        Ok(vec![
+            V::text(self.id.as_str()),
+            V::json(&self.labels)?,
+            V::opt_int(self.disabled_at),
+            V::opt_int(self.revoked_at),
+            V::int(self.created_at),
+            V::int(self.updated_at),
+        ])
+    }
+}
+
+impl Stored for Enrolment {
+    const TABLE: &'static Table = &ENROLMENTS;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Enrolment {
+            token_digest: c.valid("token_digest")?,
+            worker: c.valid("worker")?,
+            created_at: c.int("created_at")?,
+            expires_at: c.int("expires_at")?,
+            used_at: c.opt_int("used_at")?,
+            serial: c.opt_text("serial")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::text(self.token_digest.as_str()),
+            V::text(self.worker.as_str()),
+            V::int(self.created_at),
+            V::int(self.expires_at),
+            V::opt_int(self.used_at),
+            V::opt_text(self.serial.as_deref()),
+        ])
+    }
+}
+
+impl Stored for Certificate {
+    const TABLE: &'static Table = &CERTIFICATES;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Certificate {
+            serial: c.text("serial")?,
+            worker: c.valid("worker")?,
+            issued_at: c.int("issued_at")?,
+            not_after: c.int("not_after")?,
+            revoked_at: c.opt_int("revoked_at")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::text(&self.serial),
+            V::text(self.worker.as_str()),
+            V::int(self.issued_at),
+            V::int(self.not_after),
+            V::opt_int(self.revoked_at),
+        ])
     }
 }
 
@@ -458,6 +534,8 @@ mod tests {
             AuditRecord::TABLE,
             LogChunk::TABLE,
             Worker::TABLE,
+            Certificate::TABLE,
+            Enrolment::TABLE,
         ];
         assert_eq!(stored.len(), TABLES.len());
         for t in stored {

@@ -47,7 +47,7 @@ pub(crate) fn client(enrolled: &Enrolled, timeout: Duration) -> ureq::Agent {
 #[allow(dead_code)] // Not every includer uses every helper.
 pub(crate) fn enrolled(dir: &std::path::Path, worker: &WorkerId) -> Enrolled {
     let out = dir.join("bench-workers");
-    match ql_control::pki::enroll(dir, worker, &out) {
+    match ql_control::pki::enroll(dir, worker, &out, ql_control::pki::WORKER_VALIDITY).map(|(e, _)| e) {
         Err(ql_control::pki::PkiError::Exists(_)) => Enrolled {
             cert: out.join(format!("{worker}.crt")),
             key: out.join(format!("{worker}.key")),

@@ -12,6 +12,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod identity;
 pub mod pg;
 pub mod scenarios;
 
@@ -153,6 +154,9 @@ pub fn assert_unchanged(before: &Snapshot, after: &Snapshot, what: &str) {
     assert_eq!(before.leases, after.leases, "{what}: leases changed");
     assert_eq!(before.events, after.events, "{what}: events changed");
     assert_eq!(before.log_chunks, after.log_chunks, "{what}: log chunks changed");
+    assert_eq!(before.workers, after.workers, "{what}: workers changed");
+    assert_eq!(before.certificates, after.certificates, "{what}: certificates changed");
+    assert_eq!(before.enrolments, after.enrolments, "{what}: enrolments changed");
 }
 
 pub fn worker(name: &str) -> WorkerId {

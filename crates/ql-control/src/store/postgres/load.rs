@@ -48,7 +48,8 @@ use ql_wire::ids::{AttemptId, RunId, SessionId, WorkerId};
 
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 use super::{schema, Error, Tx};
-use crate::core::{Grace, Keys, Lapsed, Rows, Timings, COMPLETION_EVENT};
+use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
+use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS};
 use crate::model::{Millis, Session, SessionState, Worker};
 use crate::store::records::EVENT_COLS;
 
@@ -105,6 +106,63 @@ async fn worker_sessions(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Vec<Sessi
         *SESSION_COLS
     );
     tx.all(&sql, &[&worker.as_str()]).await?.iter().map(rows::read).collect()
+}
+
+/// The attempts the worker holds (leased, or offered and open), by id: their fences are
+/// taken, blocking and in id order, before any other lock (see the module doc), so
+/// revoking a worker waits for a command in flight on one of them rather than racing it.
+async fn fence_worker_work(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<(), Error> {
+    let held = tx
+        .all(
+            "SELECT attempt_id FROM leases WHERE state = 'leased' AND worker = $1 \
+             UNION SELECT attempt_id FROM offers WHERE state = 'open' AND worker = $1 ORDER BY 1",
+            &[&worker.as_str()],
+        )
+        .await?;
+    for row in held {
+        let a: String = row.get(0);
+        tx.one(FENCE, &[&a.as_str()]).await?;
+    }
+    Ok(())
+}
+
+/// The worker's leased attempts and open offers with their runs and attempts, locked
+/// (after its sessions). One placed in the instant between the fences and here has no
+/// fence held and is left to lapse as usual.
+async fn worker_work(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Work, Error> {
+    const LOCK: &str = "FOR UPDATE";
+    let mut out = Work::default();
+    let leased = tx
+        .all(
+            "SELECT attempt_id, run_id FROM leases WHERE state = 'leased' AND worker = $1 ORDER BY attempt_id",
+            &[&worker.as_str()],
+        )
+        .await?;
+    for c in leased {
+        let (a, r): (String, String) = (c.get(0), c.get(1));
+        let run = one_by(tx, "runs", &RUN_COLS, "id", &r, LOCK, rows::read).await?;
+        let attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", &a, LOCK, rows::read).await?;
+        let lease = one_by(tx, "leases", &LEASE_COLS, "attempt_id", &a, LOCK, rows::read).await?;
+        if let (Some(lease), Some(run), Some(attempt)) = (lease, run, attempt) {
+            out.leases.push((lease, run, attempt));
+        }
+    }
+    let open = tx
+        .all(
+            "SELECT id, run_id, attempt_id FROM offers WHERE state = 'open' AND worker = $1 ORDER BY id",
+            &[&worker.as_str()],
+        )
+        .await?;
+    for c in open {
+        let (o, r, a): (String, String, String) = (c.get(0), c.get(1), c.get(2));
+        let run = one_by(tx, "runs", &RUN_COLS, "id", &r, LOCK, rows::read).await?;
+        let attempt = one_by(tx, "attempts", &ATTEMPT_COLS, "id", &a, LOCK, rows::read).await?;
+        let offer = one_by(tx, "offers", &OFFER_COLS, "id", &o, LOCK, rows::read).await?;
+        if let (Some(offer), Some(run), Some(attempt)) = (offer, run, attempt) {
+            out.offers.push((offer, run, attempt));
+        }
+    }
+    Ok(out)
 }
 
 /// Queued runs the worker fits (its trusted labels cover the run's `labels`, the
@@ -300,6 +358,9 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
     if let Some(a) = &keys.attempt {
         fence(tx, a).await?;
     }
+    if let Some(w) = &keys.worker_work {
+        fence_worker_work(tx, w).await?;
+    }
     if let Some(w) = &keys.worker_sessions {
         out.worker_sessions = worker_sessions(tx, w).await?;
     }
@@ -310,6 +371,22 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
         // Labelling locks the record; placement only reads it.
         let lock = if keys.placement { "" } else { "FOR UPDATE" };
         out.worker = one_by(tx, "workers", &WORKER_COLS, "id", w.as_str(), lock, rows::read).await?;
+    }
+    if let Some(w) = &keys.worker_certificates {
+        let sql = format!("SELECT {CERTIFICATE_COLS} FROM certificates WHERE worker = $1 ORDER BY issued_at, serial FOR UPDATE");
+        out.certificates = tx.all(&sql, &[&w.as_str()]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
+    }
+    if let Some(serial) = &keys.certificate {
+        out.certificate =
+            one_by(tx, "certificates", CERTIFICATE_COLS, "serial", serial, "FOR UPDATE", rows::read).await?;
+    }
+    if let Some(digest) = &keys.enrolment {
+        out.enrolment =
+            one_by(tx, "enrolments", ENROLMENT_COLS, "token_digest", digest.as_str(), "FOR UPDATE", rows::read)
+                .await?;
+    }
+    if let Some(w) = &keys.worker_work {
+        out.worker_work = worker_work(tx, w).await?;
     }
     match (&keys.attempt, &keys.run) {
         (Some(a), run) => run_attempt_lease(tx, run.as_ref(), a, &mut out).await?,

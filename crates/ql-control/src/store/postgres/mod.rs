@@ -64,11 +64,13 @@ use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use super::records::{
-    ATTEMPTS, AUDIT_COLS, EVENTS, EVENT_COLS, LEASES, LOG_CHUNKS, LOG_CHUNK_COLS, OFFERS, RUNS, SESSIONS, WORKERS,
+    ATTEMPTS, AUDIT_COLS, CERTIFICATES, ENROLMENTS, EVENTS, EVENT_COLS, LEASES, LOG_CHUNKS, LOG_CHUNK_COLS, OFFERS,
+    RUNS, SESSIONS, WORKERS,
 };
 use super::{AuditRetention, RunDetail, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
-use crate::model::{AuditRecord, LogChunk, Run, Session, Worker};
+use crate::model::{AuditRecord, Certificate, LogChunk, Run, Session, Worker};
+use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS};
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 
@@ -406,6 +408,13 @@ impl<'a> Loaded<'a> {
         l.offers.extend(lapsed.offers.iter().map(|(o, _, _)| o.id.as_str()));
         l.leases.extend(r.lease.iter().map(|x| x.attempt.as_str()));
         l.leases.extend(lapsed.leases.iter().map(|(x, _, _)| x.attempt.as_str()));
+        let work = &r.worker_work;
+        l.runs.extend(work.leases.iter().map(|(_, x, _)| x.id.as_str()));
+        l.runs.extend(work.offers.iter().map(|(_, x, _)| x.id.as_str()));
+        l.attempts.extend(work.leases.iter().map(|(_, _, a)| a.id.as_str()));
+        l.attempts.extend(work.offers.iter().map(|(_, _, a)| a.id.as_str()));
+        l.leases.extend(work.leases.iter().map(|(x, _, _)| x.attempt.as_str()));
+        l.offers.extend(work.offers.iter().map(|(o, _, _)| o.id.as_str()));
         if let Some(g) = &r.grace {
             l.sessions.extend(g.sessions.iter().map(|s| s.id.as_str()));
             l.leases.extend(g.leases.iter().map(|(x, _)| x.attempt.as_str()));
@@ -428,6 +437,8 @@ impl<'a> Loaded<'a> {
             Write::Event(_) => (&EVENTS, false),
             Write::LogChunk(_) => (&LOG_CHUNKS, false),
             Write::Worker(_) => (&WORKERS, false),
+            Write::Certificate(_) => (&CERTIFICATES, false),
+            Write::Enrolment(_) => (&ENROLMENTS, false),
             Write::Alive(_) => return (ALIVE, false),
         };
         if known {
@@ -449,6 +460,8 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
         Write::Event(e) => rows::params(e),
         Write::LogChunk(c) => rows::params(c),
         Write::Worker(w) => rows::params(w),
+        Write::Certificate(c) => rows::params(c),
+        Write::Enrolment(e) => rows::params(e),
         Write::Alive(at) => Ok(vec![Box::new(*at)]),
     }
 }
@@ -564,6 +577,43 @@ impl Store for PgStore {
         Ok(())
     }
 
+    async fn admit(&self, record: AuditRecord, serial: String) -> Result<Option<ErrorCode>, StoreError> {
+        // Only what the worker-ingress role may read: the worker's switches and the
+        // certificate's record.
+        const STATE: &str = "SELECT w.disabled_at, w.revoked_at, c.worker, c.issued_at, c.not_after, c.revoked_at \
+             FROM (SELECT 1) one LEFT JOIN workers w ON w.id = $1 LEFT JOIN certificates c ON c.serial = $2";
+        const SQL: &str = "INSERT INTO audit (at, principal, route, outcome) VALUES \
+             ((floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint, $2, $3, $4)";
+        let pool = self.inner.audit.as_ref().unwrap_or(&self.inner.pool);
+        let mut conn = pool.get().await?;
+        let refused = match &record.principal {
+            None => Some(ErrorCode::Unauthenticated),
+            Some(p) => {
+                let row = conn.client().query_one(STATE, &[&p.as_str(), &serial]).await.map_err(Error::Pg)?;
+                let (disabled_at, revoked_at): (Option<i64>, Option<i64>) = (row.get(0), row.get(1));
+                let worker = (disabled_at.is_some() || revoked_at.is_some())
+                    .then(|| Worker { disabled_at, revoked_at, ..Worker::new(p.clone(), 0) });
+                let cert = match row.get::<_, Option<String>>(2) {
+                    None => None,
+                    Some(w) => Some(Certificate {
+                        serial: serial.clone(),
+                        worker: WorkerId::parse(w.as_str()).map_err(|e| Error::Corrupt(e.to_string()))?,
+                        issued_at: row.get(3),
+                        not_after: row.get(4),
+                        revoked_at: row.get(5),
+                    }),
+                };
+                core::admission(p, worker.as_ref(), cert.as_ref()).err()
+            }
+        };
+        let outcome = refused.map_or_else(|| "admitted".to_owned(), |c| c.as_str().to_owned());
+        let stmt = conn.prepare(SQL).await?;
+        let principal = record.principal.as_ref().map(|p| p.as_str());
+        conn.client().execute(&stmt, &[&self.offset(), &principal, &record.route, &outcome]).await.map_err(Error::Pg)?;
+        conn.keep();
+        Ok(refused)
+    }
+
     async fn prune_audit(&self, retention: AuditRetention) -> Result<u64, StoreError> {
         const SQL: &str = "SELECT prune_audit(\
              (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint - $2::bigint, $3::bigint)";
@@ -648,6 +698,14 @@ impl Store for PgStore {
         Ok(found)
     }
 
+    async fn certificates(&self, n: usize) -> Result<Vec<Certificate>, StoreError> {
+        let sql = format!("SELECT {CERTIFICATE_COLS} FROM certificates ORDER BY worker, issued_at DESC LIMIT $1");
+        let mut conn = self.reading().await?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::read)?;
+        Self::done(conn).await?;
+        Ok(found)
+    }
+
     async fn workers(&self, n: usize) -> Result<Vec<Worker>, StoreError> {
         let sql = format!("SELECT {} FROM workers ORDER BY id LIMIT $1", *WORKER_COLS);
         let mut conn = self.reading().await?;
@@ -672,6 +730,8 @@ impl Store for PgStore {
                 rows::read,
             )?,
             workers: map_all(tx.all(&q("workers", &WORKER_COLS, "id"), &[]).await?, rows::read)?,
+            certificates: map_all(tx.all(&q("certificates", CERTIFICATE_COLS, "serial"), &[]).await?, rows::read)?,
+            enrolments: map_all(tx.all(&q("enrolments", ENROLMENT_COLS, "token_digest"), &[]).await?, rows::read)?,
         };
         Self::done(conn).await?;
         Ok(snap)

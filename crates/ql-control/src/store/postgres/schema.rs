@@ -19,6 +19,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0004_trusted_labels.sql"),
     include_str!("../../../migrations/postgres/0005_outage_grace.sql"),
     include_str!("../../../migrations/postgres/0006_session_closed.sql"),
+    include_str!("../../../migrations/postgres/0007_identity.sql"),
 ];
 
 /// The schema version this build reads and writes.

@@ -10,9 +10,12 @@ use rusqlite::{Connection, OptionalExtension, Row};
 use ql_wire::ids::{AttemptId, OfferId, RunId, SessionId, WorkerId};
 
 use super::rows;
-use crate::core::{Grace, Keys, Lapsed, Rows, Timings, COMPLETION_EVENT};
-use crate::model::{Attempt, Event, Lease, Millis, Offer, Run, Session, Worker};
-use crate::store::records::{ATTEMPT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
+use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
+use crate::model::{Attempt, Certificate, Enrolment, Event, Lease, Millis, Offer, Run, Session, Worker};
+use crate::store::records::{
+    ATTEMPT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS,
+    WORKER_COLS,
+};
 
 /// Most queued runs placement looks at per poll.
 pub(super) const PLACEMENT_BATCH: usize = 256;
@@ -44,8 +47,62 @@ pub(super) fn lease(conn: &Connection, attempt: &AttemptId) -> rusqlite::Result<
     one(conn, &format!("SELECT {LEASE_COLS} FROM leases WHERE attempt_id = ?1"), attempt.as_str(), rows::read)
 }
 
-fn worker(conn: &Connection, id: &WorkerId) -> rusqlite::Result<Option<Worker>> {
+pub(super) fn worker(conn: &Connection, id: &WorkerId) -> rusqlite::Result<Option<Worker>> {
     one(conn, &format!("SELECT {WORKER_COLS} FROM workers WHERE id = ?1"), id.as_str(), rows::read)
+}
+
+pub(super) fn certificate(conn: &Connection, serial: &str) -> rusqlite::Result<Option<Certificate>> {
+    one(conn, &format!("SELECT {CERTIFICATE_COLS} FROM certificates WHERE serial = ?1"), serial, rows::read)
+}
+
+fn enrolment(conn: &Connection, digest: &str) -> rusqlite::Result<Option<Enrolment>> {
+    one(conn, &format!("SELECT {ENROLMENT_COLS} FROM enrolments WHERE token_digest = ?1"), digest, rows::read)
+}
+
+fn worker_certificates(conn: &Connection, worker: &WorkerId) -> rusqlite::Result<Vec<Certificate>> {
+    let sql = format!("SELECT {CERTIFICATE_COLS} FROM certificates WHERE worker = ?1 ORDER BY issued_at, serial");
+    conn.prepare_cached(&sql)?.query_map([worker.as_str()], rows::read)?.collect()
+}
+
+/// Each named row with its run and attempt, by key; a row gone meanwhile is left out.
+fn with_run_attempt<T>(
+    conn: &Connection,
+    ids: Vec<(String, String, String)>,
+    row: impl Fn(&Connection, &str) -> rusqlite::Result<Option<T>>,
+) -> rusqlite::Result<Vec<(T, Run, Attempt)>> {
+    let mut out = Vec::with_capacity(ids.len());
+    for (key, r, a) in ids {
+        let (Some(x), Some(run), Some(attempt)) = (
+            row(conn, &key)?,
+            one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), &r, rows::read)?,
+            one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), &a, rows::read)?,
+        ) else {
+            continue;
+        };
+        out.push((x, run, attempt));
+    }
+    Ok(out)
+}
+
+fn offer_by(conn: &Connection, id: &str) -> rusqlite::Result<Option<Offer>> {
+    one(conn, &format!("SELECT {OFFER_COLS} FROM offers WHERE id = ?1"), id, rows::read)
+}
+
+fn lease_by(conn: &Connection, attempt: &str) -> rusqlite::Result<Option<Lease>> {
+    one(conn, &format!("SELECT {LEASE_COLS} FROM leases WHERE attempt_id = ?1"), attempt, rows::read)
+}
+
+/// What the worker holds: its leased attempts and open offers (a worker holds at most
+/// its sessions' capacity of them).
+fn worker_work(conn: &Connection, worker: &WorkerId) -> rusqlite::Result<Work> {
+    let triples = |sql: &str| -> rusqlite::Result<Vec<(String, String, String)>> {
+        conn.prepare_cached(sql)?.query_map([worker.as_str()], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?.collect()
+    };
+    let leased = triples(
+        "SELECT attempt_id, run_id, attempt_id FROM leases WHERE state = 'leased' AND worker = ?1 ORDER BY attempt_id",
+    )?;
+    let open = triples("SELECT id, run_id, attempt_id FROM offers WHERE state = 'open' AND worker = ?1 ORDER BY id")?;
+    Ok(Work { leases: with_run_attempt(conn, leased, lease_by)?, offers: with_run_attempt(conn, open, offer_by)? })
 }
 
 pub(super) fn offer(conn: &Connection, id: &OfferId) -> rusqlite::Result<Option<Offer>> {
@@ -124,35 +181,15 @@ fn lapsed(conn: &Connection, now: Millis) -> rusqlite::Result<Lapsed> {
         )?
         .query_map((now, limit), |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
         .collect::<rusqlite::Result<_>>()?;
-    let mut offers = Vec::with_capacity(offer_ids.len());
-    for (o, r, a) in offer_ids {
-        let (Some(offer), Some(run), Some(attempt)) = (
-            one(conn, &format!("SELECT {OFFER_COLS} FROM offers WHERE id = ?1"), &o, rows::read)?,
-            one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), &r, rows::read)?,
-            one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), &a, rows::read)?,
-        ) else {
-            continue;
-        };
-        offers.push((offer, run, attempt));
-    }
-    let lease_ids: Vec<(String, String)> = conn
+    let offers = with_run_attempt(conn, offer_ids, offer_by)?;
+    let lease_ids: Vec<(String, String, String)> = conn
         .prepare_cached(
-            "SELECT attempt_id, run_id FROM leases WHERE state = 'leased' AND expires_at <= ?1 \
+            "SELECT attempt_id, run_id, attempt_id FROM leases WHERE state = 'leased' AND expires_at <= ?1 \
              ORDER BY expires_at, attempt_id LIMIT ?2",
         )?
-        .query_map((now, limit), |r| Ok((r.get(0)?, r.get(1)?)))?
+        .query_map((now, limit), |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
         .collect::<rusqlite::Result<_>>()?;
-    let mut leases = Vec::with_capacity(lease_ids.len());
-    for (a, r) in lease_ids {
-        let (Some(lease), Some(run), Some(attempt)) = (
-            one(conn, &format!("SELECT {LEASE_COLS} FROM leases WHERE attempt_id = ?1"), &a, rows::read)?,
-            one(conn, &format!("SELECT {RUN_COLS} FROM runs WHERE id = ?1"), &r, rows::read)?,
-            one(conn, &format!("SELECT {ATTEMPT_COLS} FROM attempts WHERE id = ?1"), &a, rows::read)?,
-        ) else {
-            continue;
-        };
-        leases.push((lease, run, attempt));
-    }
+    let leases = with_run_attempt(conn, lease_ids, lease_by)?;
     let overdue = conn
         .prepare_cached(&format!(
             "SELECT {RUN_COLS} FROM runs WHERE deadline_at IS NOT NULL AND deadline_at <= ?1 \
@@ -226,6 +263,18 @@ pub(super) fn load(
     }
     if let Some(w) = &keys.worker {
         rows.worker = worker(conn, w)?;
+    }
+    if let Some(w) = &keys.worker_certificates {
+        rows.certificates = worker_certificates(conn, w)?;
+    }
+    if let Some(w) = &keys.worker_work {
+        rows.worker_work = worker_work(conn, w)?;
+    }
+    if let Some(serial) = &keys.certificate {
+        rows.certificate = certificate(conn, serial)?;
+    }
+    if let Some(digest) = &keys.enrolment {
+        rows.enrolment = enrolment(conn, digest.as_str())?;
     }
     if keys.placement {
         if let Some(s) = rows.session.clone() {

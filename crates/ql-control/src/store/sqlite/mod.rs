@@ -60,11 +60,12 @@ use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use super::records::{
-    ATTEMPT_COLS, AUDIT_COLS, EVENT_COLS, LEASE_COLS, LOG_CHUNK_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS,
+    ATTEMPT_COLS, AUDIT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, LEASE_COLS, LOG_CHUNK_COLS, OFFER_COLS,
+    RUN_COLS, SESSION_COLS, WORKER_COLS,
 };
 use super::{AuditRetention, RunDetail, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
-use crate::model::{AuditRecord, LogChunk, Run, Session, Worker};
+use crate::model::{AuditRecord, Certificate, LogChunk, Run, Session, Worker};
 
 pub use schema::SCHEMA_VERSION;
 
@@ -343,6 +344,8 @@ fn apply(conn: &Connection, write: &Write) -> rusqlite::Result<()> {
         Write::Event(e) => rows::write(conn, e),
         Write::LogChunk(c) => rows::write(conn, c),
         Write::Worker(w) => rows::write(conn, w),
+        Write::Certificate(c) => rows::write(conn, c),
+        Write::Enrolment(e) => rows::write(conn, e),
         Write::Alive(at) => conn
             .prepare_cached(
                 "INSERT INTO authority (id, alive_at) VALUES (1, ?1) \
@@ -390,6 +393,13 @@ fn snapshot(tx: &Connection) -> rusqlite::Result<Snapshot> {
             rows::read,
         )?,
         workers: all(tx, &format!("SELECT {WORKER_COLS} FROM workers ORDER BY id"), [], rows::read)?,
+        certificates: all(tx, &format!("SELECT {CERTIFICATE_COLS} FROM certificates ORDER BY serial"), [], rows::read)?,
+        enrolments: all(
+            tx,
+            &format!("SELECT {ENROLMENT_COLS} FROM enrolments ORDER BY token_digest"),
+            [],
+            rows::read,
+        )?,
     };
     Ok(snap)
 }
@@ -424,6 +434,34 @@ impl Store for SqliteStore {
         self.call(move |w| {
             let at = schema::db_now(&w.conn, w.offset()).map_err(sql)?;
             rows::write(&w.conn, &AuditRecord { at, ..record }).map_err(sql)
+        })
+        .await
+    }
+
+    async fn admit(&self, record: AuditRecord, serial: String) -> Result<Option<ErrorCode>, StoreError> {
+        self.call(move |w| {
+            let principal = record.principal.clone();
+            let refused = match &principal {
+                None => Some(ErrorCode::Unauthenticated),
+                Some(p) => {
+                    let worker = load::worker(&w.conn, p).map_err(sql)?;
+                    let cert = load::certificate(&w.conn, &serial).map_err(sql)?;
+                    core::admission(p, worker.as_ref(), cert.as_ref()).err()
+                }
+            };
+            let outcome = refused.map_or_else(|| "admitted".to_owned(), |c| c.as_str().to_owned());
+            let at = schema::db_now(&w.conn, w.offset()).map_err(sql)?;
+            rows::write(&w.conn, &AuditRecord { at, outcome, ..record }).map_err(sql)?;
+            Ok(refused)
+        })
+        .await
+    }
+
+    async fn certificates(&self, limit: usize) -> Result<Vec<Certificate>, StoreError> {
+        let n = self::limit(limit);
+        self.call(move |w| {
+            let q = format!("SELECT {CERTIFICATE_COLS} FROM certificates ORDER BY worker, issued_at DESC LIMIT ?1");
+            all(&w.conn, &q, [n], rows::read).map_err(sql)
         })
         .await
     }

@@ -1,0 +1,331 @@
+//! A worker identity's life: which requests are admitted, what disabling or revoking a
+//! worker does to its sessions and its work, and the record of every certificate issued,
+//! by an operator or over an enrolment token.
+//!
+//! A request is admitted ([`admission`]) while its worker is not disabled and its
+//! certificate is not revoked. A certificate the authority has no record of (issued
+//! before certificates were recorded) is admitted only until its worker is first revoked
+//! whole; from then on only recorded certificates can speak for it, so a stolen
+//! unrecorded one is never let back in by a later enrolment.
+//!
+//! Disabling or revoking a worker ends what it holds in the same transaction: its live
+//! sessions close, its leased attempts are lost at once and their runs queued again
+//! within their retry budget (never left to run out a lease), and its open offers lapse
+//! (the run is queued again without spending its budget). The events name why
+//! ([`WORKER_REVOKED`], [`WORKER_DISABLED`]).
+
+use ql_wire::capability::Digest;
+use ql_wire::ids::WorkerId;
+use ql_wire::ErrorCode;
+
+use super::sweep::{lost_lease, lost_offer};
+use super::{Decision, IdGen, Reply, Rows, Write};
+use crate::model::{
+    Certificate, Enrolment, LeaseState, Millis, OfferState, Session, SessionState, Worker,
+};
+
+/// Error code of an attempt lost because the operator revoked its worker.
+pub const WORKER_REVOKED: &str = "WORKER_REVOKED";
+/// Error code of an attempt lost because the operator disabled its worker.
+pub const WORKER_DISABLED: &str = "WORKER_DISABLED";
+
+/// What an operator does to a worker identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Refuse every certificate of the worker until it is enabled again.
+    Disable,
+    /// Admit the worker's certificates again (revoked ones stay revoked).
+    Enable,
+    /// Revoke every certificate of the worker issued so far, recorded or not.
+    Revoke,
+}
+
+/// Who asks for a certificate to be recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Issuer {
+    /// An operator on the control machine (`ql-control enroll`).
+    Operator,
+    /// The worker itself, renewing over its own connection.
+    Worker,
+}
+
+/// What disabling or revoking a worker ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AccessChanged {
+    /// Sessions closed.
+    pub sessions: usize,
+    /// Attempts lost (leased or offered).
+    pub attempts: usize,
+    /// Certificates revoked.
+    pub certificates: usize,
+}
+
+/// Whether a request of `principal` presenting the certificate `serial` (its record, if
+/// the authority has one) is admitted.
+pub fn admission(principal: &WorkerId, worker: Option<&Worker>, cert: Option<&Certificate>) -> Result<(), ErrorCode> {
+    if worker.is_some_and(|w| w.disabled_at.is_some()) {
+        return Err(ErrorCode::WorkerDisabled);
+    }
+    match cert {
+        Some(c) if c.revoked_at.is_some() || &c.worker != principal => Err(ErrorCode::CertificateRevoked),
+        Some(_) => Ok(()),
+        None if worker.is_some_and(|w| w.revoked_at.is_some()) => Err(ErrorCode::CertificateRevoked),
+        None => Ok(()),
+    }
+}
+
+/// Disables, enables or revokes `worker` (see the module doc).
+pub(super) fn set_access(worker: &WorkerId, access: Access, rows: &Rows, now: Millis, ids: &mut IdGen) -> Decision {
+    let record = rows.worker.clone().filter(|w| &w.id == worker).unwrap_or_else(|| Worker::new(worker.clone(), now));
+    let mut changed = AccessChanged::default();
+    let (updated, code) = match access {
+        Access::Enable => {
+            if record.disabled_at.is_none() {
+                return Decision::answer(Reply::AccessChanged(changed));
+            }
+            let enabled = Worker { disabled_at: None, updated_at: now, ..record };
+            // Runs its sessions could take may be placed again once it comes back.
+            return Decision::apply(Reply::AccessChanged(changed), vec![Write::Worker(enabled)]).waking();
+        }
+        Access::Disable => (Worker { disabled_at: record.disabled_at.or(Some(now)), updated_at: now, ..record }, WORKER_DISABLED),
+        Access::Revoke => (Worker { revoked_at: Some(now), updated_at: now, ..record }, WORKER_REVOKED),
+    };
+    let mut writes = vec![Write::Worker(updated)];
+    if access == Access::Revoke {
+        for cert in rows.certificates.iter().filter(|c| &c.worker == worker && c.revoked_at.is_none()) {
+            writes.push(Write::Certificate(Certificate { revoked_at: Some(now), ..cert.clone() }));
+            changed.certificates += 1;
+        }
+    }
+    let live = |s: &&Session| &s.worker == worker && matches!(s.state, SessionState::Online | SessionState::Draining);
+    for s in rows.worker_sessions.iter().filter(live) {
+        writes.push(Write::Session(Session { state: SessionState::Closed, seen_at: now, expires_at: now, ..s.clone() }));
+        changed.sessions += 1;
+    }
+    let summary = match access {
+        Access::Revoke => "the operator revoked the worker",
+        _ => "the operator disabled the worker",
+    };
+    for (lease, run, attempt) in &rows.worker_work.leases {
+        if lease.state == LeaseState::Leased && &attempt.worker == worker && !run.status.is_terminal() {
+            writes.extend(lost_lease(lease, run, attempt, code, Some(summary), now, ids));
+            changed.attempts += 1;
+        }
+    }
+    for (offer, run, attempt) in &rows.worker_work.offers {
+        if offer.state == OfferState::Open && &offer.worker == worker && !run.status.is_terminal() {
+            writes.extend(lost_offer(offer, run, attempt, code, now, ids));
+            changed.attempts += 1;
+        }
+    }
+    Decision::apply(Reply::AccessChanged(changed), writes).waking()
+}
+
+/// Revokes one certificate by serial. Its worker's sessions stay: another certificate of
+/// the worker (a rotated one) may hold them, and this one is refused from its next
+/// request on.
+pub(super) fn revoke_certificate(worker: &WorkerId, serial: &str, rows: &Rows, now: Millis) -> Decision {
+    match rows.certificate.as_ref().filter(|c| c.serial == serial && &c.worker == worker) {
+        None => Decision::refuse(ErrorCode::NotFound),
+        Some(c) if c.revoked_at.is_some() => Decision::answer(Reply::CertificateRevoked(c.clone())),
+        Some(c) => {
+            let revoked = Certificate { revoked_at: Some(now), ..c.clone() };
+            Decision::apply(Reply::CertificateRevoked(revoked.clone()), vec![Write::Certificate(revoked)])
+        }
+    }
+}
+
+/// Records a certificate just issued (`issued_at` becomes DB time). A worker renewing
+/// its own is refused once disabled (its request was admitted a moment before).
+pub(super) fn record_certificate(cert: &Certificate, issuer: Issuer, rows: &Rows, now: Millis) -> Decision {
+    let disabled = rows.worker.as_ref().is_some_and(|w| w.id == cert.worker && w.disabled_at.is_some());
+    if issuer == Issuer::Worker && disabled {
+        return Decision::refuse(ErrorCode::WorkerDisabled);
+    }
+    if rows.certificate.is_some() {
+        // A serial is 16 random bytes: a repeat is a replay or a bug, never a new one.
+        return Decision::refuse(ErrorCode::StateConflict);
+    }
+    let recorded = Certificate { issued_at: now, revoked_at: None, ..cert.clone() };
+    Decision::apply(Reply::CertificateRecorded(recorded.clone()), vec![Write::Certificate(recorded)])
+}
+
+/// Records a one-time enrolment token (its digest) for `worker`, valid for `ttl_ms`.
+pub(super) fn create_enrolment(worker: &WorkerId, digest: &Digest, ttl_ms: u64, rows: &Rows, now: Millis) -> Decision {
+    if rows.enrolment.is_some() {
+        return Decision::refuse(ErrorCode::StateConflict);
+    }
+    let enrolment = Enrolment {
+        token_digest: digest.clone(),
+        worker: worker.clone(),
+        created_at: now,
+        expires_at: now.saturating_add(i64::try_from(ttl_ms).unwrap_or(i64::MAX)),
+        used_at: None,
+        serial: None,
+    };
+    Decision::apply(Reply::EnrolmentCreated(enrolment.clone()), vec![Write::Enrolment(enrolment)])
+}
+
+/// Spends an enrolment token on `cert`: the token must be known, for this worker, unspent
+/// and unexpired by DB time, and the worker not disabled. Every refusal is the same code,
+/// so a caller learns nothing about which tokens exist.
+pub(super) fn enrol(digest: &Digest, cert: &Certificate, rows: &Rows, now: Millis) -> Decision {
+    let Some(enrolment) = rows.enrolment.as_ref().filter(|e| e.token_digest.ct_eq(digest)) else {
+        return Decision::refuse(ErrorCode::EnrolmentRefused);
+    };
+    if enrolment.worker != cert.worker || enrolment.used_at.is_some() || enrolment.expires_at <= now {
+        return Decision::refuse(ErrorCode::EnrolmentRefused);
+    }
+    if rows.worker.as_ref().is_some_and(|w| w.id == cert.worker && w.disabled_at.is_some()) {
+        return Decision::refuse(ErrorCode::WorkerDisabled);
+    }
+    if rows.certificate.is_some() {
+        return Decision::refuse(ErrorCode::StateConflict);
+    }
+    let spent = Enrolment { used_at: Some(now), serial: Some(cert.serial.clone()), ..enrolment.clone() };
+    let recorded = Certificate { issued_at: now, revoked_at: None, ..cert.clone() };
+    Decision::apply(Reply::CertificateRecorded(recorded.clone()), vec![Write::Enrolment(spent), Write::Certificate(recorded)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::testkit::*;
+    use crate::core::{Work, Write};
+    use crate::model::{AttemptStatus, RunStatus};
+
+    fn cert(serial: &str) -> Certificate {
+        Certificate { serial: serial.into(), worker: worker(), issued_at: NOW - 10, not_after: NOW + 1_000_000, revoked_at: None }
+    }
+
+    fn record() -> Worker {
+        Worker::new(worker(), NOW - 100)
+    }
+
+    #[test]
+    fn admission_refuses_a_disabled_worker_and_revoked_certificates() {
+        let w = worker();
+        assert_eq!(admission(&w, None, None), Ok(()), "an unrecorded certificate of a never-revoked worker");
+        assert_eq!(admission(&w, Some(&record()), Some(&cert("01"))), Ok(()));
+        let disabled = Worker { disabled_at: Some(NOW), ..record() };
+        assert_eq!(admission(&w, Some(&disabled), Some(&cert("01"))), Err(ErrorCode::WorkerDisabled));
+        assert_eq!(admission(&w, Some(&disabled), None), Err(ErrorCode::WorkerDisabled));
+        let revoked_cert = Certificate { revoked_at: Some(NOW), ..cert("01") };
+        assert_eq!(admission(&w, Some(&record()), Some(&revoked_cert)), Err(ErrorCode::CertificateRevoked));
+        let revoked = Worker { revoked_at: Some(NOW), ..record() };
+        assert_eq!(admission(&w, Some(&revoked), None), Err(ErrorCode::CertificateRevoked), "unrecorded after a revoke");
+        assert_eq!(admission(&w, Some(&revoked), Some(&cert("02"))), Ok(()), "enrolled again after the revoke");
+        let foreign = Certificate { worker: other_worker(), ..cert("03") };
+        assert_eq!(admission(&w, None, Some(&foreign)), Err(ErrorCode::CertificateRevoked));
+    }
+
+    fn holding(status: AttemptStatus) -> Rows {
+        let mut rows = world(status);
+        rows.worker_sessions = rows.session.iter().cloned().collect();
+        let (run, attempt) = (rows.run.clone().unwrap(), rows.attempt.clone().unwrap());
+        rows.worker_work = match status {
+            AttemptStatus::Offered => Work { offers: vec![(rows.offer.clone().unwrap(), run, attempt)], ..Work::default() },
+            _ => Work { leases: vec![(rows.lease.clone().unwrap(), run, attempt)], ..Work::default() },
+        };
+        rows.certificates = vec![cert("01"), Certificate { revoked_at: Some(NOW - 5), ..cert("02") }];
+        rows
+    }
+
+    fn written<T: Clone>(d: &Decision, pick: fn(&Write) -> Option<&T>) -> Vec<T> {
+        d.writes.iter().filter_map(pick).cloned().collect()
+    }
+
+    #[test]
+    fn revoking_closes_sessions_loses_leases_and_requeues_within_budget() {
+        let rows = holding(AttemptStatus::Running);
+        let d = set_access(&worker(), Access::Revoke, &rows, NOW, &mut ids());
+        assert_eq!(d.reply, Ok(Reply::AccessChanged(AccessChanged { sessions: 1, attempts: 1, certificates: 1 })));
+        assert!(d.wake);
+        let w = written(&d, |w| if let Write::Worker(x) = w { Some(x) } else { None });
+        assert_eq!(w[0].revoked_at, Some(NOW));
+        let certs = written(&d, |w| if let Write::Certificate(x) = w { Some(x) } else { None });
+        assert_eq!(certs.iter().map(|c| (c.serial.as_str(), c.revoked_at)).collect::<Vec<_>>(), [("01", Some(NOW))]);
+        let sessions = written(&d, |w| if let Write::Session(x) = w { Some(x) } else { None });
+        assert_eq!(sessions[0].state, SessionState::Closed);
+        let runs = written(&d, |w| if let Write::Run(x) = w { Some(x) } else { None });
+        assert_eq!((runs[0].status, runs[0].retries_used), (RunStatus::Queued, 1));
+        let attempts = written(&d, |w| if let Write::Attempt(x) = w { Some(x) } else { None });
+        assert_eq!(attempts[0].error_code.as_deref(), Some(WORKER_REVOKED));
+        assert_eq!(event_kinds(&d), ["attempt.lost", "run.queued"]);
+    }
+
+    #[test]
+    fn disabling_lapses_open_offers_without_spending_the_budget() {
+        let rows = holding(AttemptStatus::Offered);
+        let d = set_access(&worker(), Access::Disable, &rows, NOW, &mut ids());
+        assert_eq!(d.reply, Ok(Reply::AccessChanged(AccessChanged { sessions: 1, attempts: 1, certificates: 0 })));
+        let runs = written(&d, |w| if let Write::Run(x) = w { Some(x) } else { None });
+        assert_eq!((runs[0].status, runs[0].retries_used), (RunStatus::Queued, 0));
+        let attempts = written(&d, |w| if let Write::Attempt(x) = w { Some(x) } else { None });
+        assert_eq!(attempts[0].error_code.as_deref(), Some(WORKER_DISABLED));
+        let w = written(&d, |w| if let Write::Worker(x) = w { Some(x) } else { None });
+        assert_eq!((w[0].disabled_at, w[0].revoked_at), (Some(NOW), None));
+    }
+
+    #[test]
+    fn enabling_clears_the_switch_and_nothing_else() {
+        let mut rows = Rows::default();
+        assert_eq!(set_access(&worker(), Access::Enable, &rows, NOW, &mut ids()).writes, vec![]);
+        rows.worker = Some(Worker { disabled_at: Some(NOW - 9), revoked_at: Some(NOW - 9), ..record() });
+        let d = set_access(&worker(), Access::Enable, &rows, NOW, &mut ids());
+        let w = written(&d, |w| if let Write::Worker(x) = w { Some(x) } else { None });
+        assert_eq!((w[0].disabled_at, w[0].revoked_at), (None, Some(NOW - 9)));
+    }
+
+    #[test]
+    fn one_certificate_is_revoked_alone_and_an_unknown_serial_is_not_found() {
+        let rows = Rows { certificate: Some(cert("0a")), ..Rows::default() };
+        let d = revoke_certificate(&worker(), "0a", &rows, NOW);
+        assert_eq!(d.writes, vec![Write::Certificate(Certificate { revoked_at: Some(NOW), ..cert("0a") })]);
+        assert_eq!(revoke_certificate(&worker(), "0b", &Rows::default(), NOW), Decision::refuse(ErrorCode::NotFound));
+        assert_eq!(revoke_certificate(&other_worker(), "0a", &rows, NOW), Decision::refuse(ErrorCode::NotFound));
+        let again = Rows { certificate: Some(Certificate { revoked_at: Some(NOW - 1), ..cert("0a") }), ..Rows::default() };
+        assert!(revoke_certificate(&worker(), "0a", &again, NOW).writes.is_empty());
+    }
+
+    fn enrolment(expires_at: Millis) -> Enrolment {
+        Enrolment {
+            token_digest: token(9).digest(),
+            worker: worker(),
+            created_at: NOW - 100,
+            expires_at,
+            used_at: None,
+            serial: None,
+        }
+    }
+
+    #[test]
+    fn an_enrolment_token_is_spent_once_on_its_own_worker_before_it_expires() {
+        let digest = token(9).digest();
+        let rows = Rows { enrolment: Some(enrolment(NOW + 1)), ..Rows::default() };
+        let d = enrol(&digest, &cert("0c"), &rows, NOW);
+        assert!(matches!(&d.reply, Ok(Reply::CertificateRecorded(c)) if c.serial == "0c" && c.issued_at == NOW));
+        assert!(d.writes.iter().any(|w| matches!(w, Write::Enrolment(e) if e.used_at == Some(NOW))));
+
+        let refused = Decision::refuse(ErrorCode::EnrolmentRefused);
+        let spent = Rows { enrolment: Some(Enrolment { used_at: Some(NOW - 1), ..enrolment(NOW + 1) }), ..Rows::default() };
+        assert_eq!(enrol(&digest, &cert("0d"), &spent, NOW), refused);
+        let expired = Rows { enrolment: Some(enrolment(NOW)), ..Rows::default() };
+        assert_eq!(enrol(&digest, &cert("0d"), &expired, NOW), refused);
+        let other = Certificate { worker: other_worker(), ..cert("0d") };
+        assert_eq!(enrol(&digest, &other, &rows, NOW), refused);
+        assert_eq!(enrol(&token(8).digest(), &cert("0d"), &rows, NOW), refused);
+        assert_eq!(enrol(&digest, &cert("0d"), &Rows::default(), NOW), refused);
+        let disabled = Rows { worker: Some(Worker { disabled_at: Some(NOW - 1), ..record() }), ..rows.clone() };
+        assert_eq!(enrol(&digest, &cert("0d"), &disabled, NOW), Decision::refuse(ErrorCode::WorkerDisabled));
+    }
+
+    #[test]
+    fn a_disabled_worker_cannot_renew_but_its_operator_may_issue() {
+        let rows = Rows { worker: Some(Worker { disabled_at: Some(NOW - 1), ..record() }), ..Rows::default() };
+        assert_eq!(record_certificate(&cert("0e"), Issuer::Worker, &rows, NOW), Decision::refuse(ErrorCode::WorkerDisabled));
+        assert!(record_certificate(&cert("0e"), Issuer::Operator, &rows, NOW).reply.is_ok());
+        let known = Rows { certificate: Some(cert("0e")), ..Rows::default() };
+        assert_eq!(record_certificate(&cert("0e"), Issuer::Operator, &known, NOW), Decision::refuse(ErrorCode::StateConflict));
+    }
+}

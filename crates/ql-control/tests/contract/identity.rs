@@ -1,0 +1,163 @@
+//! The identity scenarios of the store contract: admission of every request against the
+//! worker's switches and the certificate's record, revocation and disabling ending what
+//! a worker holds in one transaction, and one-time enrolment tokens.
+
+use ql_control::core::{Access, AccessChanged, Command, Issuer, Reply, WORKER_DISABLED, WORKER_REVOKED};
+use ql_control::model::{AttemptStatus, AuditRecord, Certificate, RunStatus, SessionState};
+use ql_control::store::Store;
+use ql_wire::capability::Token;
+use ql_wire::ErrorCode;
+
+use super::*;
+
+fn cert(w: &str, serial: &str) -> Certificate {
+    Certificate { serial: serial.into(), worker: worker(w), issued_at: 0, not_after: i64::MAX / 2, revoked_at: None }
+}
+
+async fn admit<S: Store>(store: &S, w: &str, serial: &str) -> Option<ErrorCode> {
+    let record = AuditRecord { at: 0, principal: Some(worker(w)), route: "session.open".into(), outcome: String::new() };
+    store.admit(record, serial.into()).await.expect("the store is available")
+}
+
+async fn last_outcome<S: Store>(store: &S) -> String {
+    store.audits().await.unwrap().pop().map(|a| a.outcome).unwrap_or_default()
+}
+
+/// A request is admitted while its worker is enabled and its certificate unrevoked; the
+/// audit record says which way it went. An unrecorded certificate (issued before they
+/// were recorded) is admitted until its worker is revoked whole, a recorded one issued
+/// after that revocation is admitted again.
+pub async fn admission_follows_the_worker_and_its_certificates<B: Backend>(b: B) {
+    let store = b.store();
+    let replica = b.other_process();
+    assert_eq!(admit(&store, "router-1", "0a").await, None, "an unrecorded certificate, never revoked");
+    assert_eq!(last_outcome(&store).await, "admitted");
+    exec(&store, Command::RecordCertificate(cert("router-1", "01"), Issuer::Operator)).await.unwrap();
+    assert_eq!(admit(&store, "router-1", "01").await, None);
+
+    exec(&replica, Command::SetAccess(worker("router-1"), Access::Disable)).await.unwrap();
+    assert_eq!(admit(&store, "router-1", "01").await, Some(ErrorCode::WorkerDisabled), "seen by the other process");
+    assert_eq!(last_outcome(&store).await, "worker_disabled");
+    assert_eq!(admit(&store, "router-2", "0b").await, None, "another worker is not touched");
+    exec(&store, Command::SetAccess(worker("router-1"), Access::Enable)).await.unwrap();
+    assert_eq!(admit(&store, "router-1", "01").await, None);
+
+    exec(&store, Command::RevokeCertificate(worker("router-1"), "01".into())).await.unwrap();
+    assert_eq!(admit(&store, "router-1", "01").await, Some(ErrorCode::CertificateRevoked));
+    assert_eq!(last_outcome(&store).await, "certificate_revoked");
+    assert_eq!(admit(&store, "router-1", "0a").await, None, "one certificate revoked alone");
+    refused(
+        &store,
+        Command::RevokeCertificate(worker("router-2"), "01".into()),
+        ErrorCode::NotFound,
+        "another worker's serial",
+    )
+    .await;
+
+    exec(&store, Command::SetAccess(worker("router-1"), Access::Revoke)).await.unwrap();
+    assert_eq!(admit(&store, "router-1", "0a").await, Some(ErrorCode::CertificateRevoked), "unrecorded, after a revoke");
+    exec(&store, Command::RecordCertificate(cert("router-1", "02"), Issuer::Operator)).await.unwrap();
+    assert_eq!(admit(&store, "router-1", "02").await, None, "enrolled again");
+    // A certificate recorded for another worker never speaks for this one.
+    exec(&store, Command::RecordCertificate(cert("router-2", "03"), Issuer::Operator)).await.unwrap();
+    assert_eq!(admit(&store, "router-1", "03").await, Some(ErrorCode::CertificateRevoked));
+    refused(
+        &store,
+        Command::RecordCertificate(cert("router-1", "02"), Issuer::Operator),
+        ErrorCode::StateConflict,
+        "a serial recorded twice",
+    )
+    .await;
+}
+
+/// Revoking a worker closes its sessions, loses its running attempt and its open offer at
+/// once and queues their runs again (the running one spending a retry, the offered one
+/// not), all in one transaction; another worker then takes both.
+pub async fn revoking_a_worker_ends_what_it_holds_and_requeues_its_runs<B: Backend>(b: B) {
+    let store = b.store();
+    let running_run = submit(&store, LONG_TIMEOUT_MS, 1).await;
+    let offered_run = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    let agent = open_with(&store, "router-1", 2, &[]).await;
+    let offers = poll(&store, &agent).await;
+    assert_eq!(offers.len(), 2);
+    let running = offers.iter().find(|o| o.run_id == running_run).unwrap().clone();
+    let h = claim(&store, &agent, &running).await;
+    to_running(&store, &h).await;
+    exec(&store, Command::RecordCertificate(cert("router-1", "11"), Issuer::Operator)).await.unwrap();
+
+    let reply = exec(&store, Command::SetAccess(worker("router-1"), Access::Revoke)).await;
+    assert_eq!(reply, Ok(Reply::AccessChanged(AccessChanged { sessions: 1, attempts: 2, certificates: 1 })));
+    let snap = store.snapshot().await.unwrap();
+    assert_eq!(snap.sessions.iter().find(|s| s.id == agent.session).unwrap().state, SessionState::Closed);
+    let d = detail(&store, &running_run).await;
+    assert_eq!((d.run.status, d.run.retries_used), (RunStatus::Queued, 1));
+    assert_eq!((d.attempts[0].status, d.attempts[0].error_code.as_deref()), (AttemptStatus::Lost, Some(WORKER_REVOKED)));
+    assert!(kinds(&d).ends_with(&["attempt.lost", "run.queued"]));
+    let d = detail(&store, &offered_run).await;
+    assert_eq!((d.run.status, d.run.retries_used), (RunStatus::Queued, 0));
+    assert_eq!(d.attempts[0].error_code.as_deref(), Some(WORKER_REVOKED));
+    assert!(snap.certificates.iter().all(|c| c.revoked_at.is_some()));
+    refused(&store, h.renew(), ErrorCode::SessionConflict, "the revoked agent's renewal").await;
+
+    let other = open_with(&store, "router-2", 2, &[]).await;
+    assert_eq!(poll(&store, &other).await.len(), 2, "another worker takes both runs");
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// Disabling does the same with its own code, and a repeat ends nothing more.
+pub async fn disabling_a_worker_requeues_its_runs_and_a_repeat_changes_nothing_more<B: Backend>(b: B) {
+    let store = b.store();
+    let run = submit(&store, LONG_TIMEOUT_MS, 1).await;
+    let agent = open(&store, "router-1").await;
+    let offer = poll(&store, &agent).await.remove(0);
+    let h = claim(&store, &agent, &offer).await;
+    to_running(&store, &h).await;
+    exec(&store, Command::SetAccess(worker("router-1"), Access::Disable)).await.unwrap();
+    let d = detail(&store, &run).await;
+    assert_eq!(d.run.status, RunStatus::Queued, "lost through no fault of the job: not failed");
+    assert_eq!(d.attempts[0].error_code.as_deref(), Some(WORKER_DISABLED));
+    let before = store.snapshot().await.unwrap();
+    let again = exec(&store, Command::SetAccess(worker("router-1"), Access::Disable)).await;
+    assert_eq!(again, Ok(Reply::AccessChanged(AccessChanged::default())));
+    let after = store.snapshot().await.unwrap();
+    assert_eq!((&before.sessions, &before.runs, &before.events), (&after.sessions, &after.runs, &after.events));
+    check_invariants(&after);
+}
+
+/// A token is spent once, on its own worker, before it expires; every other use is
+/// refused and stores nothing.
+pub async fn an_enrolment_token_is_spent_once<B: Backend>(b: B) {
+    let store = b.store();
+    let token = Token::generate().unwrap();
+    let digest = token.digest();
+    exec(&store, Command::CreateEnrolment(worker("router-1"), digest.clone(), 60_000)).await.unwrap();
+    refused(
+        &store,
+        Command::Enrol(digest.clone(), cert("router-2", "21")),
+        ErrorCode::EnrolmentRefused,
+        "a token for another worker",
+    )
+    .await;
+    refused(
+        &store,
+        Command::Enrol(Token::generate().unwrap().digest(), cert("router-1", "21")),
+        ErrorCode::EnrolmentRefused,
+        "an unknown token",
+    )
+    .await;
+    let reply = exec(&store, Command::Enrol(digest.clone(), cert("router-1", "21"))).await;
+    assert!(matches!(reply, Ok(Reply::CertificateRecorded(c)) if c.serial == "21"));
+    let snap = store.snapshot().await.unwrap();
+    assert_eq!(snap.enrolments[0].serial.as_deref(), Some("21"));
+    assert!(snap.enrolments[0].used_at.is_some());
+    refused(&store, Command::Enrol(digest, cert("router-1", "22")), ErrorCode::EnrolmentRefused, "a reused token")
+        .await;
+
+    let short = Token::generate().unwrap();
+    exec(&store, Command::CreateEnrolment(worker("router-3"), short.digest(), 1_000)).await.unwrap();
+    b.advance(1_000);
+    refused(&store, Command::Enrol(short.digest(), cert("router-3", "23")), ErrorCode::EnrolmentRefused, "expired")
+        .await;
+    let texts = b.all_text().await;
+    assert!(!texts.iter().any(|t| t.contains(token.expose()) || t.contains(short.expose())), "no raw token stored");
+}
