@@ -63,9 +63,9 @@ pub(crate) fn check(cfg: &Config) -> Result<Vec<String>, CheckFailed> {
             "the server says worker_id `{}` is not this certificate's worker (403 principal_mismatch)",
             cfg.worker_id
         ))),
-        Err(CallError::Refused { code: code @ (ErrorCode::CertificateRevoked | ErrorCode::WorkerDisabled), .. }) => {
-            Err(CheckFailed(format!("the server refuses this worker: 403 {code}; ask its operator")))
-        }
+        Err(CallError::Refused {
+            code: code @ (ErrorCode::CertificateRevoked | ErrorCode::WorkerDisabled), ..
+        }) => Err(CheckFailed(format!("the server refuses this worker: 403 {code}; ask its operator"))),
         Err(CallError::Refused { code: ErrorCode::Unauthenticated, .. }) => {
             Err(CheckFailed("the server refused the client certificate (401 unauthenticated)".into()))
         }

@@ -298,7 +298,8 @@ pub async fn workers<S: Store>(store: &S, limit: usize) -> Result<String, String
     };
     // The latest not-after among the worker's certificates still valid for it.
     let not_after = |w: &WorkerId| {
-        let latest = certificates.iter().filter(|c| &c.worker == w && c.revoked_at.is_none()).map(|c| c.not_after).max();
+        let latest =
+            certificates.iter().filter(|c| &c.worker == w && c.revoked_at.is_none()).map(|c| c.not_after).max();
         latest.map_or_else(|| "-".to_owned(), |t| when(Some(t)))
     };
     let refused = |w: &WorkerId| twins.iter().find(|(t, _)| t == w).map_or(0, |(_, n)| *n);

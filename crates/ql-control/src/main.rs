@@ -442,7 +442,8 @@ fn millis_text(ms: i64) -> String {
 
 /// `https://<first name of the server certificate>:<port ql-control listens on>`.
 fn default_server(dir: &std::path::Path, config: &Config) -> String {
-    let host = ql_control::pki::server_hosts(dir).ok().and_then(|h| h.into_iter().next()).unwrap_or_else(|| "HOST".into());
+    let host =
+        ql_control::pki::server_hosts(dir).ok().and_then(|h| h.into_iter().next()).unwrap_or_else(|| "HOST".into());
     let port = config.listen.rsplit_once(':').map_or("8443", |(_, p)| p);
     let host = if host.contains(':') { format!("[{host}]") } else { host };
     format!("https://{host}:{port}")

@@ -259,7 +259,12 @@ impl Ca {
 
     /// Issues `worker`'s client certificate for `key` (the worker URI as its only SAN,
     /// client-auth), valid for `lifetime`.
-    pub fn issue(&self, worker: &WorkerId, key: &impl rcgen::PublicKeyData, lifetime: Duration) -> Result<Issued, PkiError> {
+    pub fn issue(
+        &self,
+        worker: &WorkerId,
+        key: &impl rcgen::PublicKeyData,
+        lifetime: Duration,
+    ) -> Result<Issued, PkiError> {
         let issuer = Issuer::new(ca_params(&self.common_name), &self.key);
         let mut params = leaf_params(worker.as_str(), lifetime);
         let uri = worker_uri(worker).try_into().map_err(|_| PkiError::Host(worker.to_string()))?;
@@ -637,7 +642,9 @@ pub(crate) mod tests {
 
         let foreign = TempDir::new("pki-foreign");
         init_pki(foreign.path(), &["localhost".into()]).unwrap();
-        assert!(matches!(enroll(foreign.path(), &worker("router-3"), &out, WORKER_VALIDITY), Err(PkiError::Exists(p)) if p == first.ca));
+        assert!(
+            matches!(enroll(foreign.path(), &worker("router-3"), &out, WORKER_VALIDITY), Err(PkiError::Exists(p)) if p == first.ca)
+        );
         assert!(!out.join("router-3.key").exists());
     }
 

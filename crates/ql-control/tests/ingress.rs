@@ -158,6 +158,10 @@ impl Server {
 
     /// Queues a run that needs the operator's `labels` of its worker.
     fn submit_for(&self, labels: BTreeMap<String, String>) -> RunId {
+        self.submit_with(labels, 0)
+    }
+
+    fn submit_with(&self, labels: BTreeMap<String, String>, retry_budget: u32) -> RunId {
         let spec = ExecutionSpec {
             schema: SpecSchema,
             project_id: project(),
@@ -167,7 +171,7 @@ impl Server {
             timeout_ms: 600_000,
             log_limit_bytes: 1024 * 1024,
         };
-        let submit = Submit { project: project(), spec, labels, agent_labels: BTreeMap::new(), retry_budget: 0 };
+        let submit = Submit { project: project(), spec, labels, agent_labels: BTreeMap::new(), retry_budget };
         match self.rt.block_on(self.store.execute(Command::Submit(submit))).unwrap() {
             Ok(Reply::Submitted(run)) => run,
             other => panic!("submit: {other:?}"),
@@ -1545,4 +1549,61 @@ fn a_body_naming_a_worker_is_refused() {
     );
     assert_eq!(answer.error(), ErrorCode::InvalidRequest);
     assert!(server.snapshot().sessions.is_empty());
+}
+
+#[test]
+fn a_revoked_worker_is_refused_on_its_open_connection_and_another_finishes_its_run() {
+    use ql_control::core::{Access, WORKER_REVOKED};
+    use ql_control::model::{AttemptStatus, RunStatus};
+    let server = Server::start("revoke");
+    server.submit_with(BTreeMap::new(), 1);
+    let w1 = server.client("router-1");
+    let (session, generation) = w1.open(1);
+    let offers = w1.poll(&session, generation, 0, 1).offers;
+    let mut job = w1.claim(&session, generation, &offers[0]);
+    assert_eq!(w1.starting(&job).result, Outcome::Started);
+    assert_eq!(w1.running(&job, None).result, Outcome::Running);
+    w1.renew(&mut job);
+    let connections = server.stats().connections();
+    let before = server.snapshot();
+
+    let revoked = server.rt.block_on(server.store.execute(Command::SetAccess(wid("router-1"), Access::Revoke)));
+    assert!(matches!(revoked, Ok(Ok(Reply::AccessChanged(c))) if c.sessions == 1 && c.attempts == 1));
+    let after_revoke = server.snapshot();
+    // The next request on the connection opened before is refused before its body.
+    let answer = w1.post(&job.route(AttemptCommand::RenewLease), &job.fence);
+    assert_eq!(answer.error(), ErrorCode::CertificateRevoked);
+    assert_eq!(server.stats().connections(), connections, "refused on the connection it already had");
+    assert_eq!(server.audits().last().map(|a| a.outcome.as_str()), Some("certificate_revoked"));
+    let refused = server.snapshot();
+    assert_eq!(
+        (&refused.runs, &refused.leases, &refused.events),
+        (&after_revoke.runs, &after_revoke.leases, &after_revoke.events)
+    );
+    // A new connection of the same certificate fares no better.
+    let body = OpenSession {
+        agent_version: "0.1.0".parse().unwrap(),
+        arch: "x86_64".parse().unwrap(),
+        labels: BTreeMap::new(),
+        capacity: 1,
+    };
+    let again = server.client("router-1").post(&Route::OpenSession(wid("router-1")), &body);
+    assert_eq!(again.error(), ErrorCode::CertificateRevoked);
+
+    let lost = &after_revoke.attempts[0];
+    assert_eq!((lost.status, lost.error_code.as_deref()), (AttemptStatus::Lost, Some(WORKER_REVOKED)));
+    assert_eq!(after_revoke.runs[0].status, RunStatus::Queued);
+    assert_ne!(before.runs[0].status, RunStatus::Queued);
+
+    // Another worker takes the run again and finishes it.
+    let w2 = server.client("router-2");
+    let (session, generation) = w2.open(1);
+    let offers = w2.poll(&session, generation, 0, 1).offers;
+    assert_eq!(offers.iter().map(|o| &o.run_id).collect::<Vec<_>>(), vec![&job.path.run]);
+    let job2 = w2.claim(&session, generation, &offers[0]);
+    assert_eq!(w2.starting(&job2).result, Outcome::Started);
+    let done: CompletionReply = w2.post(&job2.route(AttemptCommand::Completion), &job2.completion(0, None)).json(200);
+    assert_eq!(done.result, Outcome::Completed);
+    let end = server.snapshot();
+    assert_eq!(end.runs[0].status, RunStatus::Succeeded);
 }

@@ -135,7 +135,8 @@ struct Agent {
 impl Agent {
     fn new(dir: &Path, worker: &WorkerId, urls: Vec<String>, tally: Arc<Mutex<Tally>>, deadline: Instant) -> Self {
         let (enrolled, _) =
-            ql_control::pki::enroll(dir, worker, &dir.join("workers"), ql_control::pki::WORKER_VALIDITY).expect("enroll");
+            ql_control::pki::enroll(dir, worker, &dir.join("workers"), ql_control::pki::WORKER_VALIDITY)
+                .expect("enroll");
         let http = worker_client::client(&enrolled, Duration::from_secs(30));
         Self { http, urls, next: 0, tally, deadline }
     }

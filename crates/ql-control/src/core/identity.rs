@@ -20,9 +20,7 @@ use ql_wire::ErrorCode;
 
 use super::sweep::{lost_lease, lost_offer};
 use super::{Decision, IdGen, Reply, Rows, Write};
-use crate::model::{
-    Certificate, Enrolment, LeaseState, Millis, OfferState, Session, SessionState, Worker,
-};
+use crate::model::{Certificate, Enrolment, LeaseState, Millis, OfferState, Session, SessionState, Worker};
 
 /// Error code of an attempt lost because the operator revoked its worker.
 pub const WORKER_REVOKED: &str = "WORKER_REVOKED";
@@ -87,7 +85,9 @@ pub(super) fn set_access(worker: &WorkerId, access: Access, rows: &Rows, now: Mi
             // Runs its sessions could take may be placed again once it comes back.
             return Decision::apply(Reply::AccessChanged(changed), vec![Write::Worker(enabled)]).waking();
         }
-        Access::Disable => (Worker { disabled_at: record.disabled_at.or(Some(now)), updated_at: now, ..record }, WORKER_DISABLED),
+        Access::Disable => {
+            (Worker { disabled_at: record.disabled_at.or(Some(now)), updated_at: now, ..record }, WORKER_DISABLED)
+        }
         Access::Revoke => (Worker { revoked_at: Some(now), updated_at: now, ..record }, WORKER_REVOKED),
     };
     let mut writes = vec![Write::Worker(updated)];
@@ -99,7 +99,12 @@ pub(super) fn set_access(worker: &WorkerId, access: Access, rows: &Rows, now: Mi
     }
     let live = |s: &&Session| &s.worker == worker && matches!(s.state, SessionState::Online | SessionState::Draining);
     for s in rows.worker_sessions.iter().filter(live) {
-        writes.push(Write::Session(Session { state: SessionState::Closed, seen_at: now, expires_at: now, ..s.clone() }));
+        writes.push(Write::Session(Session {
+            state: SessionState::Closed,
+            seen_at: now,
+            expires_at: now,
+            ..s.clone()
+        }));
         changed.sessions += 1;
     }
     let summary = match access {
@@ -127,10 +132,10 @@ pub(super) fn set_access(worker: &WorkerId, access: Access, rows: &Rows, now: Mi
 pub(super) fn revoke_certificate(worker: &WorkerId, serial: &str, rows: &Rows, now: Millis) -> Decision {
     match rows.certificate.as_ref().filter(|c| c.serial == serial && &c.worker == worker) {
         None => Decision::refuse(ErrorCode::NotFound),
-        Some(c) if c.revoked_at.is_some() => Decision::answer(Reply::CertificateRevoked(c.clone())),
+        Some(c) if c.revoked_at.is_some() => Decision::answer(Reply::CertificateRevoked(Box::new(c.clone()))),
         Some(c) => {
             let revoked = Certificate { revoked_at: Some(now), ..c.clone() };
-            Decision::apply(Reply::CertificateRevoked(revoked.clone()), vec![Write::Certificate(revoked)])
+            Decision::apply(Reply::CertificateRevoked(Box::new(revoked.clone())), vec![Write::Certificate(revoked)])
         }
     }
 }
@@ -147,7 +152,7 @@ pub(super) fn record_certificate(cert: &Certificate, issuer: Issuer, rows: &Rows
         return Decision::refuse(ErrorCode::StateConflict);
     }
     let recorded = Certificate { issued_at: now, revoked_at: None, ..cert.clone() };
-    Decision::apply(Reply::CertificateRecorded(recorded.clone()), vec![Write::Certificate(recorded)])
+    Decision::apply(Reply::CertificateRecorded(Box::new(recorded.clone())), vec![Write::Certificate(recorded)])
 }
 
 /// Records a one-time enrolment token (its digest) for `worker`, valid for `ttl_ms`.
@@ -163,7 +168,7 @@ pub(super) fn create_enrolment(worker: &WorkerId, digest: &Digest, ttl_ms: u64, 
         used_at: None,
         serial: None,
     };
-    Decision::apply(Reply::EnrolmentCreated(enrolment.clone()), vec![Write::Enrolment(enrolment)])
+    Decision::apply(Reply::EnrolmentCreated(enrolment.expires_at), vec![Write::Enrolment(enrolment)])
 }
 
 /// Spends an enrolment token on `cert`: the token must be known, for this worker, unspent
@@ -184,7 +189,10 @@ pub(super) fn enrol(digest: &Digest, cert: &Certificate, rows: &Rows, now: Milli
     }
     let spent = Enrolment { used_at: Some(now), serial: Some(cert.serial.clone()), ..enrolment.clone() };
     let recorded = Certificate { issued_at: now, revoked_at: None, ..cert.clone() };
-    Decision::apply(Reply::CertificateRecorded(recorded.clone()), vec![Write::Enrolment(spent), Write::Certificate(recorded)])
+    Decision::apply(
+        Reply::CertificateRecorded(Box::new(recorded.clone())),
+        vec![Write::Enrolment(spent), Write::Certificate(recorded)],
+    )
 }
 
 #[cfg(test)]
@@ -195,7 +203,13 @@ mod tests {
     use crate::model::{AttemptStatus, RunStatus};
 
     fn cert(serial: &str) -> Certificate {
-        Certificate { serial: serial.into(), worker: worker(), issued_at: NOW - 10, not_after: NOW + 1_000_000, revoked_at: None }
+        Certificate {
+            serial: serial.into(),
+            worker: worker(),
+            issued_at: NOW - 10,
+            not_after: NOW + 1_000_000,
+            revoked_at: None,
+        }
     }
 
     fn record() -> Worker {
@@ -213,7 +227,11 @@ mod tests {
         let revoked_cert = Certificate { revoked_at: Some(NOW), ..cert("01") };
         assert_eq!(admission(&w, Some(&record()), Some(&revoked_cert)), Err(ErrorCode::CertificateRevoked));
         let revoked = Worker { revoked_at: Some(NOW), ..record() };
-        assert_eq!(admission(&w, Some(&revoked), None), Err(ErrorCode::CertificateRevoked), "unrecorded after a revoke");
+        assert_eq!(
+            admission(&w, Some(&revoked), None),
+            Err(ErrorCode::CertificateRevoked),
+            "unrecorded after a revoke"
+        );
         assert_eq!(admission(&w, Some(&revoked), Some(&cert("02"))), Ok(()), "enrolled again after the revoke");
         let foreign = Certificate { worker: other_worker(), ..cert("03") };
         assert_eq!(admission(&w, None, Some(&foreign)), Err(ErrorCode::CertificateRevoked));
@@ -224,7 +242,9 @@ mod tests {
         rows.worker_sessions = rows.session.iter().cloned().collect();
         let (run, attempt) = (rows.run.clone().unwrap(), rows.attempt.clone().unwrap());
         rows.worker_work = match status {
-            AttemptStatus::Offered => Work { offers: vec![(rows.offer.clone().unwrap(), run, attempt)], ..Work::default() },
+            AttemptStatus::Offered => {
+                Work { offers: vec![(rows.offer.clone().unwrap(), run, attempt)], ..Work::default() }
+            }
             _ => Work { leases: vec![(rows.lease.clone().unwrap(), run, attempt)], ..Work::default() },
         };
         rows.certificates = vec![cert("01"), Certificate { revoked_at: Some(NOW - 5), ..cert("02") }];
@@ -284,7 +304,8 @@ mod tests {
         assert_eq!(d.writes, vec![Write::Certificate(Certificate { revoked_at: Some(NOW), ..cert("0a") })]);
         assert_eq!(revoke_certificate(&worker(), "0b", &Rows::default(), NOW), Decision::refuse(ErrorCode::NotFound));
         assert_eq!(revoke_certificate(&other_worker(), "0a", &rows, NOW), Decision::refuse(ErrorCode::NotFound));
-        let again = Rows { certificate: Some(Certificate { revoked_at: Some(NOW - 1), ..cert("0a") }), ..Rows::default() };
+        let again =
+            Rows { certificate: Some(Certificate { revoked_at: Some(NOW - 1), ..cert("0a") }), ..Rows::default() };
         assert!(revoke_certificate(&worker(), "0a", &again, NOW).writes.is_empty());
     }
 
@@ -308,7 +329,8 @@ mod tests {
         assert!(d.writes.iter().any(|w| matches!(w, Write::Enrolment(e) if e.used_at == Some(NOW))));
 
         let refused = Decision::refuse(ErrorCode::EnrolmentRefused);
-        let spent = Rows { enrolment: Some(Enrolment { used_at: Some(NOW - 1), ..enrolment(NOW + 1) }), ..Rows::default() };
+        let spent =
+            Rows { enrolment: Some(Enrolment { used_at: Some(NOW - 1), ..enrolment(NOW + 1) }), ..Rows::default() };
         assert_eq!(enrol(&digest, &cert("0d"), &spent, NOW), refused);
         let expired = Rows { enrolment: Some(enrolment(NOW)), ..Rows::default() };
         assert_eq!(enrol(&digest, &cert("0d"), &expired, NOW), refused);
@@ -323,9 +345,15 @@ mod tests {
     #[test]
     fn a_disabled_worker_cannot_renew_but_its_operator_may_issue() {
         let rows = Rows { worker: Some(Worker { disabled_at: Some(NOW - 1), ..record() }), ..Rows::default() };
-        assert_eq!(record_certificate(&cert("0e"), Issuer::Worker, &rows, NOW), Decision::refuse(ErrorCode::WorkerDisabled));
+        assert_eq!(
+            record_certificate(&cert("0e"), Issuer::Worker, &rows, NOW),
+            Decision::refuse(ErrorCode::WorkerDisabled)
+        );
         assert!(record_certificate(&cert("0e"), Issuer::Operator, &rows, NOW).reply.is_ok());
         let known = Rows { certificate: Some(cert("0e")), ..Rows::default() };
-        assert_eq!(record_certificate(&cert("0e"), Issuer::Operator, &known, NOW), Decision::refuse(ErrorCode::StateConflict));
+        assert_eq!(
+            record_certificate(&cert("0e"), Issuer::Operator, &known, NOW),
+            Decision::refuse(ErrorCode::StateConflict)
+        );
     }
 }

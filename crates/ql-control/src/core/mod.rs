@@ -274,15 +274,15 @@ pub enum Reply {
     /// To cancel.
     Cancelled(CancelOutcome),
     /// To labelling a worker: its record now.
-    WorkerLabelled(Worker),
+    WorkerLabelled(Box<Worker>),
     /// To disabling, enabling or revoking a worker: what it ended.
     AccessChanged(AccessChanged),
     /// To revoking a certificate: its record now.
-    CertificateRevoked(Certificate),
+    CertificateRevoked(Box<Certificate>),
     /// A certificate was recorded (as issued, or on enrolment).
-    CertificateRecorded(Certificate),
-    /// An enrolment token was recorded.
-    EnrolmentCreated(Enrolment),
+    CertificateRecorded(Box<Certificate>),
+    /// An enrolment token was recorded, usable until then.
+    EnrolmentCreated(Millis),
     /// To sweep: how many rows it changed.
     Swept(usize),
     /// To a sweep after an outage: what its grace gave back (nothing was swept).

@@ -24,10 +24,10 @@ pub(super) fn set_labels(worker: &WorkerId, labels: &BTreeMap<String, String>, r
     let base = existing.cloned().unwrap_or_else(|| Worker::new(worker.clone(), now));
     let updated = Worker { labels: labels.clone(), updated_at: now, ..base };
     if existing.is_some_and(|w| w.labels == *labels) {
-        return Decision::apply(Reply::WorkerLabelled(updated), Vec::new());
+        return Decision::apply(Reply::WorkerLabelled(Box::new(updated)), Vec::new());
     }
     // Runs that could not be placed before may fit now.
-    Decision::apply(Reply::WorkerLabelled(updated.clone()), vec![Write::Worker(updated)]).waking()
+    Decision::apply(Reply::WorkerLabelled(Box::new(updated.clone())), vec![Write::Worker(updated)]).waking()
 }
 
 #[cfg(test)]
@@ -49,10 +49,10 @@ mod tests {
         let d = set_labels(&w1(), &labels(&[("site", "attic")]), &Rows::default(), NOW);
         let Ok(Reply::WorkerLabelled(first)) = &d.reply else { panic!("{d:?}") };
         assert_eq!((first.created_at, first.updated_at), (NOW, NOW));
-        assert_eq!(d.writes, vec![Write::Worker(first.clone())]);
+        assert_eq!(d.writes, vec![Write::Worker((**first).clone())]);
         assert!(d.wake);
 
-        let rows = Rows { worker: Some(first.clone()), ..Rows::default() };
+        let rows = Rows { worker: Some((**first).clone()), ..Rows::default() };
         let d = set_labels(&w1(), &labels(&[("tier", "lab")]), &rows, NOW + 5);
         let Ok(Reply::WorkerLabelled(second)) = &d.reply else { panic!("{d:?}") };
         assert_eq!(second.labels, labels(&[("tier", "lab")]), "site is gone");

@@ -10,8 +10,8 @@ use ql_wire::lease::StopIntent;
 
 use super::columns::{Columns, Corrupt, Table, Value as V};
 use crate::model::{
-    Attempt, AttemptStatus, AuditRecord, Certificate, ClaimFacts, Enrolment, EndKind, Event, Lease, LeaseFacts, LeaseState, LogChunk, Offer,
-    OfferState, Run, RunStatus, Session, SessionState, Worker,
+    Attempt, AttemptStatus, AuditRecord, Certificate, ClaimFacts, EndKind, Enrolment, Event, Lease, LeaseFacts,
+    LeaseState, LogChunk, Offer, OfferState, Run, RunStatus, Session, SessionState, Worker,
 };
 
 /// A model type stored as one row of one table.
@@ -89,19 +89,8 @@ pub(super) const CERTIFICATES: Table = Table { name: "certificates", key: Some("
 pub(super) const ENROLMENTS: Table = Table { name: "enrolments", key: Some("token_digest"), cols: ENROLMENT_COLS };
 
 /// Every table a model type is stored in.
-pub(super) const TABLES: [&Table; 11] = [
-    &SESSIONS,
-    &RUNS,
-    &ATTEMPTS,
-    &OFFERS,
-    &LEASES,
-    &EVENTS,
-    &AUDIT,
-    &LOG_CHUNKS,
-    &WORKERS,
-    &CERTIFICATES,
-    &ENROLMENTS,
-];
+pub(super) const TABLES: [&Table; 11] =
+    [&SESSIONS, &RUNS, &ATTEMPTS, &OFFERS, &LEASES, &EVENTS, &AUDIT, &LOG_CHUNKS, &WORKERS, &CERTIFICATES, &ENROLMENTS];
 
 impl Stored for Session {
     const TABLE: &'static Table = &SESSIONS;

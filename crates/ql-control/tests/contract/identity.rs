@@ -15,7 +15,8 @@ fn cert(w: &str, serial: &str) -> Certificate {
 }
 
 async fn admit<S: Store>(store: &S, w: &str, serial: &str) -> Option<ErrorCode> {
-    let record = AuditRecord { at: 0, principal: Some(worker(w)), route: "session.open".into(), outcome: String::new() };
+    let record =
+        AuditRecord { at: 0, principal: Some(worker(w)), route: "session.open".into(), outcome: String::new() };
     store.admit(record, serial.into()).await.expect("the store is available")
 }
 
@@ -55,7 +56,11 @@ pub async fn admission_follows_the_worker_and_its_certificates<B: Backend>(b: B)
     .await;
 
     exec(&store, Command::SetAccess(worker("router-1"), Access::Revoke)).await.unwrap();
-    assert_eq!(admit(&store, "router-1", "0a").await, Some(ErrorCode::CertificateRevoked), "unrecorded, after a revoke");
+    assert_eq!(
+        admit(&store, "router-1", "0a").await,
+        Some(ErrorCode::CertificateRevoked),
+        "unrecorded, after a revoke"
+    );
     exec(&store, Command::RecordCertificate(cert("router-1", "02"), Issuer::Operator)).await.unwrap();
     assert_eq!(admit(&store, "router-1", "02").await, None, "enrolled again");
     // A certificate recorded for another worker never speaks for this one.
@@ -91,7 +96,10 @@ pub async fn revoking_a_worker_ends_what_it_holds_and_requeues_its_runs<B: Backe
     assert_eq!(snap.sessions.iter().find(|s| s.id == agent.session).unwrap().state, SessionState::Closed);
     let d = detail(&store, &running_run).await;
     assert_eq!((d.run.status, d.run.retries_used), (RunStatus::Queued, 1));
-    assert_eq!((d.attempts[0].status, d.attempts[0].error_code.as_deref()), (AttemptStatus::Lost, Some(WORKER_REVOKED)));
+    assert_eq!(
+        (d.attempts[0].status, d.attempts[0].error_code.as_deref()),
+        (AttemptStatus::Lost, Some(WORKER_REVOKED))
+    );
     assert!(kinds(&d).ends_with(&["attempt.lost", "run.queued"]));
     let d = detail(&store, &offered_run).await;
     assert_eq!((d.run.status, d.run.retries_used), (RunStatus::Queued, 0));

@@ -49,9 +49,9 @@ use ql_wire::ids::{AttemptId, RunId, SessionId, WorkerId};
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 use super::{schema, Error, Tx};
 use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
-use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS};
 use crate::model::{Millis, Session, SessionState, Worker};
 use crate::store::records::EVENT_COLS;
+use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS};
 
 /// Most queued runs placement looks at per poll.
 pub(super) const PLACEMENT_BATCH: i64 = 256;
@@ -373,7 +373,9 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
         out.worker = one_by(tx, "workers", &WORKER_COLS, "id", w.as_str(), lock, rows::read).await?;
     }
     if let Some(w) = &keys.worker_certificates {
-        let sql = format!("SELECT {CERTIFICATE_COLS} FROM certificates WHERE worker = $1 ORDER BY issued_at, serial FOR UPDATE");
+        let sql = format!(
+            "SELECT {CERTIFICATE_COLS} FROM certificates WHERE worker = $1 ORDER BY issued_at, serial FOR UPDATE"
+        );
         out.certificates = tx.all(&sql, &[&w.as_str()]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
     }
     if let Some(serial) = &keys.certificate {
@@ -382,8 +384,7 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
     }
     if let Some(digest) = &keys.enrolment {
         out.enrolment =
-            one_by(tx, "enrolments", ENROLMENT_COLS, "token_digest", digest.as_str(), "FOR UPDATE", rows::read)
-                .await?;
+            one_by(tx, "enrolments", ENROLMENT_COLS, "token_digest", digest.as_str(), "FOR UPDATE", rows::read).await?;
     }
     if let Some(w) = &keys.worker_work {
         out.worker_work = worker_work(tx, w).await?;

@@ -591,8 +591,11 @@ impl Store for PgStore {
             Some(p) => {
                 let row = conn.client().query_one(STATE, &[&p.as_str(), &serial]).await.map_err(Error::Pg)?;
                 let (disabled_at, revoked_at): (Option<i64>, Option<i64>) = (row.get(0), row.get(1));
-                let worker = (disabled_at.is_some() || revoked_at.is_some())
-                    .then(|| Worker { disabled_at, revoked_at, ..Worker::new(p.clone(), 0) });
+                let worker = (disabled_at.is_some() || revoked_at.is_some()).then(|| Worker {
+                    disabled_at,
+                    revoked_at,
+                    ..Worker::new(p.clone(), 0)
+                });
                 let cert = match row.get::<_, Option<String>>(2) {
                     None => None,
                     Some(w) => Some(Certificate {
@@ -609,7 +612,10 @@ impl Store for PgStore {
         let outcome = refused.map_or_else(|| "admitted".to_owned(), |c| c.as_str().to_owned());
         let stmt = conn.prepare(SQL).await?;
         let principal = record.principal.as_ref().map(|p| p.as_str());
-        conn.client().execute(&stmt, &[&self.offset(), &principal, &record.route, &outcome]).await.map_err(Error::Pg)?;
+        conn.client()
+            .execute(&stmt, &[&self.offset(), &principal, &record.route, &outcome])
+            .await
+            .map_err(Error::Pg)?;
         conn.keep();
         Ok(refused)
     }

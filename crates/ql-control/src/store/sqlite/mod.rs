@@ -394,12 +394,7 @@ fn snapshot(tx: &Connection) -> rusqlite::Result<Snapshot> {
         )?,
         workers: all(tx, &format!("SELECT {WORKER_COLS} FROM workers ORDER BY id"), [], rows::read)?,
         certificates: all(tx, &format!("SELECT {CERTIFICATE_COLS} FROM certificates ORDER BY serial"), [], rows::read)?,
-        enrolments: all(
-            tx,
-            &format!("SELECT {ENROLMENT_COLS} FROM enrolments ORDER BY token_digest"),
-            [],
-            rows::read,
-        )?,
+        enrolments: all(tx, &format!("SELECT {ENROLMENT_COLS} FROM enrolments ORDER BY token_digest"), [], rows::read)?,
     };
     Ok(snap)
 }
