@@ -44,6 +44,7 @@ pub fn ingress_config(config: &Config) -> IngressConfig {
         upload_grace: Duration::from_millis(config.upload_grace_ms),
         min_upload_rate: config.min_upload_rate,
         report_every: Duration::from_millis(config.refusal_report_ms),
+        max_anonymous_connections: count(config.max_anonymous_connections),
         ..IngressConfig::default()
     }
 }
@@ -163,6 +164,21 @@ pub fn run(dir: &Path, listen: Option<String>, database: Option<String>) -> Resu
     })
 }
 
+/// What the identity routes issue with: the worker CA and, where `ca.key` is present, its
+/// key (a replica without one serves `GET /v1/ca` and answers enrolment and renewal
+/// `503`, which an agent retries: against another replica, behind a balancer).
+fn identity(layout: &Layout, config: &Config) -> Result<http::identity::Identity, String> {
+    let paths = crate::pki::PkiPaths::new(&layout.dir);
+    let ca_pem = std::fs::read_to_string(&paths.ca_cert).map_err(|e| format!("{}: {e}", paths.ca_cert.display()))?;
+    let ca = if paths.ca_key.exists() {
+        Some(crate::pki::Ca::load(&layout.dir).map_err(|e| e.to_string())?)
+    } else {
+        eprintln!("ql-control: no {}: this replica does not issue certificates", paths.ca_key.display());
+        None
+    };
+    Ok(http::identity::Identity { ca_pem, ca, lifetime: config.worker_cert_lifetime() })
+}
+
 /// The server over any store: ingress, sweeper, and a clean stop on a signal.
 async fn serve_on<S: Store>(
     store: S,
@@ -184,7 +200,9 @@ async fn serve_on<S: Store>(
     // authority's own absence.
     sweep_once(&store).await;
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?;
-    let ingress = http::spawn(listener, tls, store.clone(), blobs, ingress_config(config))
+    let mut ingress_cfg = ingress_config(config);
+    ingress_cfg.identity = Some(Arc::new(identity(layout, config)?));
+    let ingress = http::spawn(listener, tls, store.clone(), blobs, ingress_cfg)
         .map_err(|e| format!("starting the ingress: {e}"))?;
     // Scripts and tests read this line to learn the port when they asked for port 0; it is
     // out before READY=1, so whoever waited for `systemctl start` can read it too.

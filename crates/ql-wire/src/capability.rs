@@ -18,8 +18,6 @@ pub const TOKEN_CHARS: usize = 43;
 /// Fewest distinct byte values a token's 32 bytes may have.
 pub const TOKEN_MIN_DISTINCT: usize = 16;
 
-const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-
 /// A raw lease or callback token. Never logged, never stored by the server.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
@@ -107,35 +105,13 @@ fn check_strength(bytes: &[u8; 32]) -> Result<(), Invalid> {
 }
 
 fn encode_base64url(bytes: &[u8; 32]) -> String {
-    let mut out = String::with_capacity(TOKEN_CHARS);
-    for chunk in bytes.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0u32, |acc, (i, &b)| acc | u32::from(b) << (16 - 8 * i));
-        for i in 0..=chunk.len() {
-            out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
-        }
-    }
-    out
+    crate::base64::encode(bytes, crate::base64::URL)
 }
 
 /// Decodes exactly 43 unpadded base64url characters into 32 bytes. The last character
 /// carries 2 spare bits that must be zero, so each token has one encoding only.
 fn decode_base64url(s: &[u8]) -> Option<[u8; 32]> {
-    let value = |c: u8| ALPHABET.iter().position(|&a| a == c).map(|p| p as u32);
-    let mut out = [0u8; 32];
-    let mut bits = 0u32;
-    let mut nbits = 0;
-    let mut at = 0;
-    for &c in s {
-        bits = bits << 6 | value(c)?;
-        nbits += 6;
-        if nbits >= 8 {
-            nbits -= 8;
-            *out.get_mut(at)? = (bits >> nbits) as u8;
-            at += 1;
-            bits &= (1 << nbits) - 1;
-        }
-    }
-    (at == 32 && bits == 0).then_some(out)
+    crate::base64::decode(s, crate::base64::URL)?.try_into().ok()
 }
 
 /// A lowercase hex SHA-256: a token digest or an artifact's content digest.
@@ -262,8 +238,8 @@ mod tests {
         // The last character's two spare bits set: same bytes, second spelling.
         let mut spare = t.expose().to_owned();
         let last = spare.pop().unwrap();
-        let pos = ALPHABET.iter().position(|&a| char::from(a) == last).unwrap();
-        spare.push(char::from(ALPHABET[pos | 1]));
+        let pos = crate::base64::URL.iter().position(|&a| char::from(a) == last).unwrap();
+        spare.push(char::from(crate::base64::URL[pos | 1]));
         assert_ne!(spare, t.expose());
         assert_eq!(Token::parse(&spare), Err(Invalid::TokenEncoding));
     }

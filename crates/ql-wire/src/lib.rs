@@ -13,8 +13,10 @@
 
 pub mod ack;
 pub mod artifact;
+pub mod base64;
 pub mod capability;
 pub mod completion;
+pub mod enrol;
 pub mod error;
 pub mod fence;
 pub mod frame;

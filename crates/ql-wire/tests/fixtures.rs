@@ -9,6 +9,7 @@ use std::path::Path;
 use ql_wire::ack::{Abandon, AckReply, Running, StartFailure};
 use ql_wire::artifact::{ArtifactHeader, ArtifactReply};
 use ql_wire::completion::{Completion, CompletionReply};
+use ql_wire::enrol::{CaBundle, Enrol, Issued, Renew};
 use ql_wire::lease::Renewed;
 use ql_wire::log::{LogAppendReply, LogChunkHeader, Seal};
 use ql_wire::offer::{Claim, Claimed, Offers, PollOffers};
@@ -47,6 +48,10 @@ const TYPES: &[(&str, Check)] = &[
     ("completion", check::<Completion>),
     ("completion_reply", check::<CompletionReply>),
     ("error_body", check::<ErrorBody>),
+    ("enrol", check::<Enrol>),
+    ("renew", check::<Renew>),
+    ("issued", check::<Issued>),
+    ("ca_bundle", check::<CaBundle>),
 ];
 
 fn checker(stem: &str) -> (&'static str, Check) {
@@ -131,6 +136,10 @@ fn invalid_fixtures_fail_for_their_stated_reason() {
         ("log_chunk_header.missing_offset", "missing field"),
         ("seal.unknown_field", "unknown field"),
         ("seal.missing_truncated", "missing field"),
+        ("enrol.weak_token", "distinct"),
+        ("enrol.worker_in_body", "unknown field"),
+        ("renew.csr_over_2048_bytes", "2048"),
+        ("issued.missing_not_after", "missing field"),
     ] {
         let (_, check) = checker(stem);
         let err = check(&find(stem)).unwrap_err().to_string();

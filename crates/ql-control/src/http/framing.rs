@@ -16,8 +16,13 @@ use ql_wire::ErrorCode;
 /// `Content-Encoding` must be `identity` (415), `Transfer-Encoding` must be absent (411),
 /// `Content-Length` must be present once (411) and within the route's cap (413).
 pub fn check(route: &Route, headers: &HeaderMap) -> Result<u64, ErrorCode> {
+    check_body(route.media_type(), route.body_cap(), headers)
+}
+
+/// [`check`] for a body of `media` type of at most `cap` bytes (the identity routes).
+pub fn check_body(media: &str, cap: u64, headers: &HeaderMap) -> Result<u64, ErrorCode> {
     let media_type = single(headers, &CONTENT_TYPE).ok_or(ErrorCode::UnsupportedMediaType)?;
-    if !media_type.eq_ignore_ascii_case(route.media_type()) {
+    if !media_type.eq_ignore_ascii_case(media) {
         return Err(ErrorCode::UnsupportedMediaType);
     }
     if headers.contains_key(CONTENT_ENCODING) {
@@ -35,7 +40,7 @@ pub fn check(route: &Route, headers: &HeaderMap) -> Result<u64, ErrorCode> {
     }
     // Digits only, so the one parse failure left is overflow: certainly over any cap.
     let length: u64 = length.parse().map_err(|_| ErrorCode::PayloadTooLarge)?;
-    if length > route.body_cap() {
+    if length > cap {
         return Err(ErrorCode::PayloadTooLarge);
     }
     Ok(length)

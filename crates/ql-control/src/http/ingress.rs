@@ -64,6 +64,8 @@ pub(super) struct Shared<S, B> {
     pub(super) sealing: log::Sealing,
     /// Handshakes and connections held, for the limits of [`super`].
     pub(super) occupancy: super::Occupancy,
+    /// Slots of connections without a client certificate.
+    pub(super) anonymous: Arc<tokio::sync::Semaphore>,
     /// Lines about refused connections, at a bounded rate.
     pub(super) reports: super::Reports,
 }
@@ -150,6 +152,16 @@ impl Answer {
         Self { close: true, ..self }
     }
 
+    /// The refusal's code, if this is one that is still to be recorded.
+    pub(super) fn code(&self) -> Option<ErrorCode> {
+        self.code
+    }
+
+    /// A refusal already on record (the admission recorded it).
+    pub(super) fn unaudited(self) -> Self {
+        Self { code: None, ..self }
+    }
+
     fn into_response(self) -> Response<Full<Bytes>> {
         let length = self.body.len();
         let mut response = Response::new(Full::new(Bytes::from(self.body)));
@@ -173,6 +185,11 @@ async fn handle<S: Store, B: BlobStore>(
     req: Request<Incoming>,
     reset: &Reset,
 ) -> Answer {
+    if req.uri().query().is_none() {
+        if let Some(route) = ql_wire::enrol::IdentityRoute::parse(req.method().as_str(), req.uri().path()) {
+            return super::identity::handle(shared, principal, serial, route, req).await;
+        }
+    }
     // A query string is never part of a route; `Route::parse` sees the path alone.
     let route = match req.uri().query() {
         Some(_) => None,
@@ -196,7 +213,7 @@ async fn handle<S: Store, B: BlobStore>(
     // disabled) while a connection is open is refused on that connection's next request.
     let record =
         AuditRecord { at: 0, principal: Some(principal.clone()), route: name.to_owned(), outcome: "admitted".into() };
-    match shared.store.admit(record, serial.clone()).await {
+    match shared.store.admit(record, serial).await {
         Ok(None) => {}
         Ok(Some(code)) => return Answer::refuse_and_close(code),
         Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
@@ -239,7 +256,12 @@ pub(super) async fn after_commit((fault, reset): Injected<'_>) {
 
 /// Records a refusal. A failed write does not change the answer: the request is refused
 /// either way and nothing was read or changed.
-async fn audit_refusal<S: Store, B>(shared: &Shared<S, B>, principal: Option<WorkerId>, route: &str, code: ErrorCode) {
+pub(super) async fn audit_refusal<S: Store, B>(
+    shared: &Shared<S, B>,
+    principal: Option<WorkerId>,
+    route: &str,
+    code: ErrorCode,
+) {
     let record = AuditRecord { at: 0, principal, route: route.to_owned(), outcome: code.as_str().to_owned() };
     if shared.store.audit(record).await.is_err() {
         shared.stats.audit_failures.fetch_add(1, Ordering::Relaxed);
@@ -291,7 +313,11 @@ pub(super) async fn next_data(body: &mut Incoming, clock: &BodyClock) -> Result<
 
 /// Reads exactly `length` bytes (already within the route's cap) into a buffer that is
 /// wiped on drop: JSON bodies carry lease and callback tokens.
-async fn read_exact(body: &mut Incoming, length: u64, clock: &BodyClock) -> Result<Zeroizing<Vec<u8>>, ErrorCode> {
+pub(super) async fn read_exact(
+    body: &mut Incoming,
+    length: u64,
+    clock: &BodyClock,
+) -> Result<Zeroizing<Vec<u8>>, ErrorCode> {
     let length = usize::try_from(length).map_err(|_| ErrorCode::PayloadTooLarge)?;
     let mut buf = Zeroizing::new(Vec::with_capacity(length));
     while let Some(data) = next_data(body, clock).await? {

@@ -35,6 +35,7 @@
 
 pub mod framing;
 mod head;
+pub mod identity;
 mod ingress;
 mod log;
 mod report;
@@ -106,6 +107,11 @@ pub struct IngressConfig {
     /// At most one line per this about failed handshakes, and one about connections
     /// turned away at a limit (the counters keep the totals).
     pub report_every: Duration,
+    /// Connections without a client certificate served at once (agents enrolling with a
+    /// token); each is served one request.
+    pub max_anonymous_connections: usize,
+    /// The CA and lifetime the identity routes issue with; `None`: they answer `404`.
+    pub identity: Option<Arc<identity::Identity>>,
 }
 
 impl Default for IngressConfig {
@@ -127,6 +133,8 @@ impl Default for IngressConfig {
             shutdown_grace: Duration::from_secs(10),
             accept_backoff: Duration::from_millis(100),
             report_every: Duration::from_secs(10),
+            max_anonymous_connections: 16,
+            identity: None,
         }
     }
 }
@@ -310,6 +318,7 @@ pub async fn serve_until<S: Store, B: BlobStore>(
 ) -> io::Result<()> {
     let (stop, stopped) = watch::channel(false);
     let report_every = cfg.report_every;
+    let anonymous = Arc::new(Semaphore::new(cfg.max_anonymous_connections));
     let shared = Arc::new(Shared {
         store,
         blobs,
@@ -317,6 +326,7 @@ pub async fn serve_until<S: Store, B: BlobStore>(
         stats: Arc::default(),
         sealing: Sealing::default(),
         occupancy: Occupancy::default(),
+        anonymous: anonymous.clone(),
         reports: Reports::new(report_every),
     });
     let server = run(listener, TlsAcceptor::from(tls), shared, stopped);
@@ -342,6 +352,7 @@ pub fn spawn<S: Store, B: BlobStore>(
     let stats = Arc::<IngressStats>::default();
     let (stop, stopped) = watch::channel(false);
     let report_every = cfg.report_every;
+    let anonymous = Arc::new(Semaphore::new(cfg.max_anonymous_connections));
     let shared = Arc::new(Shared {
         store,
         blobs,
@@ -349,6 +360,7 @@ pub fn spawn<S: Store, B: BlobStore>(
         stats: stats.clone(),
         sealing: Sealing::default(),
         occupancy: Occupancy::default(),
+        anonymous: anonymous.clone(),
         reports: Reports::new(report_every),
     });
     let task = tokio::spawn(run(listener, TlsAcceptor::from(tls), shared, stopped));
@@ -473,6 +485,23 @@ async fn connection<S: Store, B: BlobStore>(
     let peer = stream.get_ref().1.peer_certificates().unwrap_or_default();
     let principal = tls::principal(peer).ok();
     let serial = tls::serial(peer);
+    // Without a certificate: one request (an identity route), within a small cap of its own.
+    let anonymous = peer.is_empty();
+    let _anonymous_slot = if anonymous {
+        match shared.anonymous.clone().try_acquire_owned() {
+            Ok(slot) => Some(slot),
+            Err(_) => {
+                shared.stats.turned_away.fetch_add(1, Ordering::Relaxed);
+                let limit = cfg.max_anonymous_connections;
+                shared.reports.turned_away.event(&format!(
+                    "from {ip}: all {limit} slots for connections without a certificate (max_anonymous_connections) taken"
+                ));
+                return;
+            }
+        }
+    } else {
+        None
+    };
     if principal.is_some() {
         shared.stats.authenticated.fetch_add(1, Ordering::Relaxed);
     }
@@ -496,7 +525,7 @@ async fn connection<S: Store, B: BlobStore>(
         .header_read_timeout(None)
         .max_header_size(cfg.max_header_bytes)
         .max_buf_size(cfg.max_header_bytes.max(8192))
-        .keep_alive(true)
+        .keep_alive(!anonymous)
         .half_close(false)
         .serve_connection(TokioIo::new(head::Watched::new(stream, clock.clone())), service);
     let mut draining = false;

@@ -1,5 +1,6 @@
-//! TLS for the worker ingress: TLS 1.3 only, client certificates required and verified
-//! against the worker CA, and the principal read from the verified certificate.
+//! TLS for the worker ingress: TLS 1.3 only, client certificates verified against the
+//! worker CA (a connection without one is anonymous: only the identity routes serve it),
+//! and the principal read from the verified certificate.
 //!
 //! The principal is the certificate's one URI subject alternative name
 //! `urn:qinglong:worker:<workerId>` (PROTOCOL §2). A certificate with no URI SAN, with
@@ -80,8 +81,11 @@ pub fn server_config(ca_pem: &[u8], cert_pem: &[u8], key_pem: &[u8]) -> Result<A
     }
     let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|_| TlsError::Pem("server key"))?;
 
-    // Mandatory client authentication is the builder's default; it is not relaxed here.
+    // A client certificate, when one is presented, must chain to the worker CA; a client
+    // may present none, and is then served only the identity routes (an agent enrolling
+    // with a token has no certificate yet), one request per connection.
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .allow_unauthenticated()
         .build()
         .map_err(TlsError::Verifier)?;
     let mut config = ServerConfig::builder_with_provider(provider)

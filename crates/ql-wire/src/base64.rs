@@ -1,0 +1,67 @@
+//! Base64 without padding, in the two alphabets the protocol uses: base64url (RFC 4648
+//! §5) for tokens and certificate requests on the wire, the standard one (§4) for PEM.
+//! Decoding is canonical: the spare bits of the last character must be zero and a
+//! length no encoding produces is refused, so each byte string has one text.
+
+/// RFC 4648 §5, for tokens and certificate requests.
+pub const URL: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+/// RFC 4648 §4, for PEM.
+pub const STANDARD: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Encodes `bytes` without padding.
+pub fn encode(bytes: &[u8], alphabet: &[u8; 64]) -> String {
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |acc, (i, &b)| acc | u32::from(b) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(char::from(alphabet[(n >> (18 - 6 * i) & 63) as usize]));
+        }
+    }
+    out
+}
+
+/// Decodes unpadded text, refusing any other character and any non-canonical text.
+pub fn decode(text: &[u8], alphabet: &[u8; 64]) -> Option<Vec<u8>> {
+    if text.len() % 4 == 1 {
+        return None;
+    }
+    let value = |c: u8| alphabet.iter().position(|&a| a == c).map(|p| p as u32);
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    let (mut bits, mut nbits) = (0u32, 0);
+    for &c in text {
+        bits = bits << 6 | value(c)?;
+        nbits += 6;
+        if nbits >= 8 {
+            nbits -= 8;
+            out.push((bits >> nbits) as u8);
+            bits &= (1 << nbits) - 1;
+        }
+    }
+    (bits == 0).then_some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_vectors_round_trip_in_both_alphabets() {
+        // RFC 4648 §10, unpadded.
+        for (plain, text) in
+            [("", ""), ("f", "Zg"), ("fo", "Zm8"), ("foo", "Zm9v"), ("foob", "Zm9vYg"), ("fooba", "Zm9vYmE")]
+        {
+            assert_eq!(encode(plain.as_bytes(), URL), text);
+            assert_eq!(decode(text.as_bytes(), STANDARD).as_deref(), Some(plain.as_bytes()));
+        }
+        let all: Vec<u8> = (0..=255).collect();
+        assert!(encode(&all, STANDARD).contains('+') && encode(&all, URL).contains('-'));
+        assert_eq!(decode(encode(&all, URL).as_bytes(), URL), Some(all));
+    }
+
+    #[test]
+    fn padding_foreign_characters_and_spare_bits_are_refused() {
+        for bad in ["Zg==", "Z", "Zh", "Zm9v!", "Zm9v Yg", "+w"] {
+            assert_eq!(decode(bad.as_bytes(), URL), None, "{bad}");
+        }
+    }
+}
