@@ -23,9 +23,46 @@ pub(crate) const PROBE_SESSION: &str = "check";
 #[derive(Debug)]
 pub(crate) struct CheckFailed(pub(crate) String);
 
+fn wall_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+fn text(ms: i64) -> String {
+    ql_wire::time::Timestamp::from_millis(ms).map_or_else(|_| ms.to_string(), |t| t.to_string())
+}
+
+/// The certificate's validity at `now_ms`: a line, a warning when its renewal is overdue
+/// (the agent renews it over its connection at two thirds of its lifetime), or a failure
+/// once it has expired.
+fn validity(cert_pem: &[u8], now_ms: i64) -> Result<String, CheckFailed> {
+    let Some((not_before, not_after)) =
+        crate::identity::first_certificate(cert_pem).and_then(|der| crate::identity::validity(&der))
+    else {
+        return Err(CheckFailed("the certificate file holds no readable certificate".into()));
+    };
+    let due = crate::identity::renew_at((not_before, not_after));
+    if now_ms >= not_after {
+        return Err(CheckFailed(format!(
+            "the certificate expired at {}: enrol this device again (ql-control enroll <worker> --token)",
+            text(not_after)
+        )));
+    }
+    if now_ms >= due {
+        return Ok(format!(
+            "warning: certificate renewal is overdue (due {}, valid until {}): is the agent running and reaching the server?",
+            text(due),
+            text(not_after)
+        ));
+    }
+    Ok(format!("certificate valid until {} (the agent renews it from {})", text(not_after), text(due)))
+}
+
 /// Runs the check. On success, returns the lines to print.
 pub(crate) fn check(cfg: &Config) -> Result<Vec<String>, CheckFailed> {
     let mut out = Vec::new();
+    if let Some(done) = crate::identity::recover(&cfg.key, &cfg.cert).map_err(CheckFailed)? {
+        out.push(format!("certificate: {done}"));
+    }
     let creds = Credentials::load(&cfg.cert, &cfg.key, &cfg.ca).map_err(|e| CheckFailed(e.0))?;
     let named = creds.certificate_workers();
     match named.as_slice() {
@@ -47,6 +84,7 @@ pub(crate) fn check(cfg: &Config) -> Result<Vec<String>, CheckFailed> {
         poll_slack: std::time::Duration::ZERO,
         upload: cfg.upload_timeout,
     };
+    out.push(validity(&creds.cert_pem, wall_ms())?);
     let client = Client::new(&cfg.server, &creds, timeouts).map_err(|e| CheckFailed(e.0))?;
     let route = Route::Heartbeat(cfg.worker_id.clone(), SessionId::parse(PROBE_SESSION).expect("a valid id"));
     let body = Heartbeat { generation: Counter::ONE, draining: false };

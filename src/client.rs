@@ -201,6 +201,29 @@ impl Client {
             .root_certs(RootCerts::new_with_certs(&ca))
             .client_cert(Some(ClientCert::new_with_certs(&chain, key)))
             .build();
+        Ok(Self::with_tls(base, tls, timeouts))
+    }
+
+    /// A client for the same server with the same timeouts, presenting `creds` (a
+    /// renewed certificate): its first call opens a new connection.
+    pub(crate) fn with_credentials(&self, creds: &Credentials) -> Result<Self, SetupError> {
+        Self::new(&self.base, creds, self.timeouts)
+    }
+
+    /// A client with no certificate of its own, for enrolling: trusting `ca_pem`, or with
+    /// `None` verifying nothing — only to read the CA, whose fingerprint the caller then
+    /// compares before it sends anything that matters.
+    pub(crate) fn anonymous(base: &str, ca_pem: Option<&[u8]>, timeouts: Timeouts) -> Result<Self, SetupError> {
+        let builder =
+            TlsConfig::builder().provider(TlsProvider::Rustls).unversioned_rustls_crypto_provider(tls13_provider());
+        let tls = match ca_pem {
+            Some(pem) => builder.root_certs(RootCerts::new_with_certs(&certificates(pem, "CA")?)).build(),
+            None => builder.disable_verification(true).build(),
+        };
+        Ok(Self::with_tls(base, tls, timeouts))
+    }
+
+    fn with_tls(base: &str, tls: TlsConfig, timeouts: Timeouts) -> Self {
         let config = ureq::Agent::config_builder()
             .tls_config(tls)
             .https_only(true)
@@ -217,7 +240,27 @@ impl Client {
             .user_agent(format!("ql-agent/{}", env!("CARGO_PKG_VERSION")))
             .build();
         let agent = ureq::Agent::with_parts(config, DefaultConnector::new(), InlineResolver::default());
-        Ok(Self { agent, base: base.trim_end_matches('/').to_owned(), timeouts, server_date: Cell::new(None) })
+        Self { agent, base: base.trim_end_matches('/').to_owned(), timeouts, server_date: Cell::new(None) }
+    }
+
+    /// Sends a JSON body to an identity route and decodes the JSON answer.
+    pub(crate) fn identity<Req: Body, Resp: Body>(
+        &self,
+        route: &ql_wire::enrol::IdentityRoute,
+        body: Option<&Req>,
+    ) -> Result<Resp, CallError> {
+        let url = format!("{}{}", self.base, route.path());
+        let limit = Some(self.timeouts.call);
+        let response = match body {
+            None => self.agent.get(url).config().timeout_global(limit).build().call(),
+            Some(body) => {
+                let json = Zeroizing::new(encode(body));
+                let request = self.agent.post(url).config().timeout_global(limit).build();
+                request.header("Content-Type", JSON_MEDIA_TYPE).send(&json[..])
+            }
+        };
+        self.note_date(&response);
+        answer(response, Resp::CAP)
     }
 
     /// Sends a JSON body and decodes the JSON answer.

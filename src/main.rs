@@ -3,6 +3,7 @@
 //! - `ql-agent run`: the daemon ([`agent`]);
 //! - `ql-agent check`: validates the configuration and credentials against ql-control
 //!   ([`check`]);
+//! - `ql-agent enroll`: gets this device's certificate with a one-time token ([`enrol`]);
 //! - `ql-agent version`;
 //! - `ql-agent supervise`: one job's supervisor, started by the agent ([`exec`]).
 //!
@@ -22,7 +23,9 @@ mod check;
 mod client;
 mod config;
 mod core;
+mod enrol;
 mod fault;
+mod identity;
 // The agent uses a subset of the journal's and the executor's API; the rest is exercised
 // by their own tests.
 #[allow(dead_code, unused_imports)]
@@ -42,7 +45,58 @@ struct Cli {
 enum Command {
     Run(Run),
     Check(Check),
+    Enroll(Enroll),
     Version(Version),
+}
+
+/// Enrol this device with a one-time token from `ql-control enroll WORKER --token`: its
+/// key is made here and never sent; the server's CA must have the fingerprint given.
+/// Writes <worker>.key (0600), <worker>.crt and ca.crt into --dir.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "enroll")]
+struct Enroll {
+    /// ql-control's base URL, https://host:port
+    #[argh(option)]
+    server: String,
+    /// the token `ql-control enroll --token` printed (or use --token-file)
+    #[argh(option)]
+    token: Option<String>,
+    /// a file holding the token, `-` for standard input (keeps it out of `ps`)
+    #[argh(option)]
+    token_file: Option<PathBuf>,
+    /// the SHA-256 fingerprint of the server's CA, as `ql-control enroll` printed it
+    #[argh(option)]
+    ca_fingerprint: String,
+    /// where the files go (default /etc/ql-agent)
+    #[argh(option, default = "PathBuf::from(\"/etc/ql-agent\")")]
+    dir: PathBuf,
+    /// TCP connect plus TLS handshake, and each call, in milliseconds (default 15000)
+    #[argh(option, default = "15_000")]
+    timeout_ms: u64,
+}
+
+fn enroll(args: Enroll) -> Result<String, String> {
+    let token = match (args.token, args.token_file) {
+        (Some(token), None) => zeroize::Zeroizing::new(token),
+        (None, Some(path)) if path.as_os_str() == "-" => {
+            let mut token = zeroize::Zeroizing::new(String::new());
+            std::io::stdin().read_line(&mut token).map_err(|e| format!("reading the token: {e}"))?;
+            token
+        }
+        (None, Some(path)) => {
+            zeroize::Zeroizing::new(std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?)
+        }
+        _ => return Err("give the token with --token or --token-file".into()),
+    };
+    let wait = std::time::Duration::from_millis(args.timeout_ms);
+    let timeouts = client::Timeouts { connect: wait, call: wait, poll_slack: wait, upload: wait };
+    let done = enrol::enroll(&args.server, &token, &args.ca_fingerprint, &args.dir, timeouts)?;
+    let (w, dir) = (&done.worker, args.dir.display());
+    Ok(format!(
+        "enrolled {w}: {dir}/{w}.key (made here, mode 0600), {dir}/{w}.crt (valid until {}, renewed by the agent), \
+         {dir}/ca.crt\nnext: server = {} and worker_id = {w} in the agent's configuration, then start it",
+        done.not_after, args.server
+    ))
 }
 
 /// Declares a subcommand that takes the configuration flags.
@@ -166,6 +220,13 @@ fn main() -> ExitCode {
                 Err(e) => fail("check failed", &e.0),
             }
         }
+        Command::Enroll(args) => match enroll(args) {
+            Ok(done) => {
+                println!("{done}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail("enroll", &e),
+        },
         Command::Run(args) => {
             let cfg = match args.load() {
                 Ok(cfg) => cfg,
@@ -186,6 +247,9 @@ fn fail(what: &str, why: &str) -> ExitCode {
 }
 
 fn run(cfg: config::Config) -> Result<(), String> {
+    if let Some(done) = identity::recover(&cfg.key, &cfg.cert)? {
+        warn!("certificate: {done}");
+    }
     let creds = client::Credentials::load(&cfg.cert, &cfg.key, &cfg.ca).map_err(|e| e.0)?;
     if let [one] = creds.certificate_workers().as_slice() {
         if one != cfg.worker_id.as_str() {

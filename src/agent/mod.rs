@@ -76,6 +76,7 @@ use ql_wire::time::Timestamp;
 use ql_wire::{ErrorCode, Fence, Outcome};
 
 mod live_log;
+mod renew;
 
 use std::cell::Cell;
 
@@ -160,6 +161,8 @@ pub(crate) struct Agent {
     give_up_at: Option<Instant>,
     signals: Signals,
     random: u64,
+    /// When the client certificate is due for renewal.
+    renewal: renew::Renewal,
 }
 
 /// Opens the journal, waiting up to `lock_wait_ms` for another agent on the same state
@@ -259,6 +262,7 @@ impl Agent {
         if let Some(e) = notify_error {
             warn!("{e}; not notifying the service manager");
         }
+        let cfg_cert = cfg.cert.clone();
         Ok(Agent {
             notify,
             cfg,
@@ -279,6 +283,7 @@ impl Agent {
             give_up_at: None,
             signals,
             random,
+            renewal: renew::Renewal::of(&std::fs::read(&cfg_cert).unwrap_or_default()),
         })
     }
 
@@ -323,6 +328,10 @@ impl Agent {
             let blocked = self.net.until.is_some_and(|u| now < u);
             if !blocked && self.drain_by.is_none() && self.session.is_none() {
                 self.establish_session(now).await?;
+                continue;
+            }
+            if !blocked && self.renewal_due(now) {
+                self.renew_certificate(now);
                 continue;
             }
             let (moved, due) = self.work(blocked).await?;

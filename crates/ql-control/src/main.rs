@@ -296,6 +296,12 @@ struct Revoke {
     /// revoke only the certificate with this serial (`workers certificates`)
     #[argh(option)]
     serial: Option<String>,
+    #[argh(option)]
+    /// state directory
+    dir: Option<PathBuf>,
+    #[argh(option)]
+    /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+    database: Option<String>,
 }
 
 /// Disable a worker until `workers enable`: its certificates are refused, its sessions
@@ -306,6 +312,12 @@ struct Disable {
     /// the worker
     #[argh(positional)]
     worker: String,
+    #[argh(option)]
+    /// state directory
+    dir: Option<PathBuf>,
+    #[argh(option)]
+    /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+    database: Option<String>,
 }
 
 /// Enable a disabled worker again (revoked certificates stay revoked).
@@ -315,12 +327,25 @@ struct Enable {
     /// the worker
     #[argh(positional)]
     worker: String,
+    #[argh(option)]
+    /// state directory
+    dir: Option<PathBuf>,
+    #[argh(option)]
+    /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+    database: Option<String>,
 }
 
 /// List the recorded worker certificates: serial, issued, not-after, revoked.
 #[derive(FromArgs)]
 #[argh(subcommand, name = "certificates")]
-struct Certificates {}
+struct Certificates {
+    #[argh(option)]
+    /// state directory
+    dir: Option<PathBuf>,
+    #[argh(option)]
+    /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+    database: Option<String>,
+}
 
 /// Print the version.
 #[derive(FromArgs)]
@@ -452,20 +477,28 @@ fn default_server(dir: &std::path::Path, config: &Config) -> String {
 fn workers(cmd: Workers) -> Result<(), String> {
     use ql_control::core::Access;
     use ql_control::identity;
-    with_authority(cmd.dir, cmd.database, async |store| {
+    // The state directory and database may be given before or after the action.
+    let (dir, database) = match &cmd.action {
+        None => (None, None),
+        Some(WorkersAction::Certificates(a)) => (a.dir.clone(), a.database.clone()),
+        Some(WorkersAction::Revoke(a)) => (a.dir.clone(), a.database.clone()),
+        Some(WorkersAction::Disable(a)) => (a.dir.clone(), a.database.clone()),
+        Some(WorkersAction::Enable(a)) => (a.dir.clone(), a.database.clone()),
+    };
+    with_authority(dir.or(cmd.dir), database.or(cmd.database), async |store| {
         let line = match cmd.action {
             None => admin::workers(store, cmd.limit).await?,
-            Some(WorkersAction::Certificates(Certificates {})) => identity::certificates(store).await?,
-            Some(WorkersAction::Revoke(Revoke { worker, serial: Some(serial) })) => {
+            Some(WorkersAction::Certificates(_)) => identity::certificates(store).await?,
+            Some(WorkersAction::Revoke(Revoke { worker, serial: Some(serial), .. })) => {
                 identity::revoke_certificate(store, &worker_id(&worker)?, &serial).await? + "\n"
             }
-            Some(WorkersAction::Revoke(Revoke { worker, serial: None })) => {
+            Some(WorkersAction::Revoke(Revoke { worker, serial: None, .. })) => {
                 identity::set_access(store, &worker_id(&worker)?, Access::Revoke).await? + "\n"
             }
-            Some(WorkersAction::Disable(Disable { worker })) => {
+            Some(WorkersAction::Disable(Disable { worker, .. })) => {
                 identity::set_access(store, &worker_id(&worker)?, Access::Disable).await? + "\n"
             }
-            Some(WorkersAction::Enable(Enable { worker })) => {
+            Some(WorkersAction::Enable(Enable { worker, .. })) => {
                 identity::set_access(store, &worker_id(&worker)?, Access::Enable).await? + "\n"
             }
         };
