@@ -115,8 +115,8 @@ pub(crate) fn check(cfg: &Config) -> Result<Vec<String>, CheckFailed> {
             Err(CheckFailed(format!("{} does not speak the worker protocol: {e}", cfg.server)))
         }
         Ok(reply) => Err(CheckFailed(format!(
-            "the server accepted a heartbeat for the probe session `{PROBE_SESSION}` ({:?}); it should not exist",
-            reply.status
+            "the server accepted a heartbeat for the probe session `{PROBE_SESSION}` ({}); it should not exist",
+            reply.status.as_str()
         ))),
     }
 }

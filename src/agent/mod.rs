@@ -672,7 +672,7 @@ impl Agent {
         match self.client.call::<Heartbeat, HeartbeatReply>(&route, &body) {
             Ok(reply) => {
                 self.call_ok();
-                debug!("heartbeat: {:?}", reply.status);
+                debug!("heartbeat: {}", reply.status.as_str());
                 let live = self.session.as_mut().expect("a session");
                 live.contact = now;
                 if draining && !live.told_draining {
@@ -822,7 +822,7 @@ impl Agent {
                         self.call_ok();
                         for record in core::renewed(key, &job, &renewed) {
                             if let Record::StopSeen { intent, .. } = &record {
-                                info!("{who}: the server asks to stop ({intent:?})");
+                                info!("{who}: the server asks to stop ({})", intent.as_str());
                             }
                             self.commit(&record)?;
                         }
@@ -1062,7 +1062,7 @@ impl Agent {
             }
             Step::Stop(cause) => {
                 let why = match cause {
-                    StopCause::Intent(intent) => format!("the server asked ({intent:?})"),
+                    StopCause::Intent(intent) => format!("the server asked ({})", intent.as_str()),
                     StopCause::Timeout => "its timeout passed".to_owned(),
                     StopCause::Drain => "the agent is shutting down".to_owned(),
                     StopCause::Ended => "the server ended the job".to_owned(),

@@ -59,6 +59,10 @@ struct Init {
     /// address to listen on (default 0.0.0.0:8443), stored in control.json
     #[argh(option)]
     listen: Option<String>,
+    /// on an initialised directory: issue the server certificate again under the same CA
+    /// (for --host names, default the current ones); workers keep their certificates
+    #[argh(switch)]
+    renew_server_cert: bool,
 }
 
 /// Enrol a worker: with --token, print a one-time token for `ql-agent enroll` on the
@@ -391,6 +395,17 @@ fn runtime() -> tokio::runtime::Runtime {
 fn init(cmd: Init) -> Result<(), String> {
     let dir = state_dir(cmd.dir);
     let layout = Layout::new(&dir);
+    if cmd.renew_server_cert {
+        layout.check_private()?;
+        let paths = ql_control::pki::renew_server_cert(&dir, &cmd.host).map_err(|e| e.to_string())?;
+        let hosts = ql_control::pki::server_hosts(&dir).map_err(|e| e.to_string())?;
+        println!(
+            "issued {} again for {}; restart ql-control serve to use it",
+            paths.server_cert.display(),
+            hosts.join(", ")
+        );
+        return Ok(());
+    }
     if layout.config().exists() {
         return Err(format!("{} is already initialised (found {})", dir.display(), layout.config().display()));
     }

@@ -187,6 +187,44 @@ pub fn init_pki(dir: &Path, hosts: &[String]) -> Result<PkiPaths, PkiError> {
     Ok(paths)
 }
 
+/// Issues a new server certificate and key under `<dir>/pki` for `hosts` (default: the
+/// names of the current one), signed by the same CA, so agents keep trusting it. Both are
+/// written whole beside the old ones and renamed over them, the key first; a crash in
+/// between leaves a pair that `serve` refuses to load, and running this again mends it.
+pub fn renew_server_cert(dir: &Path, hosts: &[String]) -> Result<PkiPaths, PkiError> {
+    let paths = PkiPaths::new(dir);
+    let hosts = if hosts.is_empty() { server_hosts(dir)? } else { hosts.to_vec() };
+    if hosts.is_empty() {
+        return Err(PkiError::NoHosts);
+    }
+    let ca = Ca::load(dir)?;
+    let issuer = Issuer::new(ca_params(&ca.common_name), &ca.key);
+    let key = KeyPair::generate()?;
+    let mut server = leaf_params(&hosts[0], SERVER_VALIDITY);
+    for host in &hosts {
+        server.subject_alt_names.push(host_san(host)?);
+    }
+    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = server.signed_by(&key, &issuer)?;
+    let staged = |p: &Path| {
+        let mut name = p.as_os_str().to_owned();
+        name.push(".new");
+        PathBuf::from(name)
+    };
+    for (path, bytes, mode) in [
+        (&paths.server_key, Zeroizing::new(key.serialize_pem()).as_bytes().to_vec(), 0o600),
+        (&paths.server_cert, cert.pem().into_bytes(), 0o644),
+    ] {
+        let _ = fs::remove_file(staged(path));
+        write_new(&staged(path), &bytes, mode)?;
+    }
+    for path in [&paths.server_key, &paths.server_cert] {
+        fs::rename(staged(path), path).map_err(|e| PkiError::Io(path.clone(), e))?;
+        sync_dir(&paths.dir)?;
+    }
+    Ok(paths)
+}
+
 /// Issues `worker`'s client certificate, signed by the CA under `<dir>/pki`.
 ///
 /// `out` is always a directory (created, mode 0700, when missing); it receives
@@ -581,6 +619,21 @@ pub(crate) mod tests {
             assert!(eku.server_auth && !eku.client_auth);
             assert!(!server.basic_constraints().unwrap().unwrap().value.ca);
         });
+    }
+
+    #[test]
+    fn the_server_certificate_is_issued_again_under_the_same_ca() {
+        let dir = TempDir::new("pki-renew-server");
+        let paths = init_pki(dir.path(), &["127.0.0.1".into(), "control.example".into()]).unwrap();
+        let (ca, old) = (fs::read(&paths.ca_cert).unwrap(), fs::read(&paths.server_cert).unwrap());
+        renew_server_cert(dir.path(), &[]).unwrap();
+        assert_eq!(fs::read(&paths.ca_cert).unwrap(), ca, "the CA the agents trust stays");
+        assert_ne!(fs::read(&paths.server_cert).unwrap(), old);
+        assert_eq!(server_hosts(dir.path()).unwrap(), ["127.0.0.1", "control.example"]);
+        assert_eq!(mode(&paths.server_key), 0o600);
+        crate::http::tls::server_config_from_dir(dir.path()).expect("the new pair loads");
+        renew_server_cert(dir.path(), &["other.example".into()]).unwrap();
+        assert_eq!(server_hosts(dir.path()).unwrap(), ["other.example"]);
     }
 
     #[test]

@@ -20,6 +20,14 @@ pub enum StopIntent {
 }
 
 impl StopIntent {
+    /// The word on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cancel => "cancel",
+            Self::Timeout => "timeout",
+        }
+    }
+
     /// The intent that wins when both were raised.
     pub fn strongest(a: Option<Self>, b: Option<Self>) -> Option<Self> {
         a.max(b)

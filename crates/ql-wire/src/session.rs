@@ -78,6 +78,16 @@ pub enum SessionStatus {
     Draining,
 }
 
+impl SessionStatus {
+    /// The word on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Online => "online",
+            Self::Draining => "draining",
+        }
+    }
+}
+
 /// Answer to [`Heartbeat`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

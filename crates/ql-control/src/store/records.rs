@@ -24,14 +24,6 @@ pub(super) trait Stored: Sized {
     fn values(&self) -> Result<Vec<V>, Corrupt>;
 }
 
-/// `StopIntent` has no text form of its own in `ql_wire`; these are its wire words.
-fn stop_text(stop: StopIntent) -> &'static str {
-    match stop {
-        StopIntent::Cancel => "cancel",
-        StopIntent::Timeout => "timeout",
-    }
-}
-
 fn parse_stop(s: &str) -> Option<StopIntent> {
     match s {
         "cancel" => Some(StopIntent::Cancel),
@@ -162,7 +154,7 @@ impl Stored for Run {
             V::json(&self.labels)?,
             V::json(&self.agent_labels)?,
             V::text(self.status.as_str()),
-            V::opt_text(self.stop.map(stop_text)),
+            V::opt_text(self.stop.map(StopIntent::as_str)),
             V::int(self.retry_budget),
             V::int(self.retries_used),
             V::int(self.attempts),
