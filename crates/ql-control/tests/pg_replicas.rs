@@ -640,3 +640,46 @@ async fn the_readmes_postgres_commands_migrate_then_serve_submit_and_list() {
     let row = runs.lines().find(|l| l.starts_with(run)).unwrap_or_else(|| panic!("{run} not in:\n{runs}"));
     assert!(row.contains("queued"), "{row}");
 }
+
+/// A revocation given to one replica's database is seen by the other at once: the
+/// revoked worker's next request to replica b, on the connection it already had, is
+/// refused, and its running attempt was queued again in the revocation's transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_revoked_through_the_database_is_refused_by_every_replica_at_once() {
+    let db = TestDb::new("revoke").await;
+    let tmp = TempDir::new("pg-revoke");
+    let dir = state_dir(&tmp);
+    let url = db.runtime_url();
+    let store = PgStore::open(&url, PgOptions { pool_size: 2, ..PgOptions::default() }).await.unwrap();
+    let _a = Server::start(&dir, &url);
+    let b = Server::start(&dir, &url);
+    let submit = Submit {
+        project: contract::project(),
+        spec: spec(600_000),
+        labels: Default::default(),
+        agent_labels: Default::default(),
+        retry_budget: 1,
+    };
+    let Ok(Reply::Submitted(run)) = store.execute(Cmd::Submit(submit)).await.unwrap() else { panic!("submit") };
+    let worker = WorkerId::parse("w-revoked").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut agent = Agent::new(&dir, &worker, vec![b.url.clone()], Arc::default(), deadline);
+    let (path, fence, _) = hold(&mut agent, &worker);
+
+    // The operator revokes it with the CLI, against the database (as on replica a).
+    let out = Command::new(BIN)
+        .args(["workers", "revoke", worker.as_str(), "--database", &url, "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let detail = store.run_detail(&run).await.unwrap().unwrap();
+    assert_eq!((detail.run.status, detail.run.retries_used), (RunStatus::Queued, 1));
+    assert_eq!(detail.attempts[0].error_code.as_deref(), Some(ql_control::core::WORKER_REVOKED));
+
+    let refused = agent.once::<_, Renewed>(&Route::Attempt(path, AttemptCommand::RenewLease), &fence);
+    assert_eq!(refused.unwrap_err(), ErrorCode::CertificateRevoked);
+    let audits = store.audits().await.unwrap();
+    assert_eq!(audits.last().map(|a| a.outcome.as_str()), Some("certificate_revoked"));
+    check_invariants(&store.snapshot().await.unwrap());
+}

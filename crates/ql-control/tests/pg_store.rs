@@ -104,8 +104,14 @@ async fn the_worker_ingress_role_may_append_audit_records_and_nothing_else() {
         route: "session.open".into(),
         outcome: "admitted".into(),
     };
-    audited.audit(rec).await.expect("worker-ingress writes audit records through the store");
+    audited.audit(rec.clone()).await.expect("worker-ingress writes audit records through the store");
     assert_eq!(audited.audits().await.unwrap().len(), 2);
+    // It reads what admission needs, and nothing of it is refused by its grants.
+    assert_eq!(audited.admit(rec.clone(), "0a".into()).await.unwrap(), None);
+    let disable = Command::SetAccess(worker("router-1"), ql_control::core::Access::Disable);
+    assert!(store.execute(disable).await.unwrap().is_ok());
+    assert_eq!(audited.admit(rec, "0a".into()).await.unwrap(), Some(ql_wire::ErrorCode::WorkerDisabled));
+    assert_eq!(audited.audits().await.unwrap().last().map(|a| a.outcome.clone()), Some("worker_disabled".into()));
 }
 
 #[tokio::test]
