@@ -71,6 +71,11 @@ pub(crate) const SETTINGS: &[(&str, Option<&str>, &str)] = &[
     ("backoff_max_ms", Some("30000"), "cap of the doubling wait between failed calls"),
     ("log_level", Some("info"), "error, warn, info or debug"),
     ("lock_wait_ms", Some("120000"), "at start, how long to wait for another agent using state_dir to exit"),
+    (
+        "reload_marker",
+        None,
+        "a file whose presence turns the next SIGTERM into a handover (exit at once, jobs run on): set by a service manager's reload",
+    ),
 ];
 
 /// The smallest log chunk: the agent shrinks chunks on a slow uplink, never below this.
@@ -117,6 +122,8 @@ pub(crate) struct Config {
     pub(crate) log_flush: Duration,
     /// The largest chunk.
     pub(crate) log_chunk_bytes: u64,
+    /// When this file exists at SIGTERM, the agent hands its jobs over instead of draining.
+    pub(crate) reload_marker: Option<PathBuf>,
     /// How long to wait at start for another agent on the state directory to exit.
     pub(crate) lock_wait: Duration,
     /// First backoff.
@@ -309,6 +316,7 @@ impl Sources {
             log_flush: ms("log_flush_ms", 1, HOUR)?,
             log_chunk_bytes: number("log_chunk_bytes", MIN_CHUNK, LOG_CHUNK_MAX)?,
             lock_wait: ms("lock_wait_ms", 0, HOUR)?,
+            reload_marker: get("reload_marker").filter(|(t, _)| !t.is_empty()).map(|(t, o)| resolve(t, o)),
             backoff_initial: ms("backoff_initial_ms", 1, HOUR)?,
             backoff_max: ms("backoff_max_ms", 1, HOUR)?,
             log_level,

@@ -205,7 +205,8 @@ fn harness(uci: &Path, function: &str, alive: u32) -> String {
             .arg(Path::new(ROOT).join("packaging/openwrt/files/ql-agent.init"))
             .arg(uci)
             .arg(function)
-            .env("HARNESS_ALIVE", alive.to_string()));
+            .env("HARNESS_ALIVE", alive.to_string())
+            .env("QL_AGENT_RUN_DIR", run_dir(uci)));
         let got = text(&out);
         if let Some(first) = &seen {
             assert_eq!(&got, first, "{shell:?} disagrees");
@@ -213,6 +214,11 @@ fn harness(uci: &Path, function: &str, alive: u32) -> String {
         seen = Some(got);
     }
     seen.unwrap()
+}
+
+/// Where the init script keeps its reload marker and digest in a test: beside the UCI file.
+fn run_dir(uci: &Path) -> PathBuf {
+    uci.parent().unwrap().join("run")
 }
 
 /// The arguments of the instance's command.
@@ -257,6 +263,7 @@ fn start_service_turns_the_uci_config_into_one_procd_instance() {
     let dir = TempDir::new("procd");
     let uci = sample_uci(dir.path(), "");
     let d = dir.path().display();
+    let r = run_dir(&uci).display().to_string();
     let got = harness(&uci, "start_service", 0);
     let want = format!(
         "instance\n\
@@ -266,6 +273,7 @@ fn start_service_turns_the_uci_config_into_one_procd_instance() {
          command --ca\ncommand {d}/ca.crt\ncommand --state-dir\ncommand /mnt/sda1/ql-agent\n\
          command --capacity\ncommand 2\ncommand --log-level\ncommand debug\n\
          command --set\ncommand drain_timeout_ms=20000\ncommand --set\ncommand poll_wait_ms=10000\n\
+         command --set\ncommand reload_marker={r}/ql-agent.reload\n\
          command --set\ncommand label.site=attic # 2\ncommand --set\ncommand label.arch/cpu=mips\n\
          command --set\ncommand stop_grace_ms=3000\ncommand --set\ncommand busy_poll_wait_ms=500\n\
          term_timeout 53\n\
@@ -331,6 +339,28 @@ fn a_commit_of_its_config_reloads_it() {
     let dir = TempDir::new("triggers");
     let uci = sample_uci(dir.path(), "");
     assert_eq!(harness(&uci, "service_triggers", 0), "reload_trigger ql-agent\nreturn 0\n");
+}
+
+#[test]
+fn a_reload_that_changes_the_agent_marks_its_restart_as_a_handover() {
+    let dir = TempDir::new("reload");
+    let uci = sample_uci(dir.path(), "");
+    let marker = run_dir(&uci).join("ql-agent.reload");
+    harness(&uci, "start_service", 0);
+    // Nothing changed: procd restarts nothing, and nothing is marked.
+    assert_eq!(harness(&uci, "reload_service", 0), "start\nreturn 0\n");
+    assert!(!marker.exists());
+    // A new key (a renewal, a re-enrolment): procd will restart the agent; its SIGTERM is
+    // a handover's.
+    fs::write(dir.path().join("r1.key"), "another key").unwrap();
+    assert_eq!(harness(&uci, "reload_service", 0), "start\nreturn 0\n");
+    assert!(marker.exists(), "the reload left its marker");
+    // Disabled: procd stops the agent, which must drain, so no marker.
+    fs::remove_file(&marker).unwrap();
+    let off = fs::read_to_string(&uci).unwrap().replace("option enabled '1'", "option enabled '0'");
+    fs::write(&uci, off).unwrap();
+    assert_eq!(harness(&uci, "reload_service", 0), "start\nreturn 0\n");
+    assert!(!marker.exists());
 }
 
 #[test]

@@ -195,3 +195,53 @@ fn a_job_lost_with_its_supervisor_is_given_up_and_its_run_runs_again_within_its_
     assert_eq!(w.control.logs(&run), b"second\n");
     assert!(w.agent.log().contains("reported lost, not failed"), "{}", w.context());
 }
+
+/// A reload hands the jobs over instead of draining them: a SIGTERM that finds the
+/// reload marker, or a SIGHUP, ends the agent at once with status 75 and its job running;
+/// the agent started again takes the job back and reports it once, its log whole. A plain
+/// SIGTERM still drains (the first test of tests/agent_e2e.rs and every stop here).
+#[test]
+fn a_reload_restarts_the_agent_and_its_running_job_carries_on() {
+    let marker_root = common::TempDir::new("reload-marker");
+    let marker = marker_root.0.join("reload");
+    let marker_text = marker.to_str().unwrap().to_owned();
+    let mut w = World::new("reload", &[("reload_marker", marker_text.as_str())]);
+    let dir = w.path("gates");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = w.control.submit(&["--", "sh", "-c", &gated_job(&dir, "r")]);
+    w.wait_status(&run, "running");
+    let pids = dir.join("r.pids");
+    common::wait_for("the job's pid", || w.context(), || (!common::read_pids(&pids).is_empty()).then_some(()));
+    let job = common::read_pids(&pids)[0];
+
+    // procd's reload: the init script leaves the marker, procd sends SIGTERM.
+    std::fs::write(&marker, b"").unwrap();
+    common::signal(&w.agent.proc.0, rustix::process::Signal::TERM);
+    let status = w.agent.proc.0.wait().unwrap();
+    assert_eq!(status.code(), Some(75), "{}", w.context());
+    assert!(common::alive(job), "the job runs on through the reload");
+    assert!(!marker.exists(), "the marker is consumed");
+    assert!(w.agent.log().contains("SIGTERM for a reload: exiting at once"), "{}", w.context());
+
+    // Started again (procd would), it takes the job back; then SIGHUP does the same.
+    w.agent = common::Agent::spawn(&w.root.0, w.agent.config.clone());
+    common::wait_for(
+        "the job taken back",
+        || w.context(),
+        || w.agent.log().contains("watching it again").then_some(()),
+    );
+    common::signal(&w.agent.proc.0, rustix::process::Signal::HUP);
+    assert_eq!(w.agent.proc.0.wait().unwrap().code(), Some(75));
+    assert!(common::alive(job));
+    w.agent = common::Agent::spawn(&w.root.0, w.agent.config.clone());
+    common::wait_for(
+        "the job taken back again",
+        || w.context(),
+        || (w.agent.log().matches("watching it again").count() >= 2).then_some(()),
+    );
+    std::fs::write(dir.join("r.go"), b"").unwrap();
+    let shown = w.wait_status(&run, "succeeded");
+    assert_eq!(shown["attempts"].as_array().unwrap().len(), 1, "exactly once: {shown}");
+    assert_eq!(w.control.logs(&run), b"before r\nafter r\n".to_vec(), "the whole log");
+    assert!(w.agent.terminate().success(), "a plain SIGTERM drains and exits 0: {}", w.context());
+}

@@ -137,6 +137,9 @@ enum Turn {
     Yield,
 }
 
+/// The exit status of a handover (EX_TEMPFAIL): the service manager starts the agent again.
+pub(crate) const HANDOVER_EXIT: i32 = 75;
+
 /// The running agent.
 pub(crate) struct Agent {
     /// The service manager's notification channel (systemd `Type=notify`), if any.
@@ -245,8 +248,13 @@ impl Agent {
                 recovery.records, recovery.dropped_bytes, recovery.refused
             );
         }
-        let signals = Signals::new([Signal::Term, Signal::Int])
+        let signals = Signals::new([Signal::Term, Signal::Int, Signal::Hup])
             .map_err(|e| Fatal(format!("cannot install the SIGTERM handler: {e}")))?;
+        if let Some(marker) = &cfg.reload_marker {
+            // A marker left by a reload that restarted nothing, or by a crash, is not this
+            // agent's to honour.
+            let _ = std::fs::remove_file(marker);
+        }
         let (ended_tx, ended_rx) = channel::unbounded();
         let rts = state.jobs.keys().map(|k| (k.clone(), Runtime::resumed())).collect();
         // Seeded from the OS's per-process hash keys: enough to spread retries of many
@@ -396,10 +404,44 @@ impl Agent {
         loop {
             let mut signals = &self.signals;
             match future::poll_once(signals.next()).await {
-                Some(Some(_)) => self.on_signal(),
+                Some(signal @ Some(_)) => self.on_any_signal(signal),
                 _ => return,
             }
         }
+    }
+
+    /// SIGHUP hands the jobs over, and so does a SIGTERM that finds the reload marker;
+    /// any other signal asks for a drain.
+    fn on_any_signal(&mut self, signal: Option<std::io::Result<Signal>>) {
+        match signal {
+            Some(Ok(Signal::Hup)) => self.hand_over("SIGHUP"),
+            _ if self.reload_marked() => self.hand_over("SIGTERM for a reload"),
+            _ => self.on_signal(),
+        }
+    }
+
+    /// Whether the service manager marked this SIGTERM as a reload's (the marker is
+    /// consumed).
+    fn reload_marked(&self) -> bool {
+        self.cfg.reload_marker.as_ref().is_some_and(|m| std::fs::remove_file(m).is_ok())
+    }
+
+    /// Exits at once, leaving every running job to its supervisor: the journal holds all
+    /// the next agent needs to take them back, and the session is left open for it to
+    /// resume. Exit status 75 ("try again") has procd and systemd (`Restart=on-failure`)
+    /// start it again. Jobs that run in the agent itself (no supervisor could be started)
+    /// would end with it: then this is an ordinary drain.
+    fn hand_over(&mut self, why: &str) {
+        if !self.supervise_jobs {
+            warn!("{why}: jobs run in the agent itself here, so it drains instead of handing them over");
+            return self.on_signal();
+        }
+        info!(
+            "{why}: exiting at once; {} running job(s) stay with their supervisors for the next start",
+            self.state.jobs.len()
+        );
+        self.notify.stopping("handing the running jobs over to the next start", None);
+        std::process::exit(HANDOVER_EXIT);
     }
 
     fn on_signal(&mut self) {
@@ -471,7 +513,7 @@ impl Agent {
         enum Woke {
             Time,
             Ended(Ended),
-            Signal,
+            Signal(Option<std::io::Result<Signal>>),
         }
         let woke = {
             let timer = async {
@@ -491,16 +533,15 @@ impl Agent {
             };
             let signal = async {
                 let mut signals = &self.signals;
-                signals.next().await;
-                Woke::Signal
+                Woke::Signal(signals.next().await)
             };
             future::or(timer, future::or(ended, signal)).await
         };
         match woke {
             Woke::Time => Ok(()),
             Woke::Ended(e) => self.on_ended(e),
-            Woke::Signal => {
-                self.on_signal();
+            Woke::Signal(signal) => {
+                self.on_any_signal(signal);
                 Ok(())
             }
         }

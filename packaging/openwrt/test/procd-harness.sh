@@ -7,7 +7,7 @@
 #
 #   procd-harness.sh INIT_SCRIPT UCI_FILE FUNCTION
 #
-# FUNCTION is start_service, service_triggers or shutdown. Output, one item per line:
+# FUNCTION is start_service, reload_service, service_triggers or shutdown. Output, one item per line:
 #   instance                  procd_open_instance
 #   command <arg>             each argument of the instance's command, in order
 #   <param> <value>           each value of any other procd_set_param
@@ -15,6 +15,7 @@
 #   reload_trigger <config>   procd_add_reload_trigger
 #   logger <args>             a logger call
 #   stop | sleep <n>          the stop and each sleep of a shutdown
+#   start                     the start of a reload
 #   return <status>           what FUNCTION returned
 # Set HARNESS_ALIVE=N to have pidof find the agent N times.
 set -u
@@ -95,6 +96,7 @@ procd_add_reload_trigger() { echo "reload_trigger $*"; }
 # ---- the rest of the system --------------------------------------------------------------
 logger() { echo "logger $*"; }
 stop() { echo stop; }
+start() { echo start; }
 sleep() { echo "sleep $1"; }
 pidof() {
 	[ "$HARNESS_ALIVE" -gt 0 ] || return 1
