@@ -65,16 +65,23 @@ fn two_agents_with_one_identity_converge_and_the_second_says_why() {
         || twin.log().contains("another agent with worker id w1 holds its session").then_some(()),
     );
 
-    // Jobs submitted while both run all finish, once each, on the session's holder.
-    let runs: Vec<String> = (0..5).map(|i| w.control.submit(&["--", "sh", "-c", &format!("echo job {i}")])).collect();
-    for (i, run) in runs.iter().enumerate() {
-        let shown = w.wait_status(run, "succeeded");
+    // For a minute with both running, a job every five seconds: each finishes, once, on
+    // the session's holder. (The minute is the scenario's length, paced by the clock; each
+    // job is waited for by its status.)
+    let start = std::time::Instant::now();
+    for i in 0..12u32 {
+        let run = w.control.submit(&["--", "sh", "-c", &format!("echo job {i}")]);
+        let shown = w.wait_status(&run, "succeeded");
         assert_eq!(shown["attempts"].as_array().unwrap().len(), 1, "once: {shown}");
-        assert_eq!(w.control.logs(run), format!("job {i}\n").into_bytes());
+        assert_eq!(w.control.logs(&run), format!("job {i}\n").into_bytes());
+        let next = start + std::time::Duration::from_secs(5 * u64::from(i + 1));
+        std::thread::sleep(next.saturating_duration_since(std::time::Instant::now()));
     }
     let listed = common::text(&w.control.cli(&["workers"]));
-    let sessions = listed.lines().filter(|l| l.starts_with("w1 ")).count();
-    assert_eq!(sessions, 1, "the twin never took the session over:\n{listed}");
+    let sessions: Vec<&str> = listed.lines().filter(|l| l.starts_with("w1 ")).collect();
+    assert_eq!(sessions.len(), 1, "the twin never took the session over:\n{listed}");
+    let generation = sessions[0].split_whitespace().nth(2);
+    assert_eq!(generation, Some("1"), "no session was ever replaced in the minute:\n{listed}");
     assert!(listed.contains("TWINS: session opens refused"), "{listed}");
     assert!(!twin.log().contains("claimed"), "the twin ran nothing:\n{}", twin.log());
 }
