@@ -120,3 +120,26 @@ pub(crate) fn check(cfg: &Config) -> Result<Vec<String>, CheckFailed> {
         ))),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 90-day certificate (its key thrown away); the times below come from its own validity.
+    const CERT: &[u8] = include_bytes!("testdata/validity.crt");
+
+    #[test]
+    fn the_check_says_when_a_renewal_is_overdue_and_fails_once_the_certificate_expired() {
+        let der = crate::identity::first_certificate(CERT).unwrap();
+        let (not_before, not_after) = crate::identity::validity(&der).unwrap();
+        assert_eq!(not_after - not_before, 90 * 86_400_000);
+        let due = crate::identity::renew_at((not_before, not_after));
+        let fresh = validity(CERT, not_before).unwrap();
+        assert!(fresh.starts_with("certificate valid until"), "{fresh}");
+        let overdue = validity(CERT, due).unwrap();
+        assert!(overdue.starts_with("warning: certificate renewal is overdue"), "{overdue}");
+        let expired = validity(CERT, not_after).unwrap_err().0;
+        assert!(expired.contains("expired"), "{expired}");
+        assert!(validity(b"not a certificate", 0).is_err());
+    }
+}

@@ -291,9 +291,13 @@ pub async fn workers<S: Store>(store: &S, limit: usize) -> Result<String, String
     let certificates = store.certificates(usize::MAX).await.map_err(|e| e.to_string())?;
     let record = |w: &WorkerId| records.iter().find(|r| &r.id == w);
     let trusted = |w: &WorkerId| record(w).map_or("-".into(), |r| label_list(&r.labels));
+    // Revoked until a certificate is issued after the revocation (an enrolment again).
+    let enrolled_since = |w: &WorkerId, at: i64| {
+        certificates.iter().any(|c| &c.worker == w && c.revoked_at.is_none() && c.issued_at >= at)
+    };
     let access = |w: &WorkerId| match record(w) {
         Some(r) if r.disabled_at.is_some() => "disabled",
-        Some(r) if r.revoked_at.is_some() => "revoked",
+        Some(r) if r.revoked_at.is_some_and(|at| !enrolled_since(w, at)) => "revoked",
         _ => "active",
     };
     // The latest not-after among the worker's certificates still valid for it.

@@ -117,3 +117,41 @@ fn the_operator_gives_a_worker_its_trusted_labels_at_enrolment_or_later() {
     assert!(listed.contains("tier=lab") && !listed.contains("site=cluster-prod"), "replaced: {listed}");
     assert!(cli(&dir, &["submit", "--label", "tier=lab", "--agent-label", "arch=mips", "--", "true"]).status.success());
 }
+
+#[test]
+fn enroll_records_each_certificate_and_replace_revokes_the_ones_before() {
+    let root = Dir(std::env::temp_dir().join(format!("ql-cli-replace-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&root.0);
+    let dir = root.0.join("state");
+    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&dir).output().unwrap();
+    assert!(init.status.success(), "{}", String::from_utf8_lossy(&init.stderr));
+    let enroll = |out: &str, extra: &[&str]| {
+        let mut args = vec!["enroll", "r1", "--out"];
+        let out = root.0.join(out);
+        let out = out.to_str().unwrap().to_owned();
+        args.push(&out);
+        args.extend(extra);
+        let done = cli(&dir, &args);
+        assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+        String::from_utf8(done.stdout).unwrap()
+    };
+    let first = enroll("first", &[]);
+    assert!(first.contains("certificate serial"), "{first}");
+    let listed = || String::from_utf8(cli(&dir, &["workers", "certificates"]).stdout).unwrap();
+    let rows =
+        |text: &str| text.lines().skip(1).map(|l| l.split_whitespace().last().unwrap().to_owned()).collect::<Vec<_>>();
+    assert_eq!(rows(&listed()), ["-"], "one certificate, not revoked");
+    let second = enroll("second", &["--replace"]);
+    assert!(second.contains("r1 revoked: 1 recorded certificate(s)"), "{second}");
+    let mut revoked = rows(&listed());
+    revoked.sort();
+    assert_eq!(revoked.len(), 2);
+    assert_eq!(revoked[0], "-", "the new one stands");
+    assert_ne!(revoked[1], "-", "the old one is revoked");
+    // Neither --out nor --token: refused before anything is issued.
+    let neither = cli(&dir, &["enroll", "r2"]);
+    assert!(!neither.status.success());
+    assert!(!listed().contains("r2"));
+    let workers = String::from_utf8(cli(&dir, &["workers"]).stdout).unwrap();
+    assert!(workers.lines().any(|l| l.starts_with("r1 ") && l.contains("active")), "enrolled again: {workers}");
+}

@@ -1761,3 +1761,23 @@ fn a_worker_renews_over_its_own_certificate_and_the_old_one_can_then_be_revoked(
     assert_eq!(response.unwrap().status().as_u16(), 403, "another worker's renewal: principal_mismatch");
     assert_eq!(server.snapshot().certificates.len(), 2, "nothing issued for them");
 }
+
+#[test]
+fn connections_without_a_certificate_have_a_cap_of_their_own() {
+    let cfg = IngressConfig { max_anonymous_connections: 1, ..test_config() };
+    let server = Server::start_with("anonymous-cap", cfg);
+    let anonymous = || Raw::connect(server.addr, client_config(&server.ca_pem(), None, &[&rustls::version::TLS13]));
+    // Two at once for the one slot: one holds it (sending nothing), the other is turned
+    // away without an answer.
+    let mut both = [anonymous().unwrap(), anonymous().unwrap()];
+    server.wait_for("one of them to be turned away", |st| st.turned_away() == 1);
+    let answered = both
+        .iter_mut()
+        .map(|raw| raw.head("GET", "/v1/ca", &[]).is_ok() && raw.response().is_ok_and(|r| r.status == 200))
+        .filter(|served| *served)
+        .count();
+    assert_eq!(answered, 1, "the one holding the slot is served, the other was closed");
+    // Workers are not touched by it.
+    let (_, generation) = server.client("router-1").open(1);
+    assert_eq!(generation, Counter::ONE);
+}
