@@ -162,6 +162,7 @@ contract_suite!(
         cancel_before_a_claim_ends_the_run,
         every_drift_is_refused_and_changes_nothing,
         a_new_session_replaces_the_old_one,
+        a_repeated_open_replaces_a_session_never_heard_from,
         a_closed_session_ends_and_the_next_opens_at_once,
         placement_honours_labels_and_capacity,
         trusted_labels_come_from_the_operator_not_the_agent,

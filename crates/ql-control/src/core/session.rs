@@ -25,10 +25,16 @@ pub(super) fn open(
     // A live session that still speaks is not taken over: another agent holding this
     // worker's identity (a twin: a restored backup, a replaced router still plugged in) is
     // refused, and the agent that holds the session keeps it and its jobs. Only a session
-    // that went quiet for `takeover_after_ms`, or is draining, is replaced.
+    // that went quiet for `takeover_after_ms`, or is draining, is replaced — and so is one
+    // never heard from since it was opened: its agent polls or heartbeats at once, so a
+    // session that stayed silent is one whose answer was lost, and the open that finds it
+    // is that agent's repeat.
     let quiet_after = i64::try_from(timings.takeover_after_ms).unwrap_or(i64::MAX);
     let speaking = |s: &&Session| {
-        s.state == SessionState::Online && s.expires_at > now && now.saturating_sub(s.seen_at) < quiet_after
+        s.state == SessionState::Online
+            && s.expires_at > now
+            && s.seen_at > s.created_at
+            && now.saturating_sub(s.seen_at) < quiet_after
     };
     if rows.worker_sessions.iter().any(|s| &s.worker == worker && speaking(&s)) {
         return Decision::refuse(ErrorCode::SessionConflict);
@@ -139,6 +145,10 @@ mod tests {
 
     #[test]
     fn a_session_that_still_speaks_is_not_taken_over_but_a_draining_or_quiet_one_is() {
+        let never_heard_from = session(3);
+        let rows = Rows { worker_sessions: vec![never_heard_from], ..Rows::default() };
+        let d = open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids());
+        assert!(d.reply.is_ok(), "an open whose answer was lost is repeated at once: {d:?}");
         let speaking = Session { seen_at: NOW - 1, ..session(3) };
         let rows = Rows { worker_sessions: vec![speaking.clone()], ..Rows::default() };
         let d = open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids());

@@ -1001,6 +1001,22 @@ pub async fn operator_reads_are_ordered_and_bounded<B: Backend>(b: B) {
     check_invariants(&store.snapshot().await.unwrap());
 }
 
+/// An open whose answer was lost is repeated at once: a session never heard from since
+/// it was opened is replaced by the next open, while one that has spoken is not.
+pub async fn a_repeated_open_replaces_a_session_never_heard_from<B: Backend>(b: B) {
+    let store = b.store();
+    let lost = open(&store, "router-1").await;
+    let again = open(&store, "router-1").await;
+    assert_eq!(again.generation.get(), lost.generation.get() + 1);
+    let snap = store.snapshot().await.unwrap();
+    let state = |id: &SessionId| snap.sessions.iter().find(|s| &s.id == id).unwrap().state;
+    assert_eq!(state(&lost.session), SessionState::Replaced);
+    b.advance(1);
+    heartbeat(&store, &again, false).await.unwrap();
+    let twin = Command::OpenSession(worker("router-1"), open_body(1, &[]));
+    refused(&store, twin, ErrorCode::SessionConflict, "once it spoke, a second open is a twin's").await;
+}
+
 /// `workers` counts the session opens refused as a twin's from the audit records, per
 /// worker, within a window of DB time.
 pub async fn twin_refusals_are_counted_from_the_audit_records<B: Backend>(b: B) {
