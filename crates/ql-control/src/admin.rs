@@ -171,8 +171,14 @@ impl Store for Authority {
     async fn audits(&self) -> Result<Vec<crate::model::AuditRecord>, StoreError> {
         either!(self, s => s.audits())
     }
-    async fn runs(&self, limit: usize) -> Result<Vec<crate::model::Run>, StoreError> {
-        either!(self, s => s.runs(limit))
+    async fn runs(&self, query: &crate::store::RunQuery) -> Result<Vec<crate::model::Run>, StoreError> {
+        either!(self, s => s.runs(query))
+    }
+    async fn schedules(&self) -> Result<Vec<crate::model::Schedule>, StoreError> {
+        either!(self, s => s.schedules())
+    }
+    async fn fires(&self, schedule: &str, limit: usize) -> Result<Vec<crate::model::Fire>, StoreError> {
+        either!(self, s => s.fires(schedule, limit))
     }
     async fn run_detail(&self, run: &RunId) -> Result<Option<RunDetail>, StoreError> {
         either!(self, s => s.run_detail(run))
@@ -262,18 +268,21 @@ pub fn when(ms: Option<Millis>) -> String {
 }
 
 /// The runs as a table.
-pub async fn runs<S: Store>(store: &S, limit: usize) -> Result<String, String> {
-    let runs = store.runs(limit).await.map_err(|e| e.to_string())?;
-    let mut out =
-        format!("{:<28} {:<11} {:>8} {:<24} {:<24} {}\n", "RUN", "STATUS", "ATTEMPTS", "CREATED", "FINISHED", "ERROR");
+pub async fn runs<S: Store>(store: &S, query: &crate::store::RunQuery) -> Result<String, String> {
+    let runs = store.runs(query).await.map_err(|e| e.to_string())?;
+    let mut out = format!(
+        "{:<28} {:<11} {:>8} {:<24} {:<24} {:<16} {}\n",
+        "RUN", "STATUS", "ATTEMPTS", "CREATED", "FINISHED", "SCHEDULE", "ERROR"
+    );
     for r in runs {
         out += &format!(
-            "{:<28} {:<11} {:>8} {:<24} {:<24} {}\n",
+            "{:<28} {:<11} {:>8} {:<24} {:<24} {:<16} {}\n",
             r.id.as_str(),
             r.status.as_str(),
             r.attempts,
             when(Some(r.created_at)),
             when(r.finished_at),
+            r.schedule.as_deref().unwrap_or("-"),
             r.error_code.as_deref().unwrap_or("-")
         );
     }

@@ -69,6 +69,9 @@ pub struct Config {
     /// Concurrent connections without a client certificate (agents enrolling with a
     /// token); each is served one request.
     pub max_anonymous_connections: u64,
+    /// A schedule's fire found later than this after its time (no replica was running)
+    /// is a missed one, which follows the schedule's `--catch-up`.
+    pub schedule_missed_after_ms: u64,
 }
 
 impl Default for Config {
@@ -101,6 +104,7 @@ impl Default for Config {
             worker_cert_lifetime_ms: crate::pki::WORKER_VALIDITY.as_millis() as u64,
             enrolment_token_ttl_ms: 3_600_000,
             max_anonymous_connections: 16,
+            schedule_missed_after_ms: 60_000,
         }
     }
 }
@@ -180,6 +184,7 @@ impl Config {
             lease_ttl_ms: self.lease_ttl_ms,
             outage_after_ms: self.outage_grace_after_ms,
             takeover_after_ms: self.session_takeover_after_ms,
+            missed_after_ms: self.schedule_missed_after_ms,
         }
     }
 
@@ -217,6 +222,7 @@ impl Config {
             ("min_upload_rate", self.min_upload_rate),
             ("worker_cert_lifetime_ms", self.worker_cert_lifetime_ms),
             ("enrolment_token_ttl_ms", self.enrolment_token_ttl_ms),
+            ("schedule_missed_after_ms", self.schedule_missed_after_ms),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be greater than 0"));

@@ -19,5 +19,6 @@ pub mod identity;
 pub mod logs;
 pub mod model;
 pub mod pki;
+pub mod schedules;
 pub mod serve;
 pub mod store;

@@ -31,6 +31,7 @@ enum Cmd {
     Logs(Logs),
     Workers(Workers),
     Label(Label),
+    Schedule(ScheduleCmd),
     Migrate(Migrate),
     Version(Version),
 }
@@ -206,6 +207,13 @@ struct Cancel {
 #[derive(FromArgs)]
 #[argh(subcommand, name = "runs")]
 struct Runs {
+    /// only runs this schedule submitted
+    #[argh(option)]
+    schedule: Option<String>,
+    /// only runs with this status (queued, dispatching, running, succeeded, failed,
+    /// cancelled, timed_out)
+    #[argh(option)]
+    status: Option<String>,
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
@@ -349,6 +357,190 @@ struct Certificates {
     #[argh(option)]
     /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
     database: Option<String>,
+}
+
+/// Schedules: runs submitted at the times a cron expression names (fired by `serve`).
+#[derive(FromArgs)]
+#[argh(subcommand, name = "schedule")]
+struct ScheduleCmd {
+    #[argh(subcommand)]
+    action: ScheduleAction,
+}
+
+#[derive(FromArgs)]
+#[argh(subcommand)]
+// Parsed once per process: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
+enum ScheduleAction {
+    Add(ScheduleAdd),
+    List(ScheduleList),
+    Show(ScheduleName),
+    Pause(SchedulePause),
+    Resume(ScheduleResume),
+    Remove(ScheduleRemove),
+    RunNow(ScheduleRunNow),
+}
+
+/// Add a schedule: what to run (as `submit` takes it) and when.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "add")]
+struct ScheduleAdd {
+    /// the schedule's name: [a-z0-9][a-z0-9._-]{0,63}
+    #[argh(positional)]
+    name: String,
+    /// cron expression: five fields, or six with seconds first ("0 30 7 * * *")
+    #[argh(option)]
+    cron: String,
+    /// IANA time zone the expression is read in (default UTC)
+    #[argh(option, default = "String::from(\"UTC\")")]
+    tz: String,
+    /// each fire waits a random delay of up to this many milliseconds (default 0)
+    #[argh(option, default = "0")]
+    random_delay_ms: u64,
+    /// while the previous run has not ended: skip (default), queue or allow
+    #[argh(option, default = "String::from(\"skip\")")]
+    overlap: String,
+    /// a fire missed while no ql-control ran: none (default) or once
+    #[argh(option, default = "String::from(\"none\")")]
+    catch_up: String,
+    /// project (default "default")
+    #[argh(option, default = "String::from(\"default\")")]
+    project: String,
+    /// a script file to run with --interpreter
+    #[argh(option)]
+    script: Option<PathBuf>,
+    /// sh (default), python3 or node
+    #[argh(option)]
+    interpreter: Option<String>,
+    /// NAME=value added to the job's environment (repeatable)
+    #[argh(option)]
+    env: Vec<String>,
+    /// time limit of each run in milliseconds (default one hour)
+    #[argh(option, default = "3_600_000")]
+    timeout_ms: u64,
+    /// bytes of log kept (default 1 MiB)
+    #[argh(option, default = "1_048_576")]
+    log_limit: u64,
+    /// key=value the operator gave the worker that it must carry (repeatable)
+    #[argh(option)]
+    label: Vec<String>,
+    /// key=value the worker's agent must declare (repeatable)
+    #[argh(option)]
+    agent_label: Vec<String>,
+    /// times a run whose worker vanished is queued again (default 0)
+    #[argh(option, default = "0")]
+    retries: u32,
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
+    /// the program and its arguments
+    #[argh(positional, greedy)]
+    argv: Vec<String>,
+}
+
+/// Declares a schedule subcommand that takes a name and the authority's flags.
+macro_rules! schedule_named {
+    ($(#[$meta:meta])* $name:ident, $word:literal) => {
+        $(#[$meta])*
+        #[derive(FromArgs)]
+        #[argh(subcommand, name = $word)]
+        struct $name {
+            /// the schedule
+            #[argh(positional)]
+            name: String,
+            /// state directory
+            #[argh(option)]
+            dir: Option<PathBuf>,
+            /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+            #[argh(option)]
+            database: Option<String>,
+        }
+    };
+}
+
+schedule_named!(
+    /// Show a schedule and its recent fires.
+    ScheduleName, "show"
+);
+schedule_named!(
+    /// Pause a schedule: it fires nothing until resumed.
+    SchedulePause, "pause"
+);
+schedule_named!(
+    /// Resume a schedule from its next time after now.
+    ScheduleResume, "resume"
+);
+schedule_named!(
+    /// Remove a schedule (its runs stay).
+    ScheduleRemove, "remove"
+);
+schedule_named!(
+    /// Submit a schedule's run now, outside its times.
+    ScheduleRunNow, "run-now"
+);
+
+/// List schedules: cron, time zone, overlap, next fire, last run.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "list")]
+struct ScheduleList {
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
+}
+
+fn schedule(cmd: ScheduleCmd) -> Result<(), String> {
+    use ql_control::schedules;
+    let out = match cmd.action {
+        ScheduleAction::Add(a) => {
+            let args = schedules::ScheduleArgs {
+                name: a.name,
+                cron: a.cron,
+                tz: a.tz,
+                random_delay_ms: a.random_delay_ms,
+                overlap: a.overlap,
+                catch_up: a.catch_up,
+                submit: SubmitArgs {
+                    project: a.project,
+                    argv: a.argv,
+                    script: a.script,
+                    interpreter: a.interpreter,
+                    env: a.env,
+                    timeout_ms: a.timeout_ms,
+                    log_limit: a.log_limit,
+                    labels: a.label,
+                    agent_labels: a.agent_label,
+                    retries: a.retries,
+                },
+            };
+            // Refuse what could never fire before opening anything.
+            schedules::spec_of(&args)?;
+            with_authority(a.dir, a.database, async |store| schedules::add(store, &args).await)?
+        }
+        ScheduleAction::List(a) => with_authority(a.dir, a.database, async |store| schedules::list(store).await)?,
+        ScheduleAction::Show(a) => {
+            with_authority(a.dir, a.database, async |store| schedules::show(store, &a.name).await)?
+        }
+        ScheduleAction::Pause(a) => {
+            with_authority(a.dir, a.database, async |store| schedules::pause(store, &a.name, true).await)?
+        }
+        ScheduleAction::Resume(a) => {
+            with_authority(a.dir, a.database, async |store| schedules::pause(store, &a.name, false).await)?
+        }
+        ScheduleAction::Remove(a) => {
+            with_authority(a.dir, a.database, async |store| schedules::remove(store, &a.name).await)?
+        }
+        ScheduleAction::RunNow(a) => {
+            with_authority(a.dir, a.database, async |store| schedules::run_now(store, &a.name).await)?
+        }
+    };
+    println!("{}", out.trim_end());
+    Ok(())
 }
 
 /// Print the version.
@@ -571,7 +763,15 @@ fn main() -> ExitCode {
             })
         }),
         Cmd::Runs(cmd) => with_authority(cmd.dir, cmd.database, async |store| {
-            print!("{}", admin::runs(store, cmd.limit).await?);
+            let status = match &cmd.status {
+                None => None,
+                Some(s) => Some(
+                    ql_control::model::RunStatus::parse(s)
+                        .ok_or_else(|| format!("--status {s:?} is not a run status"))?,
+                ),
+            };
+            let query = ql_control::store::RunQuery { schedule: cmd.schedule.clone(), status, limit: cmd.limit };
+            print!("{}", admin::runs(store, &query).await?);
             Ok(())
         }),
         Cmd::Show(cmd) => run_id(&cmd.run).and_then(|run| {
@@ -591,6 +791,7 @@ fn main() -> ExitCode {
             })
         }),
         Cmd::Workers(cmd) => workers(cmd),
+        Cmd::Schedule(cmd) => schedule(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

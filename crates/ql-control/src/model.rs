@@ -317,6 +317,88 @@ pub struct Run {
     pub error_code: Option<String>,
     /// Low-sensitivity summary.
     pub summary: Option<String>,
+    /// The schedule that submitted it, if one did.
+    pub schedule: Option<String>,
+}
+
+status! {
+    /// What a schedule's fire does while its previous run has not ended.
+    Overlap {
+        /// Record the fire as skipped.
+        Skip = "skip",
+        /// Hold the fire until the previous run ended, then fire once.
+        Queue = "queue",
+        /// Fire anyway.
+        Allow = "allow",
+    }
+}
+
+status! {
+    /// What a fire found late (no replica ran at its time) does.
+    CatchUp {
+        /// Record it missed.
+        None = "none",
+        /// Fire it once.
+        Once = "once",
+    }
+}
+
+status! {
+    /// What one fire of a schedule did.
+    FireOutcome {
+        /// It queued a run.
+        Queued = "queued",
+        /// The previous run had not ended (`overlap skip`).
+        Skipped = "skipped",
+        /// It was found late and not caught up (`catch_up none`).
+        Missed = "missed",
+    }
+}
+
+/// A schedule: a run submitted at each time its cron expression names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schedule {
+    /// Its name, unique.
+    pub name: String,
+    /// The cron expression (five fields, or six with seconds first).
+    pub cron: String,
+    /// The IANA time zone it is read in.
+    pub tz: String,
+    /// Each fire waits up to this long after its time, drawn per fire.
+    pub random_delay_ms: u64,
+    /// See [`Overlap`].
+    pub overlap: Overlap,
+    /// See [`CatchUp`].
+    pub catch_up: CatchUp,
+    /// The run each fire submits.
+    pub submit: crate::core::Submit,
+    /// Paused: fires nothing.
+    pub paused: bool,
+    /// The next fire's time (its key).
+    pub next_fire_at: Millis,
+    /// When the next fire is due: its time plus its random delay.
+    pub due_at: Millis,
+    /// The run its last fire (or run-now) submitted.
+    pub last_run: Option<RunId>,
+    /// Created at.
+    pub created_at: Millis,
+    /// Changed at.
+    pub updated_at: Millis,
+}
+
+/// One fire of a schedule, keyed by (schedule, fire time): written once, with its run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fire {
+    /// The schedule.
+    pub schedule: String,
+    /// The cron time it is for.
+    pub fire_at: Millis,
+    /// What it did.
+    pub outcome: FireOutcome,
+    /// The run it queued.
+    pub run: Option<RunId>,
+    /// When (DB time).
+    pub at: Millis,
 }
 
 /// One attempt of a run on a remote worker.

@@ -72,6 +72,11 @@ pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: Audit
     loop {
         tick.tick().await;
         sweep_once(&store).await;
+        // Schedules fire at the sweep after their time: a sweep interval of a second keeps
+        // a six-field schedule to the second.
+        if let Err(e) = store.execute(Command::FireSchedules).await {
+            eprintln!("ql-control: firing schedules failed: {e}");
+        }
         if let Err(e) = store.prune_audit(retention).await {
             eprintln!("ql-control: pruning audit records failed: {e}");
         }

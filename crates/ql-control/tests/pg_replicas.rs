@@ -411,7 +411,7 @@ async fn stress(db_url: &str, replicas: usize, agents: usize, runs: usize, resta
                 cancels += 1;
             }
         }
-        if let Ok(all) = store.runs(runs + 10).await {
+        if let Ok(all) = store.runs(&ql_control::store::RunQuery::latest(runs + 10)).await {
             done = all.iter().filter(|r| r.status.is_terminal()).count();
             if done == runs {
                 break;

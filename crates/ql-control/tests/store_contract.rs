@@ -138,6 +138,8 @@ macro_rules! contract_suite {
                     use contract::identity::*;
                     #[allow(unused_imports)]
                     use contract::scenarios::*;
+                    #[allow(unused_imports)]
+                    use contract::schedules::*;
                     $scenario($make).await;
                 }
             )*
@@ -154,6 +156,8 @@ contract_suite!(
         revoking_a_worker_ends_what_it_holds_and_requeues_its_runs,
         disabling_a_worker_requeues_its_runs_and_a_repeat_changes_nothing_more,
         an_enrolment_token_is_spent_once,
+        each_fire_time_fires_once_whoever_sweeps,
+        overlap_catch_up_and_pause_decide_each_fire,
         completion_from_starting_registers_the_callback,
         artifacts_are_admitted_and_completions_match_their_receipt,
         the_live_log_appends_at_the_acknowledged_offset_then_seals,

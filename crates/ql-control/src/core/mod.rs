@@ -21,6 +21,7 @@ mod grace;
 mod identity;
 mod log;
 mod operator;
+mod schedule;
 mod session;
 mod start;
 mod sweep;
@@ -34,6 +35,7 @@ pub use grace::{absence, Grace, Graced};
 pub use identity::{admission, Access, AccessChanged, Issuer, WORKER_DISABLED, WORKER_REVOKED};
 pub use log::{same_bytes, ChunkAdmitted, ChunkPlan};
 pub use operator::{check_labels, CancelOutcome, Submit};
+pub use schedule::{check_name as check_schedule_name, next_after, parse as parse_cron, ScheduleSpec};
 pub use start::{EXECUTION_CANCELLED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED};
 pub use sweep::{LEASE_LOST, OFFER_EXPIRED};
 
@@ -51,7 +53,9 @@ use ql_wire::{ErrorCode, Fence};
 
 use std::collections::BTreeMap;
 
-use crate::model::{Attempt, Certificate, Enrolment, Event, Lease, LogChunk, Millis, Offer, Run, Session, Worker};
+use crate::model::{
+    Attempt, Certificate, Enrolment, Event, Fire, Lease, LogChunk, Millis, Offer, Run, Schedule, Session, Worker,
+};
 
 /// Durations the authority hands out. Every one is configurable so tests run short.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +74,9 @@ pub struct Timings {
     /// A worker's online session seen within this is not taken over by a new one: a
     /// second agent with the same identity is refused (`session_conflict`).
     pub takeover_after_ms: u64,
+    /// A schedule's fire found later than this after its time was missed (no replica
+    /// ran): it follows the schedule's `catch_up`.
+    pub missed_after_ms: u64,
 }
 
 impl Default for Timings {
@@ -81,6 +88,7 @@ impl Default for Timings {
             lease_ttl_ms: 30_000,
             outage_after_ms: 5_000,
             takeover_after_ms: 20_000,
+            missed_after_ms: 60_000,
         }
     }
 }
@@ -137,6 +145,16 @@ pub enum Command {
     CreateEnrolment(WorkerId, Digest, u64),
     /// An agent spends an enrolment token (this digest) on a certificate just issued.
     Enrol(Digest, Certificate),
+    /// Operator: add a schedule.
+    AddSchedule(Box<ScheduleSpec>),
+    /// Operator: pause (`true`) or resume a schedule.
+    PauseSchedule(String, bool),
+    /// Operator: remove a schedule.
+    RemoveSchedule(String),
+    /// Operator: submit a schedule's run now.
+    RunScheduleNow(String),
+    /// Fire the schedules that are due, by DB time.
+    FireSchedules,
     /// Expire what has lapsed, by DB time.
     Sweep,
 }
@@ -164,6 +182,10 @@ pub struct Keys {
     pub certificate: Option<String>,
     /// Load this enrolment by token digest.
     pub enrolment: Option<Digest>,
+    /// Load this schedule by name (and lock it).
+    pub schedule: Option<String>,
+    /// Load the schedules due by DB time, each with its last run.
+    pub due_schedules: bool,
     /// Load placement candidates: queued runs, and the session's open offers and
     /// active attempt count.
     pub placement: bool,
@@ -202,6 +224,10 @@ pub struct Rows {
     pub certificate: Option<Certificate>,
     /// The enrolment named by digest.
     pub enrolment: Option<Enrolment>,
+    /// The schedule named.
+    pub schedule: Option<Schedule>,
+    /// Due schedules, each with its last run.
+    pub due_schedules: Vec<(Schedule, Option<Run>)>,
     /// Queued runs, oldest first (placement).
     pub queued: Vec<Run>,
     /// The session's open offers (placement).
@@ -283,6 +309,10 @@ pub enum Reply {
     CertificateRecorded(Box<Certificate>),
     /// An enrolment token was recorded, usable until then.
     EnrolmentCreated(Millis),
+    /// A schedule, as it now is.
+    Schedule(Box<Schedule>),
+    /// How many schedules fired.
+    Fired(usize),
     /// To sweep: how many rows it changed.
     Swept(usize),
     /// To a sweep after an outage: what its grace gave back (nothing was swept).
@@ -314,6 +344,12 @@ pub enum Write {
     Certificate(Certificate),
     /// Insert or replace an enrolment.
     Enrolment(Enrolment),
+    /// Insert or replace a schedule.
+    Schedule(Schedule),
+    /// Delete a schedule.
+    RemoveSchedule(String),
+    /// Append a fire (never replaced: the key refuses a second one for the same time).
+    Fire(Fire),
     /// Record that a replica swept at this DB time.
     Alive(Millis),
 }
@@ -407,6 +443,18 @@ impl IdGen {
     pub fn event(&mut self) -> EventId {
         EventId::parse(self.make("evt")).expect("generated ids are valid")
     }
+
+    /// A number below `below` (at least 1), drawn from the generator's seed: each call
+    /// another (xorshift), so one transaction's draws differ.
+    pub fn draw(&mut self, below: u64) -> u64 {
+        self.next += 1;
+        let mut x = self.prefix.bytes().fold(0x9e37_79b9_7f4a_7c15u64, |acc, b| acc.rotate_left(5) ^ u64::from(b));
+        x ^= u64::from(self.next).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % below.max(1)
+    }
 }
 
 impl Command {
@@ -460,6 +508,11 @@ impl Command {
                 Keys { worker: Some(c.worker.clone()), certificate: Some(c.serial.clone()), ..Keys::default() }
             }
             Self::CreateEnrolment(_, digest, _) => Keys { enrolment: Some(digest.clone()), ..Keys::default() },
+            Self::AddSchedule(spec) => Keys { schedule: Some(spec.name.clone()), ..Keys::default() },
+            Self::PauseSchedule(name, _) | Self::RemoveSchedule(name) | Self::RunScheduleNow(name) => {
+                Keys { schedule: Some(name.clone()), ..Keys::default() }
+            }
+            Self::FireSchedules => Keys { due_schedules: true, ..Keys::default() },
             Self::Enrol(digest, c) => Keys {
                 enrolment: Some(digest.clone()),
                 worker: Some(c.worker.clone()),
@@ -506,6 +559,11 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::RecordCertificate(cert, issuer) => identity::record_certificate(cert, *issuer, rows, now),
         Command::CreateEnrolment(w, digest, ttl_ms) => identity::create_enrolment(w, digest, *ttl_ms, rows, now),
         Command::Enrol(digest, cert) => identity::enrol(digest, cert, rows, now),
+        Command::AddSchedule(spec) => schedule::add(spec, rows, now, ids),
+        Command::PauseSchedule(name, paused) => schedule::set_paused(name, *paused, rows, now, ids),
+        Command::RemoveSchedule(name) => schedule::remove(name, rows),
+        Command::RunScheduleNow(name) => schedule::run_now(name, rows, now, ids),
+        Command::FireSchedules => schedule::fire_due(rows, now, timings.missed_after_ms, ids),
         Command::Sweep => match &rows.grace {
             Some(grace) => grace::give_back(grace, now, timings),
             None => sweep::sweep(&rows.lapsed, now, ids),

@@ -55,14 +55,34 @@ pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), String> {
     Ok(())
 }
 
-pub(super) fn submit(s: &Submit, now: Millis, ids: &mut IdGen) -> Decision {
+/// Whether a run request could ever run (the spec and project agree, labels a worker
+/// could carry).
+pub(super) fn check_submit(s: &Submit) -> Result<(), ErrorCode> {
     if s.spec.project_id != s.project
         || s.spec.validate().is_err()
         || check_labels(&s.labels).is_err()
         || check_labels(&s.agent_labels).is_err()
     {
-        return Decision::refuse(ErrorCode::InvalidRequest);
+        return Err(ErrorCode::InvalidRequest);
     }
+    Ok(())
+}
+
+pub(super) fn submit(s: &Submit, now: Millis, ids: &mut IdGen) -> Decision {
+    if let Err(code) = check_submit(s) {
+        return Decision::refuse(code);
+    }
+    let (run, writes) = submitted(s, None, now, ids);
+    Decision::apply(Reply::Submitted(run), writes).waking()
+}
+
+/// A queued run for `s` (of `schedule`, if a schedule submitted it), and its writes.
+pub(super) fn submitted(
+    s: &Submit,
+    schedule: Option<&str>,
+    now: Millis,
+    ids: &mut IdGen,
+) -> (ql_wire::ids::RunId, Vec<Write>) {
     let run = Run {
         id: ids.run(),
         project: s.project.clone(),
@@ -82,9 +102,14 @@ pub(super) fn submit(s: &Submit, now: Millis, ids: &mut IdGen) -> Decision {
         finished_at: None,
         error_code: None,
         summary: None,
+        schedule: schedule.map(str::to_owned),
     };
-    let ev = event(ids, &run.id, None, "run.queued", (None, Some("queued")), json!({ "project": s.project }), now);
-    Decision::apply(Reply::Submitted(run.id.clone()), vec![Write::Run(run), ev]).waking()
+    let payload = match schedule {
+        Some(name) => json!({ "project": s.project, "schedule": name }),
+        None => json!({ "project": s.project }),
+    };
+    let ev = event(ids, &run.id, None, "run.queued", (None, Some("queued")), payload, now);
+    (run.id.clone(), vec![Write::Run(run), ev])
 }
 
 /// Cancels a run. Its current attempt, lease and offer are loaded with it.

@@ -27,6 +27,18 @@ pub(crate) fn timings() -> Timings {
         lease_ttl_ms: 5_000,
         outage_after_ms: 5_000,
         takeover_after_ms: 2_000,
+        missed_after_ms: 60_000,
+    }
+}
+
+/// A valid run request.
+pub(crate) fn submit_request() -> super::Submit {
+    super::Submit {
+        project: ProjectId::parse("default").unwrap(),
+        spec: spec(),
+        labels: BTreeMap::new(),
+        agent_labels: BTreeMap::new(),
+        retry_budget: 0,
     }
 }
 
@@ -111,6 +123,7 @@ pub(crate) fn queued_run() -> Run {
         finished_at: None,
         error_code: None,
         summary: None,
+        schedule: None,
     }
 }
 
@@ -253,7 +266,9 @@ pub(crate) fn applied(rows: &Rows, d: &super::Decision) -> Rows {
             super::Write::Alive(at) => next.alive_at = Some(*at),
             super::Write::Certificate(c) => next.certificate = Some(c.clone()),
             super::Write::Enrolment(e) => next.enrolment = Some(e.clone()),
-            super::Write::Event(_) | super::Write::LogChunk(_) => {}
+            super::Write::Schedule(x) => next.schedule = Some(x.clone()),
+            super::Write::RemoveSchedule(_) => next.schedule = None,
+            super::Write::Event(_) | super::Write::LogChunk(_) | super::Write::Fire(_) => {}
         }
     }
     next

@@ -419,6 +419,8 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
         | Reply::CertificateRevoked(_)
         | Reply::CertificateRecorded(_)
         | Reply::EnrolmentCreated(_)
+        | Reply::Schedule(_)
+        | Reply::Fired(_)
         | Reply::Swept(_)
         | Reply::Graced(_) => Answer::refuse(ErrorCode::Unavailable),
     }

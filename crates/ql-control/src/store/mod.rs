@@ -24,7 +24,10 @@ use tokio::sync::watch;
 use crate::core::{Command, Reply};
 use ql_wire::ids::WorkerId;
 
-use crate::model::{Attempt, AuditRecord, Certificate, Enrolment, Event, Lease, LogChunk, Offer, Run, Session, Worker};
+use crate::model::{
+    Attempt, AuditRecord, Certificate, Enrolment, Event, Fire, Lease, LogChunk, Offer, Run, RunStatus, Schedule,
+    Session, Worker,
+};
 
 /// The store could not reach or use its database. Maps to `503 unavailable`.
 #[derive(Debug)]
@@ -74,6 +77,29 @@ pub struct Snapshot {
     pub certificates: Vec<Certificate>,
     /// Enrolments by token digest.
     pub enrolments: Vec<Enrolment>,
+    /// Schedules by name.
+    pub schedules: Vec<Schedule>,
+    /// Fires by schedule and time.
+    pub fires: Vec<Fire>,
+}
+
+/// Which runs to list: newest first, at most `limit`, of one schedule and one status if
+/// given.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RunQuery {
+    /// Only runs this schedule submitted.
+    pub schedule: Option<String>,
+    /// Only runs with this status.
+    pub status: Option<RunStatus>,
+    /// At most this many.
+    pub limit: usize,
+}
+
+impl RunQuery {
+    /// The newest `limit` runs.
+    pub fn latest(limit: usize) -> Self {
+        Self { limit, ..Self::default() }
+    }
 }
 
 /// How long audit records are kept: the sweeper removes those older than `max_age_ms`
@@ -114,8 +140,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Audit records, oldest first (for operators and tests).
     fn audits(&self) -> impl Future<Output = Result<Vec<AuditRecord>, StoreError>> + Send;
 
-    /// Runs, newest first, at most `limit`.
-    fn runs(&self, limit: usize) -> impl Future<Output = Result<Vec<Run>, StoreError>> + Send;
+    /// Runs, newest first, as `query` says.
+    fn runs(&self, query: &RunQuery) -> impl Future<Output = Result<Vec<Run>, StoreError>> + Send;
+
+    /// Schedules, by name.
+    fn schedules(&self) -> impl Future<Output = Result<Vec<Schedule>, StoreError>> + Send;
+
+    /// A schedule's fires, newest first, at most `limit`.
+    fn fires(&self, schedule: &str, limit: usize) -> impl Future<Output = Result<Vec<Fire>, StoreError>> + Send;
 
     /// One run with its attempts, leases and events.
     fn run_detail(&self, run: &RunId) -> impl Future<Output = Result<Option<RunDetail>, StoreError>> + Send;

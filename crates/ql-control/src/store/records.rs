@@ -10,8 +10,9 @@ use ql_wire::lease::StopIntent;
 
 use super::columns::{Columns, Corrupt, Table, Value as V};
 use crate::model::{
-    Attempt, AttemptStatus, AuditRecord, Certificate, ClaimFacts, EndKind, Enrolment, Event, Lease, LeaseFacts,
-    LeaseState, LogChunk, Offer, OfferState, Run, RunStatus, Session, SessionState, Worker,
+    Attempt, AttemptStatus, AuditRecord, CatchUp, Certificate, ClaimFacts, EndKind, Enrolment, Event, Fire,
+    FireOutcome, Lease, LeaseFacts, LeaseState, LogChunk, Offer, OfferState, Overlap, Run, RunStatus, Schedule,
+    Session, SessionState, Worker,
 };
 
 /// A model type stored as one row of one table.
@@ -38,7 +39,8 @@ pub(super) const SESSION_COLS: &str =
 /// Columns of `runs`, in select order.
 pub(super) const RUN_COLS: &str =
     "id, project, spec, labels, agent_labels, status, stop, retry_budget, retries_used, attempts, \
-     lease_generations, current_attempt_id, deadline_at, created_at, started_at, finished_at, error_code, summary";
+     lease_generations, current_attempt_id, deadline_at, created_at, started_at, finished_at, error_code, summary, \
+     schedule";
 /// Columns of `attempts`, in select order.
 pub(super) const ATTEMPT_COLS: &str = "id, run_id, number, executor_type, status, offer_id, session_id, worker, \
      lease_worker, lease_session_id, lease_session_generation, lease_offer_id, lease_generation, lease_token_digest, \
@@ -59,6 +61,11 @@ pub(super) const LOG_CHUNK_COLS: &str = "attempt_id, byte_offset, length, sha256
 pub(super) const WORKER_COLS: &str = "id, labels, disabled_at, revoked_at, created_at, updated_at";
 /// Columns of `enrolments`, in select order.
 pub(super) const ENROLMENT_COLS: &str = "token_digest, worker, created_at, expires_at, used_at, serial";
+/// Columns of `schedules`, in select order.
+pub(super) const SCHEDULE_COLS: &str = "name, cron, tz, random_delay_ms, overlap, catch_up, project, spec, labels, \
+     agent_labels, retry_budget, paused, next_fire_at, due_at, last_run_id, created_at, updated_at";
+/// Columns of `fires`, in select order.
+pub(super) const FIRE_COLS: &str = "schedule, fire_at, outcome, run_id, at";
 /// Columns of `certificates`, in select order.
 pub(super) const CERTIFICATE_COLS: &str = "serial, worker, issued_at, not_after, revoked_at";
 /// Columns of `audit`, in select order (`seq` as for events).
@@ -81,8 +88,26 @@ pub(super) const CERTIFICATES: Table = Table { name: "certificates", key: Some("
 pub(super) const ENROLMENTS: Table = Table { name: "enrolments", key: Some("token_digest"), cols: ENROLMENT_COLS };
 
 /// Every table a model type is stored in.
-pub(super) const TABLES: [&Table; 11] =
-    [&SESSIONS, &RUNS, &ATTEMPTS, &OFFERS, &LEASES, &EVENTS, &AUDIT, &LOG_CHUNKS, &WORKERS, &CERTIFICATES, &ENROLMENTS];
+pub(super) const SCHEDULES: Table = Table { name: "schedules", key: Some("name"), cols: SCHEDULE_COLS };
+/// Never upserted: the primary key (schedule, fire time) refuses a second fire.
+pub(super) const FIRES: Table = Table { name: "fires", key: None, cols: FIRE_COLS };
+
+/// Every table a model type is stored in.
+pub(super) const TABLES: [&Table; 13] = [
+    &SESSIONS,
+    &RUNS,
+    &ATTEMPTS,
+    &OFFERS,
+    &LEASES,
+    &EVENTS,
+    &AUDIT,
+    &LOG_CHUNKS,
+    &WORKERS,
+    &CERTIFICATES,
+    &ENROLMENTS,
+    &SCHEDULES,
+    &FIRES,
+];
 
 impl Stored for Session {
     const TABLE: &'static Table = &SESSIONS;
@@ -143,6 +168,7 @@ impl Stored for Run {
             finished_at: c.opt_int("finished_at")?,
             error_code: c.opt_text("error_code")?,
             summary: c.opt_text("summary")?,
+            schedule: c.opt_text("schedule")?,
         })
     }
 
@@ -166,6 +192,81 @@ impl Stored for Run {
             V::opt_int(self.finished_at),
             V::opt_text(self.error_code.as_deref()),
             V::opt_text(self.summary.as_deref()),
+            V::opt_text(self.schedule.as_deref()),
+        ])
+    }
+}
+
+impl Stored for Schedule {
+    const TABLE: &'static Table = &SCHEDULES;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Schedule {
+            name: c.text("name")?,
+            cron: c.text("cron")?,
+            tz: c.text("tz")?,
+            random_delay_ms: c.num("random_delay_ms")?,
+            overlap: c.word("overlap", Overlap::parse)?,
+            catch_up: c.word("catch_up", CatchUp::parse)?,
+            submit: crate::core::Submit {
+                project: c.valid("project")?,
+                spec: c.json("spec")?,
+                labels: c.json("labels")?,
+                agent_labels: c.json("agent_labels")?,
+                retry_budget: c.num("retry_budget")?,
+            },
+            paused: c.int("paused")? != 0,
+            next_fire_at: c.int("next_fire_at")?,
+            due_at: c.int("due_at")?,
+            last_run: c.opt_valid("last_run_id")?,
+            created_at: c.int("created_at")?,
+            updated_at: c.int("updated_at")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::text(&self.name),
+            V::text(&self.cron),
+            V::text(&self.tz),
+            V::big(self.random_delay_ms)?,
+            V::text(self.overlap.as_str()),
+            V::text(self.catch_up.as_str()),
+            V::text(self.submit.project.as_str()),
+            V::json(&self.submit.spec)?,
+            V::json(&self.submit.labels)?,
+            V::json(&self.submit.agent_labels)?,
+            V::int(self.submit.retry_budget),
+            V::int(i64::from(self.paused)),
+            V::int(self.next_fire_at),
+            V::int(self.due_at),
+            V::opt_text(self.last_run.as_ref().map(|r| r.as_str())),
+            V::int(self.created_at),
+            V::int(self.updated_at),
+        ])
+    }
+}
+
+impl Stored for Fire {
+    const TABLE: &'static Table = &FIRES;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Fire {
+            schedule: c.text("schedule")?,
+            fire_at: c.int("fire_at")?,
+            outcome: c.word("outcome", FireOutcome::parse)?,
+            run: c.opt_valid("run_id")?,
+            at: c.int("at")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::text(&self.schedule),
+            V::int(self.fire_at),
+            V::text(self.outcome.as_str()),
+            V::opt_text(self.run.as_ref().map(|r| r.as_str())),
+            V::int(self.at),
         ])
     }
 }
@@ -517,6 +618,8 @@ mod tests {
             Worker::TABLE,
             Certificate::TABLE,
             Enrolment::TABLE,
+            Schedule::TABLE,
+            Fire::TABLE,
         ];
         assert_eq!(stored.len(), TABLES.len());
         for t in stored {

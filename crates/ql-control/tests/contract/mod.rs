@@ -15,6 +15,7 @@
 pub mod identity;
 pub mod pg;
 pub mod scenarios;
+pub mod schedules;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -79,6 +80,7 @@ pub fn test_timings() -> Timings {
         lease_ttl_ms: 60_000,
         outage_after_ms: OUTAGE_AFTER_MS,
         takeover_after_ms: TAKEOVER_AFTER_MS,
+        missed_after_ms: 60_000,
     }
 }
 
@@ -157,6 +159,8 @@ pub fn assert_unchanged(before: &Snapshot, after: &Snapshot, what: &str) {
     assert_eq!(before.workers, after.workers, "{what}: workers changed");
     assert_eq!(before.certificates, after.certificates, "{what}: certificates changed");
     assert_eq!(before.enrolments, after.enrolments, "{what}: enrolments changed");
+    assert_eq!(before.schedules, after.schedules, "{what}: schedules changed");
+    assert_eq!(before.fires, after.fires, "{what}: fires changed");
 }
 
 pub fn worker(name: &str) -> WorkerId {

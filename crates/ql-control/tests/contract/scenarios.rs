@@ -967,7 +967,7 @@ pub async fn changes_wake_on_new_work_here_and_elsewhere<B: Backend>(b: B) {
         .await
         .expect("a submit by another process wakes this one")
         .unwrap();
-    assert_eq!(store.runs(10).await.unwrap().len(), 2);
+    assert_eq!(store.runs(&ql_control::store::RunQuery::latest(10)).await.unwrap().len(), 2);
 }
 
 /// The operator reads: newest first, bounded, and absent runs are `None`.
@@ -978,7 +978,8 @@ pub async fn operator_reads_are_ordered_and_bounded<B: Backend>(b: B) {
         runs.push(submit(&store, LONG_TIMEOUT_MS, 0).await);
         b.advance(10);
     }
-    let listed: Vec<RunId> = store.runs(2).await.unwrap().into_iter().map(|r| r.id).collect();
+    let listed: Vec<RunId> =
+        store.runs(&ql_control::store::RunQuery::latest(2)).await.unwrap().into_iter().map(|r| r.id).collect();
     assert_eq!(listed, vec![runs[2].clone(), runs[1].clone()]);
     open(&store, "router-1").await;
     b.advance(10);

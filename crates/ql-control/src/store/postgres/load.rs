@@ -46,6 +46,7 @@ use tokio_postgres::Row;
 
 use ql_wire::ids::{AttemptId, RunId, SessionId, WorkerId};
 
+use super::rows::SCHEDULE_COLS;
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 use super::{schema, Error, Tx};
 use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
@@ -340,9 +341,37 @@ async fn pipelined(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<(Rows, M
     Ok((out, now))
 }
 
+/// The schedules due by DB time, each locked without waiting (a replica firing one right
+/// now has it; this sweep takes the others), with its last run.
+async fn due_schedules(
+    tx: &mut Tx<'_>,
+    offset: i64,
+) -> Result<Vec<(crate::model::Schedule, Option<crate::model::Run>)>, Error> {
+    let now: Millis = tx.now(offset).await?;
+    let sql = format!(
+        "SELECT {} FROM schedules WHERE paused = 0 AND due_at <= $1 ORDER BY due_at, name LIMIT $2 FOR UPDATE SKIP LOCKED",
+        *SCHEDULE_COLS
+    );
+    let due: Vec<crate::model::Schedule> =
+        tx.all(&sql, &[&now, &SWEEP_BATCH]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
+    let mut out = Vec::with_capacity(due.len());
+    for s in due {
+        let last = match &s.last_run {
+            Some(id) => one_by(tx, "runs", &RUN_COLS, "id", id.as_str(), "", rows::read).await?,
+            None => None,
+        };
+        out.push((s, last));
+    }
+    Ok(out)
+}
+
 /// Loads what `keys` names, one statement at a time, in the protocol's lock order.
 async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timings) -> Result<Rows, Error> {
     let mut out = Rows::default();
+    if keys.due_schedules {
+        out.due_schedules = due_schedules(tx, offset).await?;
+        return Ok(out);
+    }
     if keys.sweep {
         // The one lock a sweep waits for, taken first and by sweeps only: two replicas
         // starting after an outage give its grace once (see `core::grace`).
@@ -388,6 +417,9 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
     }
     if let Some(w) = &keys.worker_work {
         out.worker_work = worker_work(tx, w).await?;
+    }
+    if let Some(name) = &keys.schedule {
+        out.schedule = one_by(tx, "schedules", &SCHEDULE_COLS, "name", name, "FOR UPDATE", rows::read).await?;
     }
     match (&keys.attempt, &keys.run) {
         (Some(a), run) => run_attempt_lease(tx, run.as_ref(), a, &mut out).await?,

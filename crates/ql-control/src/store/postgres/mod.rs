@@ -64,15 +64,15 @@ use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use super::records::{
-    ATTEMPTS, AUDIT_COLS, CERTIFICATES, ENROLMENTS, EVENTS, EVENT_COLS, LEASES, LOG_CHUNKS, LOG_CHUNK_COLS, OFFERS,
-    RUNS, SESSIONS, WORKERS,
+    ATTEMPTS, AUDIT_COLS, CERTIFICATES, ENROLMENTS, EVENTS, EVENT_COLS, FIRES, LEASES, LOG_CHUNKS, LOG_CHUNK_COLS,
+    OFFERS, RUNS, SCHEDULES, SESSIONS, WORKERS,
 };
-use super::{AuditRetention, RunDetail, Snapshot, Store, StoreError};
+use super::{AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
-use crate::model::{AuditRecord, Certificate, LogChunk, Run, Session, Worker};
-use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS};
+use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Run, Schedule, Session, Worker};
+use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS, FIRE_COLS};
 use pool::{Pool, Pooled};
-use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
+use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
 
 pub use schema::{ROLES, SCHEMA_VERSION};
 
@@ -439,6 +439,9 @@ impl<'a> Loaded<'a> {
             Write::Worker(_) => (&WORKERS, false),
             Write::Certificate(_) => (&CERTIFICATES, false),
             Write::Enrolment(_) => (&ENROLMENTS, false),
+            Write::Schedule(_) => (&SCHEDULES, false),
+            Write::Fire(_) => (&FIRES, false),
+            Write::RemoveSchedule(_) => return ("DELETE FROM schedules WHERE name = $1", false),
             Write::Alive(_) => return (ALIVE, false),
         };
         if known {
@@ -462,6 +465,9 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
         Write::Worker(w) => rows::params(w),
         Write::Certificate(c) => rows::params(c),
         Write::Enrolment(e) => rows::params(e),
+        Write::Schedule(x) => rows::params(x),
+        Write::Fire(f) => rows::params(f),
+        Write::RemoveSchedule(name) => Ok(vec![Box::new(name.clone())]),
         Write::Alive(at) => Ok(vec![Box::new(*at)]),
     }
 }
@@ -661,10 +667,32 @@ impl Store for PgStore {
         Ok(found)
     }
 
-    async fn runs(&self, n: usize) -> Result<Vec<Run>, StoreError> {
-        let sql = format!("SELECT {} FROM runs ORDER BY created_at DESC, id DESC LIMIT $1", *RUN_COLS);
+    async fn runs(&self, query: &RunQuery) -> Result<Vec<Run>, StoreError> {
+        let sql = format!(
+            "SELECT {} FROM runs WHERE ($1::text IS NULL OR schedule = $1) AND ($2::text IS NULL OR status = $2) \
+             ORDER BY created_at DESC, id DESC LIMIT $3",
+            *RUN_COLS
+        );
+        let (schedule, status) = (query.schedule.as_deref(), query.status.map(|s| s.as_str()));
         let mut conn = self.reading().await?;
-        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::read)?;
+        let found =
+            map_all(Tx { conn: &mut conn }.all(&sql, &[&schedule, &status, &limit(query.limit)]).await?, rows::read)?;
+        Self::done(conn).await?;
+        Ok(found)
+    }
+
+    async fn schedules(&self) -> Result<Vec<Schedule>, StoreError> {
+        let sql = format!("SELECT {} FROM schedules ORDER BY name", *SCHEDULE_COLS);
+        let mut conn = self.reading().await?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[]).await?, rows::read)?;
+        Self::done(conn).await?;
+        Ok(found)
+    }
+
+    async fn fires(&self, schedule: &str, n: usize) -> Result<Vec<Fire>, StoreError> {
+        let sql = format!("SELECT {FIRE_COLS} FROM fires WHERE schedule = $1 ORDER BY fire_at DESC LIMIT $2");
+        let mut conn = self.reading().await?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&schedule, &limit(n)]).await?, rows::read)?;
         Self::done(conn).await?;
         Ok(found)
     }
@@ -738,6 +766,8 @@ impl Store for PgStore {
             workers: map_all(tx.all(&q("workers", &WORKER_COLS, "id"), &[]).await?, rows::read)?,
             certificates: map_all(tx.all(&q("certificates", CERTIFICATE_COLS, "serial"), &[]).await?, rows::read)?,
             enrolments: map_all(tx.all(&q("enrolments", ENROLMENT_COLS, "token_digest"), &[]).await?, rows::read)?,
+            schedules: map_all(tx.all(&q("schedules", &SCHEDULE_COLS, "name"), &[]).await?, rows::read)?,
+            fires: map_all(tx.all(&q("fires", FIRE_COLS, "schedule, fire_at"), &[]).await?, rows::read)?,
         };
         Self::done(conn).await?;
         Ok(snap)

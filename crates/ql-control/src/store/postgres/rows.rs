@@ -15,7 +15,7 @@ use tokio_postgres::Row;
 
 use super::Error;
 use crate::store::columns::{Columns, Corrupt, Table, Value};
-use crate::store::records::{Stored, ATTEMPTS, LEASES, OFFERS, RUNS, SESSIONS, TABLES, WORKERS};
+use crate::store::records::{Stored, ATTEMPTS, LEASES, OFFERS, RUNS, SCHEDULES, SESSIONS, TABLES, WORKERS};
 
 impl Columns for Row {
     type Error = Error;
@@ -122,5 +122,7 @@ pub(super) static ATTEMPT_COLS: LazyLock<String> = LazyLock::new(|| select_list(
 pub(super) static OFFER_COLS: LazyLock<String> = LazyLock::new(|| select_list(&OFFERS));
 /// The select list of `leases`.
 pub(super) static LEASE_COLS: LazyLock<String> = LazyLock::new(|| select_list(&LEASES));
+/// The select list of `schedules`.
+pub(super) static SCHEDULE_COLS: LazyLock<String> = LazyLock::new(|| select_list(&SCHEDULES));
 /// The select list of `workers`.
 pub(super) static WORKER_COLS: LazyLock<String> = LazyLock::new(|| select_list(&WORKERS));

@@ -20,6 +20,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0005_outage_grace.sql"),
     include_str!("../../../migrations/postgres/0006_session_closed.sql"),
     include_str!("../../../migrations/postgres/0007_identity.sql"),
+    include_str!("../../../migrations/postgres/0008_schedules.sql"),
 ];
 
 /// The schema version this build reads and writes.

@@ -11,16 +11,40 @@ use ql_wire::ids::{AttemptId, OfferId, RunId, SessionId, WorkerId};
 
 use super::rows;
 use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
-use crate::model::{Attempt, Certificate, Enrolment, Event, Lease, Millis, Offer, Run, Session, Worker};
+use crate::model::{Attempt, Certificate, Enrolment, Event, Lease, Millis, Offer, Run, Schedule, Session, Worker};
 use crate::store::records::{
-    ATTEMPT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS,
-    WORKER_COLS,
+    ATTEMPT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS,
+    SESSION_COLS, WORKER_COLS,
 };
 
 /// Most queued runs placement looks at per poll.
 pub(super) const PLACEMENT_BATCH: usize = 256;
-/// Most lapsed rows of each kind one sweep handles.
+/// Most lapsed rows of each kind one sweep handles, and most schedules it fires.
 pub(super) const SWEEP_BATCH: usize = 256;
+
+pub(super) fn schedule(conn: &Connection, name: &str) -> rusqlite::Result<Option<Schedule>> {
+    one(conn, &format!("SELECT {SCHEDULE_COLS} FROM schedules WHERE name = ?1"), name, rows::read)
+}
+
+/// The schedules due by `now`, each with its last run, earliest first.
+fn due_schedules(conn: &Connection, now: Millis) -> rusqlite::Result<Vec<(Schedule, Option<Run>)>> {
+    let sql = format!(
+        "SELECT {SCHEDULE_COLS} FROM schedules WHERE paused = 0 AND due_at <= ?1 ORDER BY due_at, name LIMIT ?2"
+    );
+    let due: Vec<Schedule> = conn
+        .prepare_cached(&sql)?
+        .query_map((now, SWEEP_BATCH as i64), rows::read)?
+        .collect::<rusqlite::Result<_>>()?;
+    let mut out = Vec::with_capacity(due.len());
+    for s in due {
+        let last = match &s.last_run {
+            Some(id) => run(conn, id)?,
+            None => None,
+        };
+        out.push((s, last));
+    }
+    Ok(out)
+}
 
 fn one<T>(
     conn: &Connection,
@@ -276,6 +300,9 @@ pub(super) fn load(
     if let Some(digest) = &keys.enrolment {
         rows.enrolment = enrolment(conn, digest.as_str())?;
     }
+    if let Some(name) = &keys.schedule {
+        rows.schedule = schedule(conn, name)?;
+    }
     if keys.placement {
         if let Some(s) = rows.session.clone() {
             // The session's own worker, whatever the keys named.
@@ -298,6 +325,10 @@ pub(super) fn load(
         if let Some(id) = &keys.attempt {
             rows.completion_event = completion_event(conn, id)?;
         }
+    }
+    if keys.due_schedules {
+        rows.due_schedules = due_schedules(conn, sweep_now()?)?;
+        return Ok(rows);
     }
     if keys.sweep {
         // An outage first: its grace replaces the sweep (see `core::grace`).

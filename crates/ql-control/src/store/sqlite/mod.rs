@@ -60,12 +60,12 @@ use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use super::records::{
-    ATTEMPT_COLS, AUDIT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, LEASE_COLS, LOG_CHUNK_COLS, OFFER_COLS,
-    RUN_COLS, SESSION_COLS, WORKER_COLS,
+    ATTEMPT_COLS, AUDIT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, FIRE_COLS, LEASE_COLS, LOG_CHUNK_COLS,
+    OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
 };
-use super::{AuditRetention, RunDetail, Snapshot, Store, StoreError};
+use super::{AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
-use crate::model::{AuditRecord, Certificate, LogChunk, Run, Session, Worker};
+use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Run, Schedule, Session, Worker};
 
 pub use schema::SCHEMA_VERSION;
 
@@ -346,6 +346,11 @@ fn apply(conn: &Connection, write: &Write) -> rusqlite::Result<()> {
         Write::Worker(w) => rows::write(conn, w),
         Write::Certificate(c) => rows::write(conn, c),
         Write::Enrolment(e) => rows::write(conn, e),
+        Write::Schedule(x) => rows::write(conn, x),
+        Write::Fire(f) => rows::write(conn, f),
+        Write::RemoveSchedule(name) => {
+            conn.prepare_cached("DELETE FROM schedules WHERE name = ?1")?.execute([name.as_str()]).map(drop)
+        }
         Write::Alive(at) => conn
             .prepare_cached(
                 "INSERT INTO authority (id, alive_at) VALUES (1, ?1) \
@@ -395,6 +400,8 @@ fn snapshot(tx: &Connection) -> rusqlite::Result<Snapshot> {
         workers: all(tx, &format!("SELECT {WORKER_COLS} FROM workers ORDER BY id"), [], rows::read)?,
         certificates: all(tx, &format!("SELECT {CERTIFICATE_COLS} FROM certificates ORDER BY serial"), [], rows::read)?,
         enrolments: all(tx, &format!("SELECT {ENROLMENT_COLS} FROM enrolments ORDER BY token_digest"), [], rows::read)?,
+        schedules: all(tx, &format!("SELECT {SCHEDULE_COLS} FROM schedules ORDER BY name"), [], rows::read)?,
+        fires: all(tx, &format!("SELECT {FIRE_COLS} FROM fires ORDER BY schedule, fire_at"), [], rows::read)?,
     };
     Ok(snap)
 }
@@ -511,10 +518,31 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn runs(&self, n: usize) -> Result<Vec<Run>, StoreError> {
+    async fn runs(&self, query: &RunQuery) -> Result<Vec<Run>, StoreError> {
+        let query = query.clone();
         self.call(move |w| {
-            let q = format!("SELECT {RUN_COLS} FROM runs ORDER BY created_at DESC, id DESC LIMIT ?1");
-            all(&w.conn, &q, [limit(n)], rows::read).map_err(sql)
+            let q = format!(
+                "SELECT {RUN_COLS} FROM runs WHERE (?1 IS NULL OR schedule = ?1) AND (?2 IS NULL OR status = ?2) \
+                 ORDER BY created_at DESC, id DESC LIMIT ?3"
+            );
+            let params = (query.schedule.as_deref(), query.status.map(|s| s.as_str()), limit(query.limit));
+            all(&w.conn, &q, params, rows::read).map_err(sql)
+        })
+        .await
+    }
+
+    async fn schedules(&self) -> Result<Vec<Schedule>, StoreError> {
+        self.call(|w| {
+            all(&w.conn, &format!("SELECT {SCHEDULE_COLS} FROM schedules ORDER BY name"), [], rows::read).map_err(sql)
+        })
+        .await
+    }
+
+    async fn fires(&self, schedule: &str, n: usize) -> Result<Vec<Fire>, StoreError> {
+        let schedule = schedule.to_owned();
+        self.call(move |w| {
+            let q = format!("SELECT {FIRE_COLS} FROM fires WHERE schedule = ?1 ORDER BY fire_at DESC LIMIT ?2");
+            all(&w.conn, &q, (schedule.as_str(), limit(n)), rows::read).map_err(sql)
         })
         .await
     }

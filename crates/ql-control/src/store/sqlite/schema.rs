@@ -22,6 +22,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0006_outage_grace.sql"),
     include_str!("../../../migrations/sqlite/0007_session_closed.sql"),
     include_str!("../../../migrations/sqlite/0008_identity.sql"),
+    include_str!("../../../migrations/sqlite/0009_schedules.sql"),
 ];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.

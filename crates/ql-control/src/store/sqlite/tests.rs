@@ -101,6 +101,7 @@ fn full_run() -> Run {
         finished_at: Some(9_000),
         error_code: Some("EXECUTION_CANCELLED".into()),
         summary: Some("stopped by operator".into()),
+        schedule: Some("nightly".into()),
     }
 }
 
@@ -242,6 +243,7 @@ fn empty_optional_fields_round_trip_as_null() {
         finished_at: None,
         error_code: None,
         summary: None,
+        schedule: None,
         ..full_run()
     };
     let attempt = Attempt {
