@@ -683,3 +683,37 @@ async fn a_worker_revoked_through_the_database_is_refused_by_every_replica_at_on
     assert_eq!(audits.last().map(|a| a.outcome.as_str()), Some("certificate_revoked"));
     check_invariants(&store.snapshot().await.unwrap());
 }
+
+/// A schedule firing every second on two replicas of one PostgreSQL database: each fire
+/// time fires once, and each queued fire has exactly one run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedule_on_two_replicas_fires_each_time_once() {
+    let db = TestDb::new("schedules").await;
+    let tmp = TempDir::new("pg-schedules");
+    let dir = state_dir(&tmp);
+    let url = db.runtime_url();
+    let store = PgStore::open(&url, PgOptions { pool_size: 2, ..PgOptions::default() }).await.unwrap();
+    let _a = Server::start(&dir, &url);
+    let _b = Server::start(&dir, &url);
+    let out = Command::new(BIN)
+        .args(["schedule", "add", "tick", "--cron", "* * * * * *", "--overlap", "allow", "--database", &url, "--dir"])
+        .arg(&dir)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while store.fires("tick", 100).await.unwrap().len() < 5 {
+        assert!(Instant::now() < deadline, "the schedule did not fire five times");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(store.execute(Cmd::PauseSchedule("tick".into(), true)).await.unwrap().is_ok());
+    let fires = store.fires("tick", 1000).await.unwrap();
+    let times: std::collections::BTreeSet<i64> = fires.iter().map(|f| f.fire_at).collect();
+    assert_eq!(times.len(), fires.len(), "no fire time twice");
+    let query = ql_control::store::RunQuery { schedule: Some("tick".into()), ..ql_control::store::RunQuery::latest(1000) };
+    let runs = store.runs(&query).await.unwrap();
+    let fired: std::collections::BTreeSet<_> = fires.iter().filter_map(|f| f.run.clone()).collect();
+    assert_eq!(fired.len(), fires.iter().filter(|f| f.run.is_some()).count());
+    assert_eq!(fired, runs.iter().map(|r| r.id.clone()).collect(), "one run per queued fire, and no other");
+}
