@@ -45,6 +45,25 @@ fn refused(what: &str, e: CallError) -> String {
     }
 }
 
+/// Checks the CA bundle the server sent against the pinned fingerprint: it must hold
+/// exactly one certificate, whose SHA-256 is the pin, since everything trusted from then on
+/// (the enrolment's connection, the `ca.crt` written) is that bundle.
+fn pinned_ca(bundle: &[u8], pinned: &str) -> Result<(), String> {
+    let found = ureq::tls::parse_pem(bundle).filter(|i| matches!(i, Ok(ureq::tls::PemItem::Certificate(_)))).count();
+    if found != 1 {
+        return Err(format!("the server's CA bundle holds {found} certificates, not one: nothing was sent"));
+    }
+    let der = identity::first_certificate(bundle).ok_or("the server's CA is not a certificate")?;
+    let seen = Digest::of(&der);
+    if seen.as_str() != pinned {
+        return Err(format!(
+            "the server's CA has fingerprint {} and not the one given: nothing was sent (a wrong server, or a machine in between)",
+            seen.as_str()
+        ));
+    }
+    Ok(())
+}
+
 /// Enrols this device (see the module doc).
 pub(crate) fn enroll(
     server: &str,
@@ -64,15 +83,7 @@ pub(crate) fn enroll(
     let bundle: CaBundle = unverified
         .identity::<CaBundle, CaBundle>(&IdentityRoute::Ca, None)
         .map_err(|e| refused("reading the CA", e))?;
-    let ca_der =
-        identity::first_certificate(bundle.ca.as_str().as_bytes()).ok_or("the server's CA is not a certificate")?;
-    let seen = Digest::of(&ca_der);
-    if seen.as_str() != pinned {
-        return Err(format!(
-            "the server's CA has fingerprint {} and not the one given: nothing was sent (a wrong server, or a machine in between)",
-            seen.as_str()
-        ));
-    }
+    pinned_ca(bundle.ca.as_str().as_bytes(), &pinned)?;
 
     let key = identity::new_key(&worker)?;
     let csr = CertificateRequest::new(key.csr.clone()).map_err(|e| format!("the request: {e}"))?;
@@ -81,17 +92,30 @@ pub(crate) fn enroll(
         .identity(&IdentityRoute::Enrol(worker.clone()), Some(&Enrol { token: secret, csr }))
         .map_err(|e| refused("enrolling", e))?;
 
+    identity::certifies(issued.certificate.as_str().as_bytes(), &key.public)?;
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let (key_path, cert_path) = (dir.join(format!("{worker}.key")), dir.join(format!("{worker}.crt")));
     identity::install(&key_path, &key.pem, &cert_path, issued.certificate.as_str())?;
-    let ca_path = dir.join("ca.crt");
-    std::fs::write(&ca_path, bundle.ca.as_str()).map_err(|e| format!("{}: {e}", ca_path.display()))?;
+    identity::write_atomically(&dir.join("ca.crt"), bundle.ca.as_str().as_bytes(), 0o644)?;
     Ok(Enrolled { worker, not_after: issued.not_after })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_bundle_of_the_one_pinned_certificate_is_trusted() {
+        let one: &[u8] = include_bytes!("testdata/validity.crt");
+        let der = identity::first_certificate(one).unwrap();
+        let pin = Digest::of(&der).as_str().to_owned();
+        assert_eq!(pinned_ca(one, &pin), Ok(()));
+        assert!(pinned_ca(one, &"00".repeat(32)).unwrap_err().contains("nothing was sent"));
+        // The real CA first, and another after it: the pin would match the first.
+        let two = [one, one].concat();
+        assert!(pinned_ca(&two, &pin).unwrap_err().contains("2 certificates"));
+        assert!(pinned_ca(b"", &pin).is_err());
+    }
 
     #[test]
     fn fingerprints_are_read_as_an_operator_types_them() {

@@ -28,6 +28,8 @@ pub(crate) struct NewKey {
     pub(crate) pem: Zeroizing<String>,
     /// The certificate signing request, DER.
     pub(crate) csr: Vec<u8>,
+    /// The public key (the uncompressed point).
+    pub(crate) public: Vec<u8>,
 }
 
 /// `SEQUENCE`, `SET`, `INTEGER`, `BIT STRING`, `UTF8String`, `[0]` constructed.
@@ -77,7 +79,7 @@ pub(crate) fn new_key(worker: &WorkerId) -> Result<NewKey, String> {
     let info = der(SEQUENCE, &[der(INTEGER, &[0]), der(SEQUENCE, &name), spki, der(CONTEXT_0, &[])].concat());
     let signature = key.sign(&rng, &info).map_err(|_| "cannot sign the request".to_owned())?;
     let csr = der(SEQUENCE, &[info, der(SEQUENCE, OID_ECDSA_SHA256), bit_string(signature.as_ref())].concat());
-    Ok(NewKey { pem: Zeroizing::new(pem("PRIVATE KEY", &pkcs8)), csr })
+    Ok(NewKey { pem: Zeroizing::new(pem("PRIVATE KEY", &pkcs8)), csr, public: key.public_key().as_ref().to_vec() })
 }
 
 /// `der` as PEM text with `label`.
@@ -116,6 +118,9 @@ fn element(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
 
 /// An X.509 time (`UTCTime` or `GeneralizedTime`, UTC) in milliseconds since the epoch.
 fn time(tag: u8, text: &[u8]) -> Option<i64> {
+    if !text.iter().all(|b| b.is_ascii_digit() || *b == b'Z') {
+        return None;
+    }
     let text = std::str::from_utf8(text).ok()?.strip_suffix('Z')?;
     let full = match (tag, text.len()) {
         (0x17, 12) => format!("{}{text}", if text[..2].parse::<u32>().ok()? < 50 { "20" } else { "19" }),
@@ -152,6 +157,18 @@ pub(crate) fn renew_at((not_before, not_after): (i64, i64)) -> i64 {
     not_before + (not_after - not_before) / 3 * 2
 }
 
+/// Whether the certificate in `pem` is for the key whose public point is `public` (it
+/// carries the point in its subject public key): checked before anything is installed,
+/// so a wrong answer can never leave the agent with a key and a certificate that do not
+/// belong together.
+pub(crate) fn certifies(pem: &[u8], public: &[u8]) -> Result<(), String> {
+    let der = first_certificate(pem).ok_or("the answer holds no certificate")?;
+    if public.is_empty() || !der.windows(public.len()).any(|w| w == public) {
+        return Err("the certificate the server answered is not for this device's new key".into());
+    }
+    Ok(())
+}
+
 /// The first certificate of a PEM file, DER.
 pub(crate) fn first_certificate(pem: &[u8]) -> Option<Vec<u8>> {
     ureq::tls::parse_pem(pem).find_map(|item| match item {
@@ -164,6 +181,14 @@ fn sibling(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_owned();
     name.push(suffix);
     path.with_file_name(name)
+}
+
+/// Replaces `path` with `bytes` (mode `mode`): written whole beside it, then renamed.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {
+    let staged = sibling(path, ".new");
+    write_whole(&staged, bytes, mode)?;
+    fs::rename(&staged, path).map_err(|e| format!("{}: {e}", path.display()))?;
+    sync_parent(path)
 }
 
 /// Writes `bytes` to `path` whole, with `mode` from the first byte, and fsyncs it.
@@ -246,6 +271,15 @@ mod tests {
     }
 
     #[test]
+    fn a_certificate_for_another_key_is_never_installed() {
+        let cert: &[u8] = include_bytes!("testdata/validity.crt");
+        let other = new_key(&WorkerId::parse("w1").unwrap()).unwrap();
+        assert!(certifies(cert, &other.public).is_err());
+        assert!(certifies(b"not pem", &other.public).is_err());
+        assert!(certifies(cert, &[]).is_err());
+    }
+
+    #[test]
     fn times_read_in_both_forms() {
         assert_eq!(time(0x17, b"700101000000Z"), Some(0));
         assert_eq!(
@@ -257,6 +291,7 @@ mod tests {
             ql_wire::time::Timestamp::parse("2070-01-01T00:00:00Z").ok().map(|t| t.millis())
         );
         assert_eq!(time(0x17, b"700101000000"), None);
+        assert_eq!(time(0x17, "7001010000é0Z".as_bytes()), None, "no panic on text that is not ASCII digits");
         assert_eq!(renew_at((0, 90)), 60);
     }
 

@@ -76,6 +76,7 @@ impl Agent {
         let csr = CertificateRequest::new(key.csr.clone()).map_err(|e| format!("the request: {e}"))?;
         let route = IdentityRoute::Renew(self.cfg.worker_id.clone());
         let issued: Issued = self.client.identity(&route, Some(&Renew { csr })).map_err(|e| e.to_string())?;
+        identity::certifies(issued.certificate.as_str().as_bytes(), &key.public)?;
         identity::install(&self.cfg.key, &key.pem, &self.cfg.cert, issued.certificate.as_str())?;
         let creds = Credentials::load(&self.cfg.cert, &self.cfg.key, &self.cfg.ca).map_err(|e| e.0)?;
         self.client = self.client.with_credentials(&creds).map_err(|e| e.0)?;

@@ -711,7 +711,8 @@ async fn a_schedule_on_two_replicas_fires_each_time_once() {
     let fires = store.fires("tick", 1000).await.unwrap();
     let times: std::collections::BTreeSet<i64> = fires.iter().map(|f| f.fire_at).collect();
     assert_eq!(times.len(), fires.len(), "no fire time twice");
-    let query = ql_control::store::RunQuery { schedule: Some("tick".into()), ..ql_control::store::RunQuery::latest(1000) };
+    let query =
+        ql_control::store::RunQuery { schedule: Some("tick".into()), ..ql_control::store::RunQuery::latest(1000) };
     let runs = store.runs(&query).await.unwrap();
     let fired: std::collections::BTreeSet<_> = fires.iter().filter_map(|f| f.run.clone()).collect();
     assert_eq!(fired.len(), fires.iter().filter(|f| f.run.is_some()).count());

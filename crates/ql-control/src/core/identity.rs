@@ -39,12 +39,13 @@ pub enum Access {
 }
 
 /// Who asks for a certificate to be recorded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Issuer {
     /// An operator on the control machine (`ql-control enroll`).
     Operator,
-    /// The worker itself, renewing over its own connection.
-    Worker,
+    /// The worker itself, renewing over its own connection with the certificate of this
+    /// serial, which must still be admitted when the new one is recorded.
+    Worker(String),
 }
 
 /// What disabling or revoking a worker ended.
@@ -60,12 +61,18 @@ pub struct AccessChanged {
 
 /// Whether a request of `principal` presenting the certificate `serial` (its record, if
 /// the authority has one) is admitted.
-pub fn admission(principal: &WorkerId, worker: Option<&Worker>, cert: Option<&Certificate>) -> Result<(), ErrorCode> {
+pub fn admission(
+    principal: &WorkerId,
+    worker: Option<&Worker>,
+    cert: Option<&Certificate>,
+    now: Millis,
+) -> Result<(), ErrorCode> {
     if worker.is_some_and(|w| w.disabled_at.is_some()) {
         return Err(ErrorCode::WorkerDisabled);
     }
     match cert {
         Some(c) if c.revoked_at.is_some() || &c.worker != principal => Err(ErrorCode::CertificateRevoked),
+        Some(c) if c.not_after <= now => Err(ErrorCode::Unauthenticated),
         Some(_) => Ok(()),
         None if worker.is_some_and(|w| w.revoked_at.is_some()) => Err(ErrorCode::CertificateRevoked),
         None => Ok(()),
@@ -141,11 +148,16 @@ pub(super) fn revoke_certificate(worker: &WorkerId, serial: &str, rows: &Rows, n
 }
 
 /// Records a certificate just issued (`issued_at` becomes DB time). A worker renewing
-/// its own is refused once disabled (its request was admitted a moment before).
-pub(super) fn record_certificate(cert: &Certificate, issuer: Issuer, rows: &Rows, now: Millis) -> Decision {
-    let disabled = rows.worker.as_ref().is_some_and(|w| w.id == cert.worker && w.disabled_at.is_some());
-    if issuer == Issuer::Worker && disabled {
-        return Decision::refuse(ErrorCode::WorkerDisabled);
+/// its own is admitted again here, in the transaction that records the new one (and, on
+/// PostgreSQL, under the worker's lock that revoking takes too): its request was admitted
+/// before its body arrived, and a revocation meanwhile must win.
+pub(super) fn record_certificate(cert: &Certificate, issuer: &Issuer, rows: &Rows, now: Millis) -> Decision {
+    if let Issuer::Worker(_) = issuer {
+        let worker = rows.worker.as_ref().filter(|w| w.id == cert.worker);
+        let presented = rows.presented.as_ref();
+        if let Err(code) = admission(&cert.worker, worker, presented, now) {
+            return Decision::refuse(code);
+        }
     }
     if rows.certificate.is_some() {
         // A serial is 16 random bytes: a repeat is a replay or a bug, never a new one.
@@ -219,22 +231,24 @@ mod tests {
     #[test]
     fn admission_refuses_a_disabled_worker_and_revoked_certificates() {
         let w = worker();
-        assert_eq!(admission(&w, None, None), Ok(()), "an unrecorded certificate of a never-revoked worker");
-        assert_eq!(admission(&w, Some(&record()), Some(&cert("01"))), Ok(()));
+        assert_eq!(admission(&w, None, None, NOW), Ok(()), "an unrecorded certificate of a never-revoked worker");
+        assert_eq!(admission(&w, Some(&record()), Some(&cert("01")), NOW), Ok(()));
         let disabled = Worker { disabled_at: Some(NOW), ..record() };
-        assert_eq!(admission(&w, Some(&disabled), Some(&cert("01"))), Err(ErrorCode::WorkerDisabled));
-        assert_eq!(admission(&w, Some(&disabled), None), Err(ErrorCode::WorkerDisabled));
+        assert_eq!(admission(&w, Some(&disabled), Some(&cert("01")), NOW), Err(ErrorCode::WorkerDisabled));
+        assert_eq!(admission(&w, Some(&disabled), None, NOW), Err(ErrorCode::WorkerDisabled));
         let revoked_cert = Certificate { revoked_at: Some(NOW), ..cert("01") };
-        assert_eq!(admission(&w, Some(&record()), Some(&revoked_cert)), Err(ErrorCode::CertificateRevoked));
+        assert_eq!(admission(&w, Some(&record()), Some(&revoked_cert), NOW), Err(ErrorCode::CertificateRevoked));
         let revoked = Worker { revoked_at: Some(NOW), ..record() };
         assert_eq!(
-            admission(&w, Some(&revoked), None),
+            admission(&w, Some(&revoked), None, NOW),
             Err(ErrorCode::CertificateRevoked),
             "unrecorded after a revoke"
         );
-        assert_eq!(admission(&w, Some(&revoked), Some(&cert("02"))), Ok(()), "enrolled again after the revoke");
+        assert_eq!(admission(&w, Some(&revoked), Some(&cert("02")), NOW), Ok(()), "enrolled again after the revoke");
         let foreign = Certificate { worker: other_worker(), ..cert("03") };
-        assert_eq!(admission(&w, None, Some(&foreign)), Err(ErrorCode::CertificateRevoked));
+        assert_eq!(admission(&w, None, Some(&foreign), NOW), Err(ErrorCode::CertificateRevoked));
+        let expired = Certificate { not_after: NOW, ..cert("04") };
+        assert_eq!(admission(&w, None, Some(&expired), NOW), Err(ErrorCode::Unauthenticated), "past its not-after");
     }
 
     fn holding(status: AttemptStatus) -> Rows {
@@ -345,15 +359,21 @@ mod tests {
     #[test]
     fn a_disabled_worker_cannot_renew_but_its_operator_may_issue() {
         let rows = Rows { worker: Some(Worker { disabled_at: Some(NOW - 1), ..record() }), ..Rows::default() };
-        assert_eq!(
-            record_certificate(&cert("0e"), Issuer::Worker, &rows, NOW),
-            Decision::refuse(ErrorCode::WorkerDisabled)
-        );
-        assert!(record_certificate(&cert("0e"), Issuer::Operator, &rows, NOW).reply.is_ok());
+        let renewing = Issuer::Worker("01".into());
+        let refused = |rows: &Rows, code| {
+            assert_eq!(record_certificate(&cert("0e"), &renewing, rows, NOW), Decision::refuse(code))
+        };
+        refused(&rows, ErrorCode::WorkerDisabled);
+        assert!(record_certificate(&cert("0e"), &Issuer::Operator, &rows, NOW).reply.is_ok());
         let known = Rows { certificate: Some(cert("0e")), ..Rows::default() };
         assert_eq!(
-            record_certificate(&cert("0e"), Issuer::Operator, &known, NOW),
+            record_certificate(&cert("0e"), &Issuer::Operator, &known, NOW),
             Decision::refuse(ErrorCode::StateConflict)
         );
+        // Revoked while the renewal's body was on its way: the new one is not recorded.
+        let revoked = Certificate { revoked_at: Some(NOW - 1), ..cert("01") };
+        refused(&Rows { presented: Some(revoked), ..Rows::default() }, ErrorCode::CertificateRevoked);
+        let whole = Rows { worker: Some(Worker { revoked_at: Some(NOW - 1), ..record() }), ..Rows::default() };
+        refused(&whole, ErrorCode::CertificateRevoked);
     }
 }

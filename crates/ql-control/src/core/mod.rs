@@ -180,6 +180,8 @@ pub struct Keys {
     pub worker_work: Option<WorkerId>,
     /// Load this certificate by serial.
     pub certificate: Option<String>,
+    /// Load the certificate a request presented, by serial.
+    pub presented: Option<String>,
     /// Load this enrolment by token digest.
     pub enrolment: Option<Digest>,
     /// Load this schedule by name (and lock it).
@@ -222,6 +224,8 @@ pub struct Rows {
     pub worker_work: Work,
     /// The certificate named by serial.
     pub certificate: Option<Certificate>,
+    /// The certificate the request presented.
+    pub presented: Option<Certificate>,
     /// The enrolment named by digest.
     pub enrolment: Option<Enrolment>,
     /// The schedule named.
@@ -504,9 +508,17 @@ impl Command {
                 ..Keys::default()
             },
             Self::RevokeCertificate(_, serial) => Keys { certificate: Some(serial.clone()), ..Keys::default() },
-            Self::RecordCertificate(c, _) => {
-                Keys { worker: Some(c.worker.clone()), certificate: Some(c.serial.clone()), ..Keys::default() }
-            }
+            Self::RecordCertificate(c, issuer) => Keys {
+                // The worker's lock (taken with its sessions), as revoking takes it.
+                worker_sessions: Some(c.worker.clone()),
+                worker: Some(c.worker.clone()),
+                certificate: Some(c.serial.clone()),
+                presented: match issuer {
+                    Issuer::Worker(serial) => Some(serial.clone()),
+                    Issuer::Operator => None,
+                },
+                ..Keys::default()
+            },
             Self::CreateEnrolment(_, digest, _) => Keys { enrolment: Some(digest.clone()), ..Keys::default() },
             Self::AddSchedule(spec) => Keys { schedule: Some(spec.name.clone()), ..Keys::default() },
             Self::PauseSchedule(name, _) | Self::RemoveSchedule(name) | Self::RunScheduleNow(name) => {
@@ -556,7 +568,7 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::LabelWorker(w, labels) => worker::set_labels(w, labels, rows, now),
         Command::SetAccess(w, access) => identity::set_access(w, *access, rows, now, ids),
         Command::RevokeCertificate(w, serial) => identity::revoke_certificate(w, serial, rows, now),
-        Command::RecordCertificate(cert, issuer) => identity::record_certificate(cert, *issuer, rows, now),
+        Command::RecordCertificate(cert, issuer) => identity::record_certificate(cert, issuer, rows, now),
         Command::CreateEnrolment(w, digest, ttl_ms) => identity::create_enrolment(w, digest, *ttl_ms, rows, now),
         Command::Enrol(digest, cert) => identity::enrol(digest, cert, rows, now),
         Command::AddSchedule(spec) => schedule::add(spec, rows, now, ids),

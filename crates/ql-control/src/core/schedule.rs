@@ -163,12 +163,18 @@ pub(super) fn fire_due(rows: &Rows, now: Millis, missed_after_ms: u64, ids: &mut
             continue;
         }
         let previous_live = last.as_ref().is_some_and(|r: &Run| !r.status.is_terminal());
-        let late = now.saturating_sub(s.next_fire_at) > i64::try_from(missed_after_ms).unwrap_or(i64::MAX);
+        // Late from when it was due (its time plus its delay, or the last sweep that held
+        // it): a long random delay or a long hold is not an outage.
+        let late = now.saturating_sub(s.due_at) > i64::try_from(missed_after_ms).unwrap_or(i64::MAX);
         let outcome = match (late, s.catch_up, s.overlap, previous_live) {
             (true, crate::model::CatchUp::None, ..) => FireOutcome::Missed,
             (_, _, crate::model::Overlap::Skip, true) => FireOutcome::Skipped,
-            // Held: fired once the previous run ended, at a later sweep.
-            (_, _, crate::model::Overlap::Queue, true) => continue,
+            // Held until the previous run ended: due again at each sweep meanwhile, so the
+            // hold never counts as lateness and held schedules take their turn in the batch.
+            (_, _, crate::model::Overlap::Queue, true) => {
+                writes.push(Write::Schedule(Schedule { due_at: now, updated_at: now, ..s.clone() }));
+                continue;
+            }
             _ => FireOutcome::Queued,
         };
         let mut next_schedule = s.clone();
@@ -326,12 +332,15 @@ mod tests {
         assert_eq!(fires(&d)[0].outcome, FireOutcome::Skipped);
         assert!(!d.writes.iter().any(|w| matches!(w, Write::Run(_))));
         let held = Schedule { overlap: Overlap::Queue, ..s.clone() };
-        assert!(fire_due(&due(held.clone(), Some(live.clone())), now, 60_000, &mut ids()).writes.is_empty());
+        let d = fire_due(&due(held.clone(), Some(live.clone())), now, 60_000, &mut ids());
+        assert!(fires(&d).is_empty() && !d.writes.iter().any(|w| matches!(w, Write::Run(_))), "held");
+        // Held for ten minutes (each sweep moves its due time on), then the run ends: it
+        // fires, even with catch-up none.
+        let later = now + 600_000;
+        let moved = Schedule { due_at: later - 1_000, ..held };
         let ended = Run { status: RunStatus::Succeeded, ..live.clone() };
-        assert_eq!(
-            fires(&fire_due(&due(held, Some(ended)), now + 5, 60_000, &mut ids()))[0].outcome,
-            FireOutcome::Queued
-        );
+        let fired = fires(&fire_due(&due(moved, Some(ended)), later, 60_000, &mut ids()));
+        assert_eq!(fired[0].outcome, FireOutcome::Queued);
         let allowed = Schedule { overlap: Overlap::Allow, ..s };
         assert_eq!(
             fires(&fire_due(&due(allowed, Some(live)), now, 60_000, &mut ids()))[0].outcome,
@@ -363,8 +372,9 @@ mod tests {
         if s.due_at > s.next_fire_at {
             assert!(fire_due(&due(s.clone(), None), s.next_fire_at, 60_000, &mut ids()).writes.is_empty());
         }
-        let f = fires(&fire_due(&due(s.clone(), None), s.due_at, 700_000, &mut ids()));
+        let f = fires(&fire_due(&due(s.clone(), None), s.due_at, 60_000, &mut ids()));
         assert_eq!(f[0].fire_at, s.next_fire_at, "the fire keeps its nominal time");
+        assert_eq!(f[0].outcome, FireOutcome::Queued, "a delay longer than the missed threshold is no outage");
     }
 
     #[test]

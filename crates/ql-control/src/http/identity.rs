@@ -164,7 +164,7 @@ async fn renew<S: Store, B: BlobStore>(
         route: "certificate.renew".into(),
         outcome: "admitted".into(),
     };
-    match shared.store.admit(record, serial).await {
+    match shared.store.admit(record, serial.clone()).await {
         Ok(None) => {}
         // Recorded by the admission itself.
         Ok(Some(code)) => return Answer::refuse_and_close(code).unaudited(),
@@ -182,6 +182,6 @@ async fn renew<S: Store, B: BlobStore>(
         Err(answer) => return answer,
     };
     let cert = crate::identity::certificate(&worker, &issued_now);
-    let result = shared.store.execute(Command::RecordCertificate(cert, Issuer::Worker)).await;
+    let result = shared.store.execute(Command::RecordCertificate(cert, Issuer::Worker(serial))).await;
     issued(result, issued_now.pem)
 }

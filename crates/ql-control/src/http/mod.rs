@@ -540,7 +540,9 @@ async fn connection<S: Store, B: BlobStore>(
             // The worker opened one connection more than it may hold: this, its oldest,
             // goes at once.
             () = async { evicted.as_ref().expect("guarded").notified().await }, if evicted.is_some() => break,
-            () = clock.overstayed(cfg.idle_timeout, cfg.header_read_timeout) => {
+            // A connection without a certificate gets the head's time for its one request,
+            // from accept: it cannot sit on one of the few slots it may take.
+            () = clock.overstayed(if anonymous { cfg.header_read_timeout } else { cfg.idle_timeout }, cfg.header_read_timeout) => {
                 shared.stats.timed_out.fetch_add(1, Ordering::Relaxed);
                 break;
             }

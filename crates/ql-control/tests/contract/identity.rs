@@ -73,6 +73,16 @@ pub async fn admission_follows_the_worker_and_its_certificates<B: Backend>(b: B)
         "a serial recorded twice",
     )
     .await;
+    // A renewal admitted before a revocation, recorded after it, is refused then.
+    let renewal = |serial: &str, presented: &str| {
+        Command::RecordCertificate(cert("router-1", serial), Issuer::Worker(presented.into()))
+    };
+    assert!(exec(&store, renewal("05", "02")).await.is_ok(), "a renewal by an admitted certificate");
+    exec(&store, Command::RevokeCertificate(worker("router-1"), "05".into())).await.unwrap();
+    refused(&store, renewal("06", "05"), ErrorCode::CertificateRevoked, "a renewal by a certificate revoked meanwhile")
+        .await;
+    exec(&store, Command::SetAccess(worker("router-1"), Access::Revoke)).await.unwrap();
+    refused(&store, renewal("07", "02"), ErrorCode::CertificateRevoked, "a renewal after the worker was revoked").await;
 }
 
 /// Revoking a worker closes its sessions, loses its running attempt and its open offer at

@@ -411,6 +411,9 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
         out.certificate =
             one_by(tx, "certificates", CERTIFICATE_COLS, "serial", serial, "FOR UPDATE", rows::read).await?;
     }
+    if let Some(serial) = &keys.presented {
+        out.presented = one_by(tx, "certificates", CERTIFICATE_COLS, "serial", serial, "", rows::read).await?;
+    }
     if let Some(digest) = &keys.enrolment {
         out.enrolment =
             one_by(tx, "enrolments", ENROLMENT_COLS, "token_digest", digest.as_str(), "FOR UPDATE", rows::read).await?;

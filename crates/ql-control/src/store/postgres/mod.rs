@@ -586,7 +586,8 @@ impl Store for PgStore {
     async fn admit(&self, record: AuditRecord, serial: String) -> Result<Option<ErrorCode>, StoreError> {
         // Only what the worker-ingress role may read: the worker's switches and the
         // certificate's record.
-        const STATE: &str = "SELECT w.disabled_at, w.revoked_at, c.worker, c.issued_at, c.not_after, c.revoked_at \
+        const STATE: &str = "SELECT w.disabled_at, w.revoked_at, c.worker, c.issued_at, c.not_after, c.revoked_at, \
+             (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $3::bigint \
              FROM (SELECT 1) one LEFT JOIN workers w ON w.id = $1 LEFT JOIN certificates c ON c.serial = $2";
         const SQL: &str = "INSERT INTO audit (at, principal, route, outcome) VALUES \
              ((floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint, $2, $3, $4)";
@@ -595,7 +596,8 @@ impl Store for PgStore {
         let refused = match &record.principal {
             None => Some(ErrorCode::Unauthenticated),
             Some(p) => {
-                let row = conn.client().query_one(STATE, &[&p.as_str(), &serial]).await.map_err(Error::Pg)?;
+                let row =
+                    conn.client().query_one(STATE, &[&p.as_str(), &serial, &self.offset()]).await.map_err(Error::Pg)?;
                 let (disabled_at, revoked_at): (Option<i64>, Option<i64>) = (row.get(0), row.get(1));
                 let worker = (disabled_at.is_some() || revoked_at.is_some()).then(|| Worker {
                     disabled_at,
@@ -612,7 +614,7 @@ impl Store for PgStore {
                         revoked_at: row.get(5),
                     }),
                 };
-                core::admission(p, worker.as_ref(), cert.as_ref()).err()
+                core::admission(p, worker.as_ref(), cert.as_ref(), row.get(6)).err()
             }
         };
         let outcome = refused.map_or_else(|| "admitted".to_owned(), |c| c.as_str().to_owned());

@@ -297,6 +297,9 @@ pub(super) fn load(
     if let Some(serial) = &keys.certificate {
         rows.certificate = certificate(conn, serial)?;
     }
+    if let Some(serial) = &keys.presented {
+        rows.presented = certificate(conn, serial)?;
+    }
     if let Some(digest) = &keys.enrolment {
         rows.enrolment = enrolment(conn, digest.as_str())?;
     }

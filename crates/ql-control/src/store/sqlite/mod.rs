@@ -448,7 +448,8 @@ impl Store for SqliteStore {
                 Some(p) => {
                     let worker = load::worker(&w.conn, p).map_err(sql)?;
                     let cert = load::certificate(&w.conn, &serial).map_err(sql)?;
-                    core::admission(p, worker.as_ref(), cert.as_ref()).err()
+                    let now = schema::db_now(&w.conn, w.offset()).map_err(sql)?;
+                    core::admission(p, worker.as_ref(), cert.as_ref(), now).err()
                 }
             };
             let outcome = refused.map_or_else(|| "admitted".to_owned(), |c| c.as_str().to_owned());
