@@ -651,12 +651,15 @@ impl Agent {
                     opened.session_id, opened.generation, opened.heartbeat_ms
                 );
                 self.notify.status(&format!("session {} open as {}", opened.session_id, self.cfg.worker_id));
+                // A zero interval would spin; the server's TTL leaves room for a second.
+                let heartbeat = Duration::from_millis(opened.heartbeat_ms.max(100));
                 self.session = Some(Live {
                     id: opened.session_id,
                     generation: opened.generation,
-                    // A zero interval would spin; the server's TTL leaves room for a second.
-                    heartbeat: Duration::from_millis(opened.heartbeat_ms.max(100)),
-                    contact: now,
+                    heartbeat,
+                    // Heard from at once, by a poll or else a heartbeat now: the server lets
+                    // a repeated open replace a session never heard from (a lost answer's).
+                    contact: now.checked_sub(heartbeat).unwrap_or(now),
                     told_draining: false,
                 });
             }

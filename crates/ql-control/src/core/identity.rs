@@ -104,6 +104,10 @@ pub(super) fn set_access(worker: &WorkerId, access: Access, rows: &Rows, now: Mi
             changed.certificates += 1;
         }
     }
+    // Tokens not yet spent die with the access they would have given.
+    for e in rows.enrolments.iter().filter(|e| &e.worker == worker && e.used_at.is_none() && e.expires_at > now) {
+        writes.push(Write::Enrolment(Enrolment { expires_at: now, ..e.clone() }));
+    }
     let live = |s: &&Session| &s.worker == worker && matches!(s.state, SessionState::Online | SessionState::Draining);
     for s in rows.worker_sessions.iter().filter(live) {
         writes.push(Write::Session(Session {
@@ -286,6 +290,26 @@ mod tests {
         let attempts = written(&d, |w| if let Write::Attempt(x) = w { Some(x) } else { None });
         assert_eq!(attempts[0].error_code.as_deref(), Some(WORKER_REVOKED));
         assert_eq!(event_kinds(&d), ["attempt.lost", "run.queued"]);
+    }
+
+    #[test]
+    fn revoking_or_disabling_expires_the_tokens_not_yet_spent() {
+        let pending = Enrolment {
+            token_digest: token(9).digest(),
+            worker: worker(),
+            created_at: NOW - 10,
+            expires_at: NOW + 1_000,
+            used_at: None,
+            serial: None,
+        };
+        let rows = Rows { enrolments: vec![pending.clone()], ..Rows::default() };
+        for access in [Access::Revoke, Access::Disable] {
+            let d = set_access(&worker(), access, &rows, NOW, &mut ids());
+            assert!(
+                d.writes.contains(&Write::Enrolment(Enrolment { expires_at: NOW, ..pending.clone() })),
+                "{access:?}"
+            );
+        }
     }
 
     #[test]

@@ -174,7 +174,7 @@ pub struct Keys {
     pub worker_sessions: Option<WorkerId>,
     /// Load this worker's record (its trusted labels).
     pub worker: Option<WorkerId>,
-    /// Load every certificate recorded for this worker.
+    /// Load every certificate recorded for this worker, and its enrolment tokens.
     pub worker_certificates: Option<WorkerId>,
     /// Load this worker's leased attempts and open offers, with their runs.
     pub worker_work: Option<WorkerId>,
@@ -220,6 +220,8 @@ pub struct Rows {
     pub worker: Option<Worker>,
     /// The worker's certificates, when asked for.
     pub certificates: Vec<Certificate>,
+    /// The worker's enrolment tokens, with its certificates.
+    pub enrolments: Vec<Enrolment>,
     /// The worker's leased attempts and open offers, when asked for.
     pub worker_work: Work,
     /// The certificate named by serial.

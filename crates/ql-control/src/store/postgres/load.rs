@@ -406,6 +406,8 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
             "SELECT {CERTIFICATE_COLS} FROM certificates WHERE worker = $1 ORDER BY issued_at, serial FOR UPDATE"
         );
         out.certificates = tx.all(&sql, &[&w.as_str()]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
+        let sql = format!("SELECT {ENROLMENT_COLS} FROM enrolments WHERE worker = $1 AND used_at IS NULL FOR UPDATE");
+        out.enrolments = tx.all(&sql, &[&w.as_str()]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
     }
     if let Some(serial) = &keys.certificate {
         out.certificate =

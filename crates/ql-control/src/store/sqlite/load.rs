@@ -290,6 +290,9 @@ pub(super) fn load(
     }
     if let Some(w) = &keys.worker_certificates {
         rows.certificates = worker_certificates(conn, w)?;
+        let sql = format!("SELECT {ENROLMENT_COLS} FROM enrolments WHERE worker = ?1 AND used_at IS NULL");
+        rows.enrolments =
+            conn.prepare_cached(&sql)?.query_map([w.as_str()], rows::read)?.collect::<rusqlite::Result<_>>()?;
     }
     if let Some(w) = &keys.worker_work {
         rows.worker_work = worker_work(conn, w)?;
