@@ -133,11 +133,36 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, String> {
     })
 }
 
+/// Descriptors a server with these limits may need at once: every connection and
+/// handshake, and a margin for the database, the artifact files and the listener.
+pub fn descriptors_needed(config: &Config) -> u64 {
+    config.max_connections.saturating_add(config.max_handshakes).saturating_add(64)
+}
+
+/// Raises the soft limit on open files to the hard one, and says so when even that is
+/// below what the limits need: beyond it, accepts fail and SQLite cannot open its files.
+fn raise_descriptor_limit(config: &Config) {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    // `None` is unlimited.
+    if limit.current != limit.maximum {
+        let _ = setrlimit(Resource::Nofile, Rlimit { current: limit.maximum, maximum: limit.maximum });
+    }
+    let needed = descriptors_needed(config);
+    if let Some(have) = getrlimit(Resource::Nofile).current.filter(|have| *have < needed) {
+        eprintln!(
+            "ql-control: max_connections and max_handshakes need about {needed} open files, the limit is {have}: \
+             raise it (systemd: LimitNOFILE=) or lower max_connections"
+        );
+    }
+}
+
 /// Runs the server until SIGTERM or Ctrl-C, on the SQLite file of `dir`, or on the
 /// PostgreSQL database `database` names (connected as the runtime role).
 pub fn run(dir: &Path, listen: Option<String>, database: Option<String>) -> Result<(), String> {
     let layout = Layout::new(dir);
     let config = Config::load(&layout)?;
+    raise_descriptor_limit(&config);
     let addr = listen.unwrap_or_else(|| config.listen.clone());
     let tls = http::tls::server_config_from_dir(dir).map_err(|e| e.to_string())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -155,3 +155,34 @@ fn enroll_records_each_certificate_and_replace_revokes_the_ones_before() {
     let workers = String::from_utf8(cli(&dir, &["workers"]).stdout).unwrap();
     assert!(workers.lines().any(|l| l.starts_with("r1 ") && l.contains("active")), "enrolled again: {workers}");
 }
+
+#[test]
+fn serve_raises_its_open_file_limit_and_says_when_even_the_hard_one_is_too_low() {
+    use std::io::{BufRead as _, BufReader};
+    let root = Dir(std::env::temp_dir().join(format!("ql-cli-nofile-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&root.0);
+    let dir = root.0.join("state");
+    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&dir).output().unwrap();
+    assert!(init.status.success());
+    // The defaults need 1024 + 256 + 64 descriptors.
+    let serve = |limits: &str| {
+        let err = root.0.join("serve.err");
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(format!("{limits}; exec {BIN} serve --listen 127.0.0.1:0 --dir {}", dir.display()))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.starts_with("listening on"), "{line}");
+        let _ = child.kill();
+        let _ = child.wait();
+        std::fs::read_to_string(err).unwrap()
+    };
+    let low = serve("ulimit -n 512");
+    assert!(low.contains("need about 1344 open files, the limit is 512"), "{low}");
+    let raised = serve("ulimit -Hn 4096; ulimit -Sn 256");
+    assert!(!raised.contains("open files"), "the soft limit was raised to the hard one: {raised}");
+}
