@@ -641,18 +641,37 @@ async fn the_readmes_postgres_commands_migrate_then_serve_submit_and_list() {
     assert!(row.contains("queued"), "{row}");
 }
 
+/// Two replicas serving one fresh database, with a store handle on it. Field order is
+/// drop order: the servers stop before the database goes.
+struct Replicas {
+    _a: Server,
+    b: Server,
+    store: PgStore,
+    url: String,
+    dir: PathBuf,
+    _tmp: TempDir,
+    _db: TestDb,
+}
+
+impl Replicas {
+    async fn start(name: &str) -> Self {
+        let db = TestDb::new(name).await;
+        let tmp = TempDir::new(&format!("pg-{name}"));
+        let dir = state_dir(&tmp);
+        let url = db.runtime_url();
+        let store = PgStore::open(&url, PgOptions { pool_size: 2, ..PgOptions::default() }).await.unwrap();
+        let (a, b) = (Server::start(&dir, &url), Server::start(&dir, &url));
+        Self { _a: a, b, store, url, dir, _tmp: tmp, _db: db }
+    }
+}
+
 /// A revocation given to one replica's database is seen by the other at once: the
 /// revoked worker's next request to replica b, on the connection it already had, is
 /// refused, and its running attempt was queued again in the revocation's transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_revoked_through_the_database_is_refused_by_every_replica_at_once() {
-    let db = TestDb::new("revoke").await;
-    let tmp = TempDir::new("pg-revoke");
-    let dir = state_dir(&tmp);
-    let url = db.runtime_url();
-    let store = PgStore::open(&url, PgOptions { pool_size: 2, ..PgOptions::default() }).await.unwrap();
-    let _a = Server::start(&dir, &url);
-    let b = Server::start(&dir, &url);
+    let r = Replicas::start("revoke").await;
+    let (dir, url, store, b) = (r.dir.clone(), r.url.clone(), &r.store, &r.b);
     let submit = Submit {
         project: contract::project(),
         spec: spec(600_000),
@@ -688,13 +707,8 @@ async fn a_worker_revoked_through_the_database_is_refused_by_every_replica_at_on
 /// time fires once, and each queued fire has exactly one run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_schedule_on_two_replicas_fires_each_time_once() {
-    let db = TestDb::new("schedules").await;
-    let tmp = TempDir::new("pg-schedules");
-    let dir = state_dir(&tmp);
-    let url = db.runtime_url();
-    let store = PgStore::open(&url, PgOptions { pool_size: 2, ..PgOptions::default() }).await.unwrap();
-    let _a = Server::start(&dir, &url);
-    let _b = Server::start(&dir, &url);
+    let r = Replicas::start("schedules").await;
+    let (dir, url, store) = (r.dir.clone(), r.url.clone(), &r.store);
     let out = Command::new(BIN)
         .args(["schedule", "add", "tick", "--cron", "* * * * * *", "--overlap", "allow", "--database", &url, "--dir"])
         .arg(&dir)

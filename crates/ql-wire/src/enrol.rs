@@ -73,50 +73,26 @@ impl From<CertificateRequest> for String {
     }
 }
 
-/// PEM text: one or more `-----BEGIN CERTIFICATE-----` blocks, bounded.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub struct CertificatePem(String);
-
-impl CertificatePem {
-    /// Checks the text's shape (not the certificate: the receiver parses that).
-    pub fn new(text: String) -> Result<Self, Invalid> {
-        if text.len() > PEM_MAX_BYTES {
-            return Err(Invalid::TooLong { max: PEM_MAX_BYTES });
-        }
-        if !text.starts_with("-----BEGIN CERTIFICATE-----") {
-            return Err(Invalid::Schema);
-        }
-        if text.bytes().any(|b| !(b == b'\n' || b == b'\r' || (0x20..0x7f).contains(&b))) {
-            return Err(Invalid::NotPrintable);
-        }
-        Ok(Self(text))
+/// Checks PEM text's shape (not the certificate: the receiver parses that): bounded,
+/// printable, starting with a certificate block.
+fn check_pem(text: &str) -> Result<(), Invalid> {
+    if text.len() > PEM_MAX_BYTES {
+        return Err(Invalid::TooLong { max: PEM_MAX_BYTES });
     }
-
-    /// The text.
-    pub fn as_str(&self) -> &str {
-        &self.0
+    if !text.starts_with("-----BEGIN CERTIFICATE-----") {
+        return Err(Invalid::Schema);
     }
+    if text.bytes().any(|b| !(b == b'\n' || b == b'\r' || (0x20..0x7f).contains(&b))) {
+        return Err(Invalid::NotPrintable);
+    }
+    Ok(())
 }
 
-impl fmt::Debug for CertificatePem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "CertificatePem({} bytes)", self.0.len())
-    }
-}
-
-impl TryFrom<String> for CertificatePem {
-    type Error = Invalid;
-    fn try_from(s: String) -> Result<Self, Invalid> {
-        Self::new(s)
-    }
-}
-
-impl From<CertificatePem> for String {
-    fn from(c: CertificatePem) -> Self {
-        c.0
-    }
-}
+crate::ids::string_type!(
+    /// PEM text: one or more `-----BEGIN CERTIFICATE-----` blocks, bounded.
+    CertificatePem,
+    check_pem
+);
 
 /// `POST .../certificate:enrol`: the one-time token and the device's request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -269,10 +245,10 @@ mod tests {
 
     #[test]
     fn certificate_text_must_look_like_pem() {
-        assert!(CertificatePem::new("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into()).is_ok());
-        assert_eq!(CertificatePem::new("MIIB".into()), Err(Invalid::Schema));
-        assert_eq!(CertificatePem::new("-----BEGIN CERTIFICATE-----\u{7}".into()), Err(Invalid::NotPrintable));
+        assert!(CertificatePem::parse("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n").is_ok());
+        assert_eq!(CertificatePem::parse("MIIB"), Err(Invalid::Schema));
+        assert_eq!(CertificatePem::parse("-----BEGIN CERTIFICATE-----\u{7}"), Err(Invalid::NotPrintable));
         let long = format!("-----BEGIN CERTIFICATE-----{}", "A".repeat(PEM_MAX_BYTES));
-        assert_eq!(CertificatePem::new(long), Err(Invalid::TooLong { max: PEM_MAX_BYTES }));
+        assert_eq!(CertificatePem::parse(long), Err(Invalid::TooLong { max: PEM_MAX_BYTES }));
     }
 }

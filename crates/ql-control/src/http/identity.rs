@@ -82,7 +82,7 @@ async fn ca<S: Store, B: BlobStore>(shared: &Shared<S, B>, principal: Option<Wor
     if shared.store.audit(record).await.is_err() {
         return Answer::refuse_and_close(ErrorCode::Unavailable);
     }
-    match CertificatePem::new(identity.ca_pem.clone()) {
+    match CertificatePem::parse(identity.ca_pem.clone()) {
         Ok(ca) => Answer::ok(StatusCode::OK, &CaBundle { ca }),
         Err(_) => Answer::refuse(ErrorCode::Unavailable),
     }
@@ -108,7 +108,7 @@ fn issue(identity: &Identity, worker: &WorkerId, csr: &[u8]) -> Result<crate::pk
 fn issued(result: Result<Result<Reply, ErrorCode>, crate::store::StoreError>, pem: String) -> Answer {
     match result {
         Ok(Ok(Reply::CertificateRecorded(c))) => {
-            match (CertificatePem::new(pem), Timestamp::from_millis(c.not_after)) {
+            match (CertificatePem::parse(pem), Timestamp::from_millis(c.not_after)) {
                 (Ok(certificate), Ok(not_after)) => Answer::ok(StatusCode::CREATED, &Issued { certificate, not_after }),
                 _ => Answer::refuse(ErrorCode::Unavailable),
             }

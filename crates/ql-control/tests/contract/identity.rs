@@ -125,10 +125,8 @@ pub async fn revoking_a_worker_ends_what_it_holds_and_requeues_its_runs<B: Backe
 /// Disabling does the same with its own code, and a repeat ends nothing more.
 pub async fn disabling_a_worker_requeues_its_runs_and_a_repeat_changes_nothing_more<B: Backend>(b: B) {
     let store = b.store();
-    let run = submit(&store, LONG_TIMEOUT_MS, 1).await;
-    let agent = open(&store, "router-1").await;
-    let offer = poll(&store, &agent).await.remove(0);
-    let h = claim(&store, &agent, &offer).await;
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 1).await;
+    let run = h.run().clone();
     to_running(&store, &h).await;
     exec(&store, Command::SetAccess(worker("router-1"), Access::Disable)).await.unwrap();
     let d = detail(&store, &run).await;
