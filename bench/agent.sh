@@ -98,7 +98,7 @@ median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 
 "$control" init --dir "$work/control" --host 127.0.0.1 >/dev/null
 "$control" enroll bench-agent --dir "$work/control" --out "$work/creds" >/dev/null
-"$control" serve --dir "$work/control" --listen 127.0.0.1:0 >"$work/serve.out" 2>"$work/serve.err" &
+"$control" serve --dir "$work/control" --listen 127.0.0.1:0 --operator-listen 127.0.0.1:0 >"$work/serve.out" 2>"$work/serve.err" &
 pids+=($!)
 await_line "$work/serve.out" '^listening on '
 url=$(sed -n 's/^listening on //p' "$work/serve.out")

@@ -14,7 +14,7 @@ work=$(mktemp -d /tmp/ql-bench.XXXXXX)
 trap 'kill -TERM "${server:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 
 "$bin" init --dir "$work" --host 127.0.0.1 >/dev/null
-"$bin" serve --dir "$work" --listen 127.0.0.1:0 >"$work/serve.out" 2>"$work/serve.err" &
+"$bin" serve --dir "$work" --listen 127.0.0.1:0 --operator-listen 127.0.0.1:0 >"$work/serve.out" 2>"$work/serve.err" &
 server=$!
 for _ in $(seq 100); do grep -q '^listening on ' "$work/serve.out" 2>/dev/null && break; sleep 0.1; done
 url=$(sed -n 's/^listening on //p' "$work/serve.out")

@@ -38,7 +38,7 @@ fresh_workers() {
 }
 
 start_server() { # DIR [--database URL] -> prints the pid
-  "$bin" serve --dir "$1" --listen 127.0.0.1:0 "${@:2}" >"$1/serve.out" 2>"$1/serve.err" &
+  "$bin" serve --dir "$1" --listen 127.0.0.1:0 --operator-listen 127.0.0.1:0 "${@:2}" >"$1/serve.out" 2>"$1/serve.err" &
   local pid=$!
   for _ in $(seq 100); do grep -q '^listening on ' "$1/serve.out" 2>/dev/null && break; sleep 0.1; done
   echo "$pid"

@@ -623,9 +623,11 @@ pub(crate) fn evidence_time(wall: Timestamp, server: Option<ServerClock>, now: I
 pub(crate) fn disposition(code: ErrorCode) -> Disposition {
     match code {
         ErrorCode::Unavailable => Disposition::Retry,
-        ErrorCode::Unauthenticated | ErrorCode::PrincipalMismatch | ErrorCode::EnrolmentRefused => {
-            Disposition::Misconfigured
-        }
+        // `forbidden` is the operator API's; a worker route never answers it.
+        ErrorCode::Unauthenticated
+        | ErrorCode::PrincipalMismatch
+        | ErrorCode::EnrolmentRefused
+        | ErrorCode::Forbidden => Disposition::Misconfigured,
         // The server gave the worker's attempts up when it revoked or disabled it, and
         // queued their runs again: running on here would only duplicate them.
         ErrorCode::CertificateRevoked

@@ -150,6 +150,8 @@ pub struct Control {
     pub dir: PathBuf,
     pub server: Proc,
     pub url: String,
+    /// The operator API's `https://host:port`.
+    pub operator_url: String,
     pub stderr: PathBuf,
 }
 
@@ -167,7 +169,7 @@ impl Control {
     pub fn serve(bin: &Path, dir: &Path, listen: &str, stderr: &Path, env: &[(&str, &str)]) -> Control {
         let err = fs::OpenOptions::new().create(true).append(true).open(stderr).unwrap();
         let mut child = Command::new(bin)
-            .args(["serve", "--dir", dir.to_str().unwrap(), "--listen", listen])
+            .args(["serve", "--dir", dir.to_str().unwrap(), "--listen", listen, "--operator-listen", "127.0.0.1:0"])
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(err)
@@ -183,18 +185,20 @@ impl Control {
                 }
             }
         });
-        let url = loop {
+        let said = |prefix: &str| loop {
             let line = rx.recv_timeout(DEADLINE).unwrap_or_else(|_| {
                 panic!(
                     "ql-control serve did not say where it listens:\n{}",
                     fs::read_to_string(stderr).unwrap_or_default()
                 )
             });
-            if let Some(url) = line.strip_prefix("listening on ") {
+            if let Some(url) = line.strip_prefix(prefix) {
                 break url.trim().to_owned();
             }
         };
-        Control { bin: bin.to_owned(), dir: dir.to_owned(), server, url, stderr: stderr.to_owned() }
+        let url = said("listening on ");
+        let operator_url = said("operator API on ");
+        Control { bin: bin.to_owned(), dir: dir.to_owned(), server, url, operator_url, stderr: stderr.to_owned() }
     }
 
     /// `host:port` of the server.

@@ -242,6 +242,11 @@ fn main() {
     let a = args();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let (store, _) = rt.block_on(admin::open_authority(&a.dir, a.database.as_deref())).expect("the authority");
+    let ops = ql_control::ops::Local { store, blobs: admin::open_blobs(&a.dir) };
+    let queue = |args: &SubmitArgs| {
+        let body = admin::body_of(args).expect("a valid run");
+        rt.block_on(ops.submit(&body)).map(drop).map_err(String::from)
+    };
     let submit = |label: String| SubmitArgs {
         project: "default".into(),
         argv: vec!["true".into()],
@@ -252,20 +257,20 @@ fn main() {
     };
     for i in 0..a.clients {
         for _ in 0..a.cycles {
-            rt.block_on(admin::submit(&store, &submit(format!("bench={i}")))).expect("submit");
+            queue(&submit(format!("bench={i}"))).expect("submit");
         }
     }
     if let Some(out) = &a.frame_out {
         let mut up = submit("bench=curl".into());
         up.log_limit = a.upload_mib * 1024 * 1024;
-        rt.block_on(admin::submit(&store, &up)).expect("submit the curl run");
+        queue(&up).expect("submit the curl run");
         frame_out(&a, out);
         return;
     }
     if a.uploads > 0 {
         let mut up = submit("bench=upload".into());
         up.log_limit = 64 * 1024 * 1024;
-        rt.block_on(admin::submit(&store, &up)).expect("submit upload run");
+        queue(&up).expect("submit upload run");
     }
     let start = Instant::now();
     let mut all: Vec<Duration> = std::thread::scope(|s| {

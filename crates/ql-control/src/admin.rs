@@ -1,21 +1,17 @@
-//! Operator commands against a state directory: submit, cancel, runs, show, logs and
-//! workers. They open the same SQLite file as `serve` (SQLite serialises the writers) —
-//! or, with `--database postgres://...`, the same PostgreSQL database as every replica —
-//! and go through the same decision code, so an operator can never break a protocol rule.
+//! The authority an operator command opens: the state directory's SQLite file (the same
+//! file as `serve`; SQLite serialises the writers) or, with `--database postgres://...`,
+//! the same PostgreSQL database as every replica; and what the operator typed for a run,
+//! as the operator API's body. The commands themselves are [`crate::ops`].
 
-use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use ql_wire::ids::{ProjectId, RunId, WorkerId};
-use ql_wire::spec::{EnvName, ExecutionSpec, Interpreter, Script, SpecSchema};
-use ql_wire::time::Timestamp;
+use ql_wire::ids::{RunId, WorkerId};
 
 use crate::blob::fs::FsBlobStore;
-
 use crate::config::{Config, Layout};
-use crate::core::{CancelOutcome, Command, Reply, Submit};
-use crate::model::{Attempt, Millis};
+use crate::core::{Command, Reply};
+use crate::ops::view::{ScriptBody, SubmitBody};
 use crate::store::postgres::{PgOptions, PgStore};
 use crate::store::sqlite::SqliteStore;
 use crate::store::{RunDetail, Snapshot, Store, StoreError};
@@ -37,7 +33,7 @@ pub struct SubmitArgs {
     pub timeout_ms: u64,
     /// Bytes of log kept.
     pub log_limit: u64,
-    /// `key=value` labels the operator gave the worker ([`label_worker`]).
+    /// `key=value` labels the operator gave the worker (`ql-control label`).
     pub labels: Vec<String>,
     /// `key=value` labels the worker's agent declares.
     pub agent_labels: Vec<String>,
@@ -51,19 +47,14 @@ fn pair(text: &str, what: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("{what} {text:?} must look like NAME=value"))
 }
 
-/// Builds the run request, refusing what the protocol would refuse.
-pub fn submit_request(args: &SubmitArgs) -> Result<Submit, String> {
-    let project = ProjectId::parse(args.project.as_str()).map_err(|e| format!("project {:?}: {e}", args.project))?;
+/// The API's body of what the operator typed: the script file read here, on the machine
+/// the command runs on; every rule of the run is checked by [`crate::ops::Local`].
+pub fn body_of(args: &SubmitArgs) -> Result<SubmitBody, String> {
     let (argv, script) = match (&args.script, args.argv.is_empty()) {
         (Some(path), true) => {
             let source = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-            let interpreter = match args.interpreter.as_deref().unwrap_or("sh") {
-                "sh" => Interpreter::Sh,
-                "python3" => Interpreter::Python3,
-                "node" => Interpreter::Node,
-                other => return Err(format!("interpreter {other:?}: use sh, python3 or node")),
-            };
-            (None, Some(Script { interpreter, source }))
+            let interpreter = args.interpreter.clone().unwrap_or_else(|| "sh".into());
+            (None, Some(ScriptBody { interpreter, source }))
         }
         (None, false) if args.interpreter.is_some() => {
             return Err("--interpreter runs a --script; a program after `--` runs as it is".into());
@@ -75,21 +66,22 @@ pub fn submit_request(args: &SubmitArgs) -> Result<Submit, String> {
     let mut env = BTreeMap::new();
     for e in &args.env {
         let (k, v) = pair(e, "--env")?;
-        env.insert(EnvName::parse(k.as_str()).map_err(|e| format!("--env {k:?}: {e}"))?, v);
+        env.insert(k, v);
     }
-    let labels = labels_of(&args.labels, "--label")?;
-    let agent_labels = labels_of(&args.agent_labels, "--agent-label")?;
-    let spec = ExecutionSpec {
-        schema: SpecSchema,
-        project_id: project.clone(),
+    let body = SubmitBody {
+        project: args.project.clone(),
         argv,
         script,
         env,
         timeout_ms: args.timeout_ms,
         log_limit_bytes: args.log_limit,
+        labels: labels_of(&args.labels, "--label")?,
+        agent_labels: labels_of(&args.agent_labels, "--agent-label")?,
+        retries: args.retries,
     };
-    spec.validate().map_err(|e| format!("the run is out of bounds: {e}"))?;
-    Ok(Submit { project, spec, labels, agent_labels, retry_budget: args.retries })
+    // Refuse what could never run before anything is sent.
+    crate::ops::local::submit_of(&body)?;
+    Ok(body)
 }
 
 /// `key=value` words as labels, refusing any a worker could never carry.
@@ -97,24 +89,6 @@ pub fn labels_of(words: &[String], flag: &str) -> Result<BTreeMap<String, String
     let labels = words.iter().map(|l| pair(l, flag)).collect::<Result<_, _>>()?;
     crate::core::check_labels(&labels).map_err(|e| format!("{flag}: {e}"))?;
     Ok(labels)
-}
-
-/// Sets the labels the operator vouches for of `worker` (all of them; none clears them)
-/// and says what it now carries.
-pub async fn label_worker<S: Store>(store: &S, worker: &WorkerId, words: &[String]) -> Result<String, String> {
-    let labels = labels_of(words, "label")?;
-    match execute(store, Command::LabelWorker(worker.clone(), labels)).await? {
-        Reply::WorkerLabelled(w) => Ok(format!("{}: {}", w.id.as_str(), label_list(&w.labels))),
-        other => Err(format!("unexpected answer {other:?}")),
-    }
-}
-
-/// Labels as `k=v,k=v`, or `-` for none.
-fn label_list(labels: &BTreeMap<String, String>) -> String {
-    if labels.is_empty() {
-        return "-".into();
-    }
-    labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
 }
 
 /// Opens the state directory's store with its configured timings.
@@ -183,6 +157,9 @@ impl Store for Authority {
     async fn run_detail(&self, run: &RunId) -> Result<Option<RunDetail>, StoreError> {
         either!(self, s => s.run_detail(run))
     }
+    async fn operators(&self) -> Result<Vec<crate::model::Operator>, StoreError> {
+        either!(self, s => s.operators())
+    }
     async fn sessions(&self, limit: usize) -> Result<Vec<crate::model::Session>, StoreError> {
         either!(self, s => s.sessions(limit))
     }
@@ -227,257 +204,7 @@ pub async fn open_authority(dir: &Path, database: Option<&str>) -> Result<(Autho
     }
 }
 
-/// Opens the state directory's artifact store.
-pub fn open_blobs(dir: &Path) -> Result<FsBlobStore, String> {
-    FsBlobStore::open(Layout::new(dir).artifacts()).map_err(|e| e.to_string())
-}
-
-async fn execute<S: Store>(store: &S, cmd: Command) -> Result<Reply, String> {
-    match store.execute(cmd).await {
-        Ok(Ok(reply)) => Ok(reply),
-        Ok(Err(code)) => Err(format!("refused: {code}")),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-/// Queues a run and returns its id.
-pub async fn submit<S: Store>(store: &S, args: &SubmitArgs) -> Result<RunId, String> {
-    match execute(store, Command::Submit(submit_request(args)?)).await? {
-        Reply::Submitted(id) => Ok(id),
-        other => Err(format!("unexpected answer {other:?}")),
-    }
-}
-
-/// Cancels a run and says what happened.
-pub async fn cancel<S: Store>(store: &S, run: &RunId) -> Result<String, String> {
-    match execute(store, Command::Cancel(run.clone())).await {
-        Ok(Reply::Cancelled(CancelOutcome::Cancelled)) => Ok(format!("{run} cancelled")),
-        Ok(Reply::Cancelled(CancelOutcome::StopRequested)) => {
-            Ok(format!("{run}: stop requested; the worker stops it at its next lease renewal"))
-        }
-        Ok(Reply::Cancelled(CancelOutcome::AlreadyEnded(status))) => Ok(format!("{run} had already ended: {status}")),
-        Ok(other) => Err(format!("unexpected answer {other:?}")),
-        Err(e) if e.ends_with("not_found") => Err(format!("no run {run} (see `ql-control runs`)")),
-        Err(e) => Err(e),
-    }
-}
-
-/// A time for people.
-pub fn when(ms: Option<Millis>) -> String {
-    ms.and_then(|ms| Timestamp::from_millis(ms).ok()).map_or_else(|| "-".into(), |t| t.to_string())
-}
-
-/// The runs as a table.
-pub async fn runs<S: Store>(store: &S, query: &crate::store::RunQuery) -> Result<String, String> {
-    let runs = store.runs(query).await.map_err(|e| e.to_string())?;
-    let mut out = format!(
-        "{:<28} {:<11} {:>8} {:<24} {:<24} {:<16} {}\n",
-        "RUN", "STATUS", "ATTEMPTS", "CREATED", "FINISHED", "SCHEDULE", "ERROR"
-    );
-    for r in runs {
-        out += &format!(
-            "{:<28} {:<11} {:>8} {:<24} {:<24} {:<16} {}\n",
-            r.id.as_str(),
-            r.status.as_str(),
-            r.attempts,
-            when(Some(r.created_at)),
-            when(r.finished_at),
-            r.schedule.as_deref().unwrap_or("-"),
-            r.error_code.as_deref().unwrap_or("-")
-        );
-    }
-    Ok(out)
-}
-
-/// The sessions as a table, with each worker's trusted labels (the operator's, see
-/// [`label_worker`]) beside the labels its agent declared, and how many times in the last
-/// hour another agent with the same identity was refused a session (a twin); then the
-/// workers that have labels but no session listed.
-pub async fn workers<S: Store>(store: &S, limit: usize) -> Result<String, String> {
-    let sessions = store.sessions(limit).await.map_err(|e| e.to_string())?;
-    let records = store.workers(limit).await.map_err(|e| e.to_string())?;
-    let twins = store.twin_refusals(3_600_000).await.map_err(|e| e.to_string())?;
-    let certificates = store.certificates(usize::MAX).await.map_err(|e| e.to_string())?;
-    let record = |w: &WorkerId| records.iter().find(|r| &r.id == w);
-    let trusted = |w: &WorkerId| record(w).map_or("-".into(), |r| label_list(&r.labels));
-    // Revoked until a certificate is issued after the revocation (an enrolment again).
-    let enrolled_since = |w: &WorkerId, at: i64| {
-        certificates.iter().any(|c| &c.worker == w && c.revoked_at.is_none() && c.issued_at >= at)
-    };
-    let access = |w: &WorkerId| match record(w) {
-        Some(r) if r.disabled_at.is_some() => "disabled",
-        Some(r) if r.revoked_at.is_some_and(|at| !enrolled_since(w, at)) => "revoked",
-        _ => "active",
-    };
-    // The latest not-after among the worker's certificates still valid for it.
-    let not_after = |w: &WorkerId| {
-        let latest =
-            certificates.iter().filter(|c| &c.worker == w && c.revoked_at.is_none()).map(|c| c.not_after).max();
-        latest.map_or_else(|| "-".to_owned(), |t| when(Some(t)))
-    };
-    let refused = |w: &WorkerId| twins.iter().find(|(t, _)| t == w).map_or(0, |(_, n)| *n);
-    let line = |cells: [&str; 12]| {
-        format!(
-            "{:<24} {:<28} {:>4} {:<9} {:>8} {:<24} {:<20} {:>5} {:<8} {:<24} {:<24} {}\n",
-            cells[0],
-            cells[1],
-            cells[2],
-            cells[3],
-            cells[4],
-            cells[5],
-            cells[6],
-            cells[7],
-            cells[8],
-            cells[9],
-            cells[10],
-            cells[11]
-        )
-    };
-    let mut out = line([
-        "WORKER",
-        "SESSION",
-        "GEN",
-        "STATUS",
-        "CAPACITY",
-        "LAST SEEN",
-        "AGENT",
-        "TWINS",
-        "ACCESS",
-        "CERT NOT AFTER",
-        "TRUSTED LABELS",
-        "DECLARED",
-    ]);
-    for s in &sessions {
-        out += &line([
-            s.worker.as_str(),
-            s.id.as_str(),
-            &s.generation.get().to_string(),
-            s.state.as_str(),
-            &s.capacity.to_string(),
-            &when(Some(s.seen_at)),
-            &format!("{} {}", s.agent_version, s.arch),
-            &refused(&s.worker).to_string(),
-            access(&s.worker),
-            &not_after(&s.worker),
-            &trusted(&s.worker),
-            &label_list(&s.labels),
-        ]);
-    }
-    let mut quiet: Vec<&WorkerId> = records.iter().map(|r| &r.id).collect();
-    quiet.extend(certificates.iter().map(|c| &c.worker));
-    quiet.sort();
-    quiet.dedup();
-    for w in quiet.into_iter().filter(|w| !sessions.iter().any(|s| &s.worker == *w)) {
-        out += &line([w.as_str(), "-", "-", "-", "-", "-", "-", "-", access(w), &not_after(w), &trusted(w), "-"]);
-    }
-    if twins.iter().any(|(_, n)| *n > 0) {
-        out += "TWINS: session opens refused in the last hour because another agent with the same worker id \
-                held the session: two ql-agents share one certificate\n";
-    }
-    Ok(out)
-}
-
-fn attempt_view(a: &Attempt) -> serde_json::Value {
-    json!({
-        "attemptId": a.id,
-        "number": a.number,
-        "status": a.status.as_str(),
-        "worker": a.worker,
-        "sessionId": a.session,
-        "offerId": a.offer,
-        "leaseGeneration": a.lease.as_ref().map(|l| l.lease_generation),
-        "leaseVersion": a.lease.as_ref().map(|l| l.version),
-        "executorHandle": a.executor_handle,
-        "exitCode": a.exit_code,
-        "signal": a.signal,
-        "artifact": a.artifact,
-        "errorCode": a.error_code,
-        "summary": a.summary,
-        "startedAt": when(a.started_at),
-        "endedAt": when(a.ended_at),
-    })
-}
-
-/// A run, its attempts and its events as JSON (digests of tokens left out).
-pub fn detail_json(d: &RunDetail) -> serde_json::Value {
-    let r = &d.run;
-    json!({
-        "runId": r.id,
-        "project": r.project,
-        "status": r.status.as_str(),
-        "stop": r.stop,
-        "labels": r.labels,
-        "agentLabels": r.agent_labels,
-        "errorCode": r.error_code,
-        "summary": r.summary,
-        "attempts": d.attempts.iter().map(attempt_view).collect::<Vec<_>>(),
-        "leases": d.leases.iter().map(|l| json!({
-            "attemptId": l.attempt, "state": l.state.as_str(), "version": l.facts.version,
-            "generation": l.facts.lease_generation, "expiresAt": when(Some(l.facts.expires_at)),
-        })).collect::<Vec<_>>(),
-        "events": d.events.iter().map(|e| json!({
-            "eventId": e.id, "attemptId": e.attempt, "type": e.kind, "from": e.from_status, "to": e.to_status,
-            "payload": e.payload, "at": when(Some(e.at)),
-        })).collect::<Vec<_>>(),
-        "createdAt": when(Some(r.created_at)),
-        "startedAt": when(r.started_at),
-        "finishedAt": when(r.finished_at),
-    })
-}
-
-/// One run for people.
-pub fn detail_text(d: &RunDetail) -> String {
-    let r = &d.run;
-    let mut out = format!(
-        "run      {}\nproject  {}\nstatus   {}{}\ncreated  {}\nstarted  {}\nfinished {}\n",
-        r.id,
-        r.project,
-        r.status,
-        r.error_code.as_ref().map_or(String::new(), |c| format!(" ({c})")),
-        when(Some(r.created_at)),
-        when(r.started_at),
-        when(r.finished_at),
-    );
-    if let Some(stop) = r.stop {
-        out += &format!("stop     {stop:?}\n");
-    }
-    if !r.labels.is_empty() || !r.agent_labels.is_empty() {
-        out += &format!("labels   {} (trusted), {} (declared)\n", label_list(&r.labels), label_list(&r.agent_labels));
-    }
-    for a in &d.attempts {
-        out += &format!(
-            "attempt  {} #{} {} on {} exit={} signal={}{}\n",
-            a.id,
-            a.number,
-            a.status,
-            a.worker,
-            a.exit_code.map_or("-".into(), |c| c.to_string()),
-            a.signal.map_or("-".into(), |s| s.to_string()),
-            a.artifact.as_ref().map_or(String::new(), |r| format!(
-                " log={}B{}",
-                r.length,
-                if r.truncated { " (truncated)" } else { "" }
-            )),
-        );
-    }
-    out += "events\n";
-    for e in &d.events {
-        out += &format!(
-            "  {} {:<22} {} -> {}\n",
-            when(Some(e.at)),
-            e.kind,
-            e.from_status.as_deref().unwrap_or("-"),
-            e.to_status.as_deref().unwrap_or("-")
-        );
-    }
-    out
-}
-
-/// Looks a run up, with a message that says what to do when it is missing.
-pub async fn detail<S: Store>(store: &S, run: &RunId) -> Result<RunDetail, String> {
-    store
-        .run_detail(run)
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("no run {run} (see `ql-control runs`)"))
+/// The state directory's artifact store, for reading logs.
+pub fn open_blobs(dir: &Path) -> FsBlobStore {
+    FsBlobStore::existing(Layout::new(dir).artifacts())
 }

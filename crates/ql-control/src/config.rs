@@ -13,6 +13,12 @@ use crate::core::Timings;
 pub struct Config {
     /// Address the HTTPS ingress binds (`--listen` overrides it).
     pub listen: String,
+    /// Address the operator API binds (`--operator-listen` overrides it; empty: none).
+    pub operator_listen: String,
+    /// Operator API connections served at once.
+    pub operator_max_connections: u64,
+    /// The longest wait of an operator API log follow (`waitMs`).
+    pub operator_log_wait_ms: u64,
     /// How often agents heartbeat.
     pub heartbeat_ms: u64,
     /// A session lapses after this long without a heartbeat or poll.
@@ -79,6 +85,9 @@ impl Default for Config {
         let t = Timings::default();
         Self {
             listen: "0.0.0.0:8443".into(),
+            operator_listen: "127.0.0.1:8444".into(),
+            operator_max_connections: 64,
+            operator_log_wait_ms: 25_000,
             heartbeat_ms: t.heartbeat_ms,
             session_ttl_ms: t.session_ttl_ms,
             offer_ttl_ms: t.offer_ttl_ms,
@@ -223,6 +232,7 @@ impl Config {
             ("worker_cert_lifetime_ms", self.worker_cert_lifetime_ms),
             ("enrolment_token_ttl_ms", self.enrolment_token_ttl_ms),
             ("schedule_missed_after_ms", self.schedule_missed_after_ms),
+            ("operator_max_connections", self.operator_max_connections),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be greater than 0"));

@@ -12,9 +12,10 @@ use ql_wire::capability::Token;
 use ql_wire::ids::WorkerId;
 
 use crate::core::{Access, AccessChanged, Command, Issuer, Reply};
-use crate::model::Certificate;
+use crate::model::{Certificate, Role};
 use crate::pki::Issued;
 use crate::store::Store;
+use zeroize::Zeroizing;
 
 async fn execute<S: Store>(store: &S, cmd: Command) -> Result<Reply, String> {
     match store.execute(cmd).await {
@@ -80,29 +81,44 @@ pub async fn create_token<S: Store>(store: &S, worker: &WorkerId, ttl: Duration)
     Ok(format!("{worker}.{}", token.expose()))
 }
 
+/// Adds an operator API credential named `name` with `role`; returns its token, shown
+/// once: the authority keeps only the secret's SHA-256.
+pub async fn add_operator<S: Store>(store: &S, name: &str, role: Role) -> Result<Zeroizing<String>, String> {
+    crate::core::check_operator_name(name)?;
+    let token = Token::generate().map_err(|e| format!("no randomness: {e}"))?;
+    match store.execute(Command::AddOperator(name.to_owned(), role, token.digest())).await {
+        Ok(Ok(_)) => Ok(Zeroizing::new(format!("{name}.{}", token.expose()))),
+        Ok(Err(ql_wire::ErrorCode::StateConflict)) => {
+            Err(format!("an operator {name:?} exists already: `ql-control operator remove {name}` first"))
+        }
+        Ok(Err(code)) => Err(format!("refused: {code}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Removes an operator API credential: its token is refused from the next request on.
+pub async fn remove_operator<S: Store>(store: &S, name: &str) -> Result<String, String> {
+    match execute(store, Command::RemoveOperator(name.to_owned())).await {
+        Ok(_) => Ok(format!("operator {name} removed; its token is refused from now on")),
+        Err(e) if e.ends_with("not_found") => Err(format!("no operator {name:?} (see `ql-control operator list`)")),
+        Err(e) => Err(e),
+    }
+}
+
+/// The operator credentials, one line each (never a digest).
+pub async fn operators<S: Store>(store: &S) -> Result<String, String> {
+    let all = store.operators().await.map_err(|e| e.to_string())?;
+    let mut out = format!("{:<24} {:<6} {}\n", "OPERATOR", "ROLE", "CREATED");
+    for o in all {
+        out += &format!("{:<24} {:<6} {}\n", o.name, o.role.as_str(), crate::ops::view::time(o.created_at));
+    }
+    Ok(out)
+}
+
 /// Splits an enrolment token's text into its worker and secret.
 pub fn parse_token(text: &str) -> Option<(WorkerId, Token)> {
     let (worker, secret) = text.trim().rsplit_once('.')?;
     Some((WorkerId::parse(worker).ok()?, Token::parse(secret).ok()?))
-}
-
-/// The recorded certificates, one line each.
-pub async fn certificates<S: Store>(store: &S) -> Result<String, String> {
-    let all = store.certificates(usize::MAX).await.map_err(|e| e.to_string())?;
-    let mut out = format!("{:<24} {:<34} {:<24} {:<24} {}\n", "WORKER", "SERIAL", "ISSUED", "NOT AFTER", "REVOKED");
-    let when = |t: i64| ql_wire::time::Timestamp::from_millis(t).map_or_else(|_| t.to_string(), |t| t.to_string());
-    for c in all {
-        let revoked = c.revoked_at.map_or_else(|| "-".to_owned(), when);
-        out += &format!(
-            "{:<24} {:<34} {:<24} {:<24} {}\n",
-            c.worker.as_str(),
-            c.serial,
-            when(c.issued_at),
-            when(c.not_after),
-            revoked
-        );
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -6,10 +6,13 @@
 //! - [`blob`]: the artifact store seam and its local-files implementation;
 //! - [`pki`]: the worker CA, the server certificate and worker enrolment;
 //! - [`http`]: the worker ingress: TLS 1.3 mTLS, principal binding, framing, routes;
-//! - [`config`], [`admin`], [`logs`], [`serve`]: the state directory, operator commands (and
-//!   the log reader, stored or live) and the server.
+//! - [`ops`]: the operator commands, on a store or sent to a remote `serve`; [`api`]:
+//!   the operator API that serves them;
+//! - [`config`], [`admin`], [`logs`], [`serve`]: the state directory, the authority an
+//!   operator command opens, the log reader (stored or live) and the server.
 
 pub mod admin;
+pub mod api;
 pub mod blob;
 pub mod config;
 pub mod core;
@@ -18,7 +21,7 @@ pub mod http;
 pub mod identity;
 pub mod logs;
 pub mod model;
+pub mod ops;
 pub mod pki;
-pub mod schedules;
 pub mod serve;
 pub mod store;

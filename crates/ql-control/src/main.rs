@@ -11,9 +11,21 @@ use ql_wire::ids::{RunId, WorkerId};
 
 /// QingLong Edge control plane. Every command works on one state directory: --dir, or
 /// $QL_CONTROL_DIR, or /var/lib/ql-control. The authority is that directory's SQLite
-/// file, unless --database (or $QL_CONTROL_DATABASE) names a PostgreSQL database.
+/// file, unless --database (or $QL_CONTROL_DATABASE) names a PostgreSQL database. With
+/// --server (or $QL_CONTROL_SERVER), the operator commands (submit, cancel, runs, show,
+/// logs, workers, label, schedule) go to that serve's operator API instead.
 #[derive(FromArgs)]
 struct Cli {
+    /// a serve's operator API, https://host:port (default: work on the state directory)
+    #[argh(option)]
+    server: Option<String>,
+    /// with --server: a file holding the operator token (default $QL_CONTROL_TOKEN)
+    #[argh(option)]
+    token_file: Option<PathBuf>,
+    /// with --server: the CA certificate that signed the server's (default $QL_CONTROL_CA,
+    /// else the state directory's ca.crt)
+    #[argh(option)]
+    ca: Option<PathBuf>,
     #[argh(subcommand)]
     command: Cmd,
 }
@@ -32,6 +44,7 @@ enum Cmd {
     Workers(Workers),
     Label(Label),
     Schedule(ScheduleCmd),
+    Operator(OperatorCmd),
     Migrate(Migrate),
     Version(Version),
 }
@@ -140,6 +153,71 @@ struct Serve {
     /// address to listen on (overrides control.json); port 0 picks a free port
     #[argh(option)]
     listen: Option<String>,
+    /// address of the operator API (overrides control.json's operator_listen; "" for
+    /// none); port 0 picks a free port
+    #[argh(option)]
+    operator_listen: Option<String>,
+}
+
+/// Operator API credentials: bearer tokens for `--server` and the API, stored as digests.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "operator")]
+struct OperatorCmd {
+    #[argh(subcommand)]
+    action: OperatorAction,
+}
+
+#[derive(FromArgs)]
+#[argh(subcommand)]
+enum OperatorAction {
+    Add(OperatorAdd),
+    List(OperatorList),
+    Remove(OperatorRemove),
+}
+
+/// Add an operator and print its token once: read (look) or admin (also change).
+#[derive(FromArgs)]
+#[argh(subcommand, name = "add")]
+struct OperatorAdd {
+    /// the operator's name: [a-z0-9][a-z0-9._-]{0,62}
+    #[argh(positional)]
+    name: String,
+    /// read (default) or admin
+    #[argh(option, default = "String::from(\"read\")")]
+    role: String,
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
+}
+
+/// List operators: name, role, created (never a token).
+#[derive(FromArgs)]
+#[argh(subcommand, name = "list")]
+struct OperatorList {
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
+}
+
+/// Remove an operator: its token is refused from the next request on.
+#[derive(FromArgs)]
+#[argh(subcommand, name = "remove")]
+struct OperatorRemove {
+    /// the operator
+    #[argh(positional)]
+    name: String,
+    /// state directory
+    #[argh(option)]
+    dir: Option<PathBuf>,
+    /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
+    #[argh(option)]
+    database: Option<String>,
 }
 
 /// Queue a run: a program and its arguments after `--`, or --script FILE.
@@ -221,9 +299,12 @@ struct Runs {
     /// directory's SQLite file; or $QL_CONTROL_DATABASE)
     #[argh(option)]
     database: Option<String>,
-    /// how many (default 50)
+    /// how many (default 50, at most 500)
     #[argh(option, default = "50")]
     limit: usize,
+    /// only runs older than this one (the next page)
+    #[argh(option)]
+    before: Option<String>,
 }
 
 /// Show a run with its attempts and events.
@@ -494,53 +575,150 @@ struct ScheduleList {
     database: Option<String>,
 }
 
-fn schedule(cmd: ScheduleCmd) -> Result<(), String> {
-    use ql_control::schedules;
+fn schedule(reach: &Reach, cmd: ScheduleCmd) -> Result<(), String> {
+    use ql_control::ops::{text, ScheduleAction as Act};
+    let (dir, database) = match &cmd.action {
+        ScheduleAction::Add(a) => (a.dir.clone(), a.database.clone()),
+        ScheduleAction::List(a) => (a.dir.clone(), a.database.clone()),
+        ScheduleAction::Show(a) => (a.dir.clone(), a.database.clone()),
+        ScheduleAction::Pause(a) => (a.dir.clone(), a.database.clone()),
+        ScheduleAction::Resume(a) => (a.dir.clone(), a.database.clone()),
+        ScheduleAction::Remove(a) => (a.dir.clone(), a.database.clone()),
+        ScheduleAction::RunNow(a) => (a.dir.clone(), a.database.clone()),
+    };
+    let named = |name: &str, action| (name.to_owned(), action);
     let out = match cmd.action {
         ScheduleAction::Add(a) => {
-            let args = schedules::ScheduleArgs {
+            let run = admin::body_of(&SubmitArgs {
+                project: a.project,
+                argv: a.argv,
+                script: a.script,
+                interpreter: a.interpreter,
+                env: a.env,
+                timeout_ms: a.timeout_ms,
+                log_limit: a.log_limit,
+                labels: a.label,
+                agent_labels: a.agent_label,
+                retries: a.retries,
+            })?;
+            let body = ql_control::ops::view::ScheduleBody {
                 name: a.name,
                 cron: a.cron,
                 tz: a.tz,
                 random_delay_ms: a.random_delay_ms,
                 overlap: a.overlap,
                 catch_up: a.catch_up,
-                submit: SubmitArgs {
-                    project: a.project,
-                    argv: a.argv,
-                    script: a.script,
-                    interpreter: a.interpreter,
-                    env: a.env,
-                    timeout_ms: a.timeout_ms,
-                    log_limit: a.log_limit,
-                    labels: a.label,
-                    agent_labels: a.agent_label,
-                    retries: a.retries,
-                },
+                run,
             };
             // Refuse what could never fire before opening anything.
-            schedules::spec_of(&args)?;
-            with_authority(a.dir, a.database, async |store| schedules::add(store, &args).await)?
+            ql_control::ops::local::schedule_of(&body)?;
+            with_target(reach, dir, database, async |t| Ok(t.add_schedule(&body).await?.message))?
         }
-        ScheduleAction::List(a) => with_authority(a.dir, a.database, async |store| schedules::list(store).await)?,
+        ScheduleAction::List(_) => {
+            with_target(reach, dir, database, async |t| Ok(text::schedules(&t.schedules().await?)))?
+        }
         ScheduleAction::Show(a) => {
-            with_authority(a.dir, a.database, async |store| schedules::show(store, &a.name).await)?
+            with_target(reach, dir, database, async |t| Ok(text::schedule(&t.schedule(&a.name).await?)))?
         }
-        ScheduleAction::Pause(a) => {
-            with_authority(a.dir, a.database, async |store| schedules::pause(store, &a.name, true).await)?
-        }
-        ScheduleAction::Resume(a) => {
-            with_authority(a.dir, a.database, async |store| schedules::pause(store, &a.name, false).await)?
-        }
-        ScheduleAction::Remove(a) => {
-            with_authority(a.dir, a.database, async |store| schedules::remove(store, &a.name).await)?
-        }
-        ScheduleAction::RunNow(a) => {
-            with_authority(a.dir, a.database, async |store| schedules::run_now(store, &a.name).await)?
+        other => {
+            let (name, action) = match other {
+                ScheduleAction::Pause(a) => named(&a.name, Act::Pause),
+                ScheduleAction::Resume(a) => named(&a.name, Act::Resume),
+                ScheduleAction::Remove(a) => named(&a.name, Act::Remove),
+                ScheduleAction::RunNow(a) => named(&a.name, Act::RunNow),
+                ScheduleAction::Add(_) | ScheduleAction::List(_) | ScheduleAction::Show(_) => unreachable!(),
+            };
+            with_target(reach, dir, database, async |t| Ok(t.schedule_action(&name, action).await?.message))?
         }
     };
     println!("{}", out.trim_end());
     Ok(())
+}
+
+fn operator(cmd: OperatorCmd) -> Result<(), String> {
+    use ql_control::identity;
+    match cmd.action {
+        OperatorAction::Add(a) => {
+            let role =
+                ql_control::model::Role::parse(&a.role).ok_or_else(|| format!("--role {:?}: read or admin", a.role))?;
+            ql_control::core::check_operator_name(&a.name)?;
+            with_authority(a.dir, a.database, async |store| {
+                let token = identity::add_operator(store, &a.name, role).await?;
+                println!("operator {} ({}); its token, shown this once:", a.name, role.as_str());
+                println!("{}", token.as_str());
+                Ok(())
+            })
+        }
+        OperatorAction::List(a) => with_authority(a.dir, a.database, async |store| {
+            print!("{}", identity::operators(store).await?);
+            Ok(())
+        }),
+        OperatorAction::Remove(a) => with_authority(a.dir, a.database, async |store| {
+            println!("{}", identity::remove_operator(store, &a.name).await?);
+            Ok(())
+        }),
+    }
+}
+
+/// Where the operator commands go: the global --server, --token-file and --ca.
+struct Reach {
+    server: Option<String>,
+    token_file: Option<PathBuf>,
+    ca: Option<PathBuf>,
+}
+
+impl Reach {
+    fn server(&self) -> Option<String> {
+        self.server.clone().or_else(|| std::env::var("QL_CONTROL_SERVER").ok()).filter(|s| !s.is_empty())
+    }
+
+    /// The remote side, when --server names one.
+    fn remote(&self, dir: Option<PathBuf>) -> Result<Option<ql_control::ops::Remote>, String> {
+        let Some(server) = self.server() else {
+            return Ok(None);
+        };
+        let token = match &self.token_file {
+            Some(path) => {
+                let text = ql_control::pki::read_secret(path).map_err(|e| e.to_string())?;
+                zeroize::Zeroizing::new(text.trim().to_owned())
+            }
+            None => zeroize::Zeroizing::new(
+                std::env::var("QL_CONTROL_TOKEN")
+                    .map_err(|_| "--server needs an operator token: --token-file FILE or $QL_CONTROL_TOKEN")?,
+            ),
+        };
+        let ca = self
+            .ca
+            .clone()
+            .or_else(|| std::env::var_os("QL_CONTROL_CA").map(PathBuf::from))
+            .unwrap_or_else(|| ql_control::pki::PkiPaths::new(&state_dir(dir)).ca_cert);
+        let options = ql_control::ops::RemoteOptions { server, token, ca, timeout: std::time::Duration::from_secs(30) };
+        Ok(Some(ql_control::ops::Remote::new(&options)?))
+    }
+}
+
+/// Runs `f` on the operator commands' target: the remote serve when --server is given,
+/// else the authority of the state directory or database (in one runtime: a PostgreSQL
+/// store lives on the runtime that opened it).
+fn with_target<T>(
+    reach: &Reach,
+    dir: Option<PathBuf>,
+    db: Option<String>,
+    f: impl AsyncFnOnce(&ql_control::ops::Target) -> Result<T, ql_control::ops::OpError>,
+) -> Result<T, String> {
+    use ql_control::ops::{Local, Target};
+    let remote = reach.remote(dir.clone())?;
+    runtime().block_on(async move {
+        let target = match remote {
+            Some(remote) => Target::Remote(remote),
+            None => {
+                let dir = state_dir(dir);
+                let (store, _) = admin::open_authority(&dir, database(db).as_deref()).await?;
+                Target::Local(Local { store, blobs: admin::open_blobs(&dir) })
+            }
+        };
+        f(&target).await.map_err(String::from)
+    })
 }
 
 /// Print the version.
@@ -570,6 +748,15 @@ fn with_authority<T>(
         let (store, _) = admin::open_authority(&dir, database(db).as_deref()).await?;
         f(&store).await
     })
+}
+
+/// Refuses --server for a command that needs the state directory itself (its CA key, or
+/// the credentials it makes).
+fn local_only(reach: &Reach, command: &str) -> Result<(), String> {
+    match reach.server() {
+        Some(_) => Err(format!("{command} works on the state directory or database only, not through --server")),
+        None => Ok(()),
+    }
 }
 
 fn worker_id(text: &str) -> Result<WorkerId, String> {
@@ -642,7 +829,8 @@ fn enroll(cmd: Enroll, worker: WorkerId) -> Result<(), String> {
             println!("{done}");
         }
         if !cmd.label.is_empty() {
-            println!("{}", admin::label_worker(store, &worker, &cmd.label).await?);
+            let local = ql_control::ops::Local { store: store.clone(), blobs: admin::open_blobs(&dir) };
+            println!("{}", local.label(&worker, &cmd.label).await?.message);
         }
         match (&cmd.out, ca) {
             (Some(out), _) => {
@@ -681,9 +869,9 @@ fn default_server(dir: &std::path::Path, config: &Config) -> String {
     format!("https://{host}:{port}")
 }
 
-fn workers(cmd: Workers) -> Result<(), String> {
+fn workers(reach: &Reach, cmd: Workers) -> Result<(), String> {
     use ql_control::core::Access;
-    use ql_control::identity;
+    use ql_control::ops::text;
     // The state directory and database may be given before or after the action.
     let (dir, database) = match &cmd.action {
         None => (None, None),
@@ -692,44 +880,48 @@ fn workers(cmd: Workers) -> Result<(), String> {
         Some(WorkersAction::Disable(a)) => (a.dir.clone(), a.database.clone()),
         Some(WorkersAction::Enable(a)) => (a.dir.clone(), a.database.clone()),
     };
-    with_authority(dir.or(cmd.dir), database.or(cmd.database), async |store| {
-        let line = match cmd.action {
-            None => admin::workers(store, cmd.limit).await?,
-            Some(WorkersAction::Certificates(_)) => identity::certificates(store).await?,
-            Some(WorkersAction::Revoke(Revoke { worker, serial: Some(serial), .. })) => {
-                identity::revoke_certificate(store, &worker_id(&worker)?, &serial).await? + "\n"
+    let access = |worker: &str, access, serial: Option<String>| Ok::<_, String>((worker_id(worker)?, access, serial));
+    let change = match &cmd.action {
+        None | Some(WorkersAction::Certificates(_)) => None,
+        Some(WorkersAction::Revoke(a)) => Some(access(&a.worker, Access::Revoke, a.serial.clone())?),
+        Some(WorkersAction::Disable(a)) => Some(access(&a.worker, Access::Disable, None)?),
+        Some(WorkersAction::Enable(a)) => Some(access(&a.worker, Access::Enable, None)?),
+    };
+    let out = with_target(reach, dir.or(cmd.dir), database.or(cmd.database), async |t| {
+        Ok(match (&cmd.action, change) {
+            (_, Some((worker, access, serial))) => {
+                t.set_access(&worker, access, serial.as_deref()).await?.message + "\n"
             }
-            Some(WorkersAction::Revoke(Revoke { worker, serial: None, .. })) => {
-                identity::set_access(store, &worker_id(&worker)?, Access::Revoke).await? + "\n"
-            }
-            Some(WorkersAction::Disable(Disable { worker, .. })) => {
-                identity::set_access(store, &worker_id(&worker)?, Access::Disable).await? + "\n"
-            }
-            Some(WorkersAction::Enable(Enable { worker, .. })) => {
-                identity::set_access(store, &worker_id(&worker)?, Access::Enable).await? + "\n"
-            }
-        };
-        print!("{line}");
-        Ok(())
-    })
+            (Some(WorkersAction::Certificates(_)), None) => text::certificates(&t.certificates().await?),
+            (_, None) => text::workers(&t.workers(cmd.limit).await?),
+        })
+    })?;
+    print!("{out}");
+    Ok(())
 }
 
 fn main() -> ExitCode {
     let cli: Cli = argh::from_env();
+    let reach = Reach { server: cli.server, token_file: cli.token_file, ca: cli.ca };
     let result = match cli.command {
         Cmd::Version(Version {}) => {
             println!("ql-control {} (protocol qinglong/worker v1)", env!("CARGO_PKG_VERSION"));
             Ok(())
         }
-        Cmd::Init(cmd) => init(cmd),
-        Cmd::Enroll(cmd) => worker_id(&cmd.worker).and_then(|worker| enroll(cmd, worker)),
+        Cmd::Init(cmd) => local_only(&reach, "init").and_then(|()| init(cmd)),
+        Cmd::Enroll(cmd) => {
+            local_only(&reach, "enroll").and_then(|()| worker_id(&cmd.worker)).and_then(|worker| enroll(cmd, worker))
+        }
         Cmd::Label(cmd) => worker_id(&cmd.worker).and_then(|worker| {
-            with_authority(cmd.dir, cmd.database, async |store| {
-                println!("{}", admin::label_worker(store, &worker, &cmd.labels).await?);
-                Ok(())
-            })
+            let done = with_target(&reach, cmd.dir, cmd.database, async |t| t.label(&worker, &cmd.labels).await)?;
+            println!("{}", done.message);
+            Ok(())
         }),
-        Cmd::Serve(cmd) => ql_control::serve::run(&state_dir(cmd.dir), cmd.listen, database(cmd.database)),
+        Cmd::Serve(cmd) => ql_control::serve::run(
+            &state_dir(cmd.dir),
+            ql_control::serve::Listen { workers: cmd.listen, operators: cmd.operator_listen },
+            database(cmd.database),
+        ),
         Cmd::Migrate(cmd) => match database(cmd.database) {
             None => Err("migrate needs --database <the migration owner's PostgreSQL URL>".to_owned()),
             Some(url) => runtime().block_on(async move {
@@ -751,47 +943,48 @@ fn main() -> ExitCode {
                 agent_labels: cmd.agent_label,
                 retries: cmd.retries,
             };
-            with_authority(cmd.dir, cmd.database, async |store| {
-                println!("{}", admin::submit(store, &args).await?);
+            admin::body_of(&args).and_then(|body| {
+                let done = with_target(&reach, cmd.dir, cmd.database, async |t| t.submit(&body).await)?;
+                println!("{}", done.message);
                 Ok(())
             })
         }
         Cmd::Cancel(cmd) => run_id(&cmd.run).and_then(|run| {
-            with_authority(cmd.dir, cmd.database, async |store| {
-                println!("{}", admin::cancel(store, &run).await?);
-                Ok(())
-            })
-        }),
-        Cmd::Runs(cmd) => with_authority(cmd.dir, cmd.database, async |store| {
-            let status = match &cmd.status {
-                None => None,
-                Some(s) => Some(
-                    ql_control::model::RunStatus::parse(s)
-                        .ok_or_else(|| format!("--status {s:?} is not a run status"))?,
-                ),
-            };
-            let query = ql_control::store::RunQuery { schedule: cmd.schedule.clone(), status, limit: cmd.limit };
-            print!("{}", admin::runs(store, &query).await?);
+            let done = with_target(&reach, cmd.dir, cmd.database, async |t| t.cancel(&run).await)?;
+            println!("{}", done.message);
             Ok(())
         }),
+        Cmd::Runs(cmd) => {
+            let filter = ql_control::ops::RunFilter {
+                schedule: cmd.schedule,
+                status: cmd.status,
+                limit: cmd.limit,
+                before: cmd.before,
+            };
+            with_target(&reach, cmd.dir, cmd.database, async |t| t.runs(&filter).await).map(|page| {
+                print!("{}", ql_control::ops::text::runs(&page));
+            })
+        }
         Cmd::Show(cmd) => run_id(&cmd.run).and_then(|run| {
-            let d = with_authority(cmd.dir, cmd.database, async |store| admin::detail(store, &run).await)?;
+            let view = with_target(&reach, cmd.dir, cmd.database, async |t| t.run(&run).await)?;
             if cmd.json {
-                println!("{}", serde_json::to_string_pretty(&admin::detail_json(&d)).expect("JSON"));
+                println!("{}", serde_json::to_string_pretty(&view).expect("JSON"));
             } else {
-                print!("{}", admin::detail_text(&d));
+                print!("{}", ql_control::ops::text::run(&view));
             }
             Ok(())
         }),
         Cmd::Logs(cmd) => run_id(&cmd.run).and_then(|run| {
-            let blobs = admin::open_blobs(&state_dir(cmd.dir.clone()))?;
-            with_authority(cmd.dir, cmd.database, async |store| {
-                let follow = cmd.follow.then(|| std::time::Duration::from_millis(cmd.poll_ms.max(1)));
-                ql_control::logs::logs(store, &blobs, &run, follow, &mut std::io::stdout().lock()).await
+            let follow = cmd.follow.then(|| std::time::Duration::from_millis(cmd.poll_ms.max(1)));
+            with_target(&reach, cmd.dir, cmd.database, async |t| {
+                ql_control::logs::logs(t, &run, follow, &mut std::io::stdout().lock())
+                    .await
+                    .map_err(|e| ql_control::ops::OpError::new(ql_wire::ErrorCode::Unavailable, e))
             })
         }),
-        Cmd::Workers(cmd) => workers(cmd),
-        Cmd::Schedule(cmd) => schedule(cmd),
+        Cmd::Workers(cmd) => workers(&reach, cmd),
+        Cmd::Schedule(cmd) => schedule(&reach, cmd),
+        Cmd::Operator(cmd) => local_only(&reach, "operator").and_then(|()| operator(cmd)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -555,3 +555,33 @@ pub struct AuditRecord {
     /// `admitted` or the refusal code.
     pub outcome: String,
 }
+
+status! {
+    /// What an operator credential may do on the operator API.
+    Role {
+        /// Look: runs, logs, workers, schedules.
+        Read = "read",
+        /// Look and change: submit, cancel, workers' access and labels, schedules.
+        Admin = "admin",
+    }
+}
+
+impl Role {
+    /// Whether this role may do what `needed` allows.
+    pub fn allows(self, needed: Role) -> bool {
+        self == Role::Admin || needed == Role::Read
+    }
+}
+
+/// An operator's credential for the operator API, known only by its token's digest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Operator {
+    /// Its name, the part of the token before the dot.
+    pub name: String,
+    /// What it may do.
+    pub role: Role,
+    /// SHA-256 of the token's secret.
+    pub token_digest: Digest,
+    /// Made at.
+    pub created_at: Millis,
+}

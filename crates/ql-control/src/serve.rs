@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use ql_notify::Notify;
 use ql_wire::ids::RunId;
 
+use crate::api::{self, ApiConfig};
 use crate::config::{Config, Layout};
 use crate::core::{Command, Reply};
 use crate::http::{self, IngressConfig};
@@ -157,13 +158,36 @@ fn raise_descriptor_limit(config: &Config) {
     }
 }
 
+/// Addresses given on the command line, over control.json's.
+#[derive(Debug, Clone, Default)]
+pub struct Listen {
+    /// The worker ingress (`--listen`).
+    pub workers: Option<String>,
+    /// The operator API (`--operator-listen`; empty: none).
+    pub operators: Option<String>,
+}
+
+/// The operator API's settings a [`Config`] implies.
+pub fn api_config(config: &Config) -> ApiConfig {
+    ApiConfig {
+        handshake_timeout: Duration::from_millis(config.handshake_timeout_ms),
+        header_read_timeout: Duration::from_millis(config.header_timeout_ms),
+        max_connections: usize::try_from(config.operator_max_connections).unwrap_or(usize::MAX),
+        max_log_wait: Duration::from_millis(config.operator_log_wait_ms),
+        ..ApiConfig::default()
+    }
+}
+
 /// Runs the server until SIGTERM or Ctrl-C, on the SQLite file of `dir`, or on the
 /// PostgreSQL database `database` names (connected as the runtime role).
-pub fn run(dir: &Path, listen: Option<String>, database: Option<String>) -> Result<(), String> {
+pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), String> {
     let layout = Layout::new(dir);
-    let config = Config::load(&layout)?;
+    let mut config = Config::load(&layout)?;
     raise_descriptor_limit(&config);
-    let addr = listen.unwrap_or_else(|| config.listen.clone());
+    let addr = listen.workers.unwrap_or_else(|| config.listen.clone());
+    if let Some(operators) = listen.operators {
+        config.operator_listen = operators;
+    }
     let tls = http::tls::server_config_from_dir(dir).map_err(|e| e.to_string())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -232,12 +256,34 @@ async fn serve_on<S: Store>(
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?;
     let mut ingress_cfg = ingress_config(config);
     ingress_cfg.identity = Some(Arc::new(identity(layout, config)?));
-    let ingress = http::spawn(listener, tls, store.clone(), blobs, ingress_cfg)
+    // The operator API binds before anything is served, so a taken port stops serve
+    // instead of leaving it without its operators' door.
+    let operators = match config.operator_listen.as_str() {
+        "" => None,
+        addr => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("operator API: listening on {addr}: {e} (operator_listen, --operator-listen)"))?,
+        ),
+    };
+    let ingress = http::spawn(listener, tls, store.clone(), blobs.clone(), ingress_cfg)
         .map_err(|e| format!("starting the ingress: {e}"))?;
+    let api = match operators {
+        None => None,
+        Some(listener) => {
+            let tls = http::tls::operator_config_from_dir(&layout.dir).map_err(|e| e.to_string())?;
+            let local = crate::ops::Local { store: store.clone(), blobs };
+            let api = api::spawn(listener, tls, local, api_config(config)).map_err(|e| format!("operator API: {e}"))?;
+            Some(api)
+        }
+    };
     // Scripts and tests read this line to learn the port when they asked for port 0; it is
     // out before READY=1, so whoever waited for `systemctl start` can read it too.
     let listening = format!("listening on https://{}", ingress.local_addr());
     println!("{listening}");
+    if let Some(api) = &api {
+        println!("operator API on https://{}", api.local_addr());
+    }
     notifying(&notify, |n| n.ready(&listening, Instant::now()));
     let every = notifying(&notify, |n| n.watchdog_every());
     let watchdog = every.map(|every| tokio::spawn(watchdog_forever(store.clone(), notify.clone(), every)));
@@ -247,6 +293,9 @@ async fn serve_on<S: Store>(
     notifying(&notify, |n| n.stopping("stopping: finishing the requests in flight", None));
     sweeper.abort();
     let (connections, requests) = (ingress.stats().connections(), ingress.stats().requests());
+    if let Some(api) = api {
+        api.shutdown().await;
+    }
     let result = ingress.shutdown().await.map_err(|e| format!("ingress: {e}"));
     // The watchdog pings on through the drain (harmless if systemd no longer watches once
     // the stop began), then ends with the server.

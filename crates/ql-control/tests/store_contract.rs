@@ -139,6 +139,8 @@ macro_rules! contract_suite {
                     #[allow(unused_imports)]
                     use contract::scenarios::*;
                     #[allow(unused_imports)]
+                    use contract::operators::*;
+                    #[allow(unused_imports)]
                     use contract::schedules::*;
                     $scenario($make).await;
                 }
@@ -156,6 +158,7 @@ contract_suite!(
         revoking_a_worker_ends_what_it_holds_and_requeues_its_runs,
         disabling_a_worker_requeues_its_runs_and_a_repeat_changes_nothing_more,
         an_enrolment_token_is_spent_once,
+        an_operator_credential_is_added_once_and_removed_once,
         each_fire_time_fires_once_whoever_sweeps,
         overlap_catch_up_and_pause_decide_each_fire,
         completion_from_starting_registers_the_callback,

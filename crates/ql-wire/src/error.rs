@@ -77,6 +77,8 @@ pub enum ErrorCode {
     WorkerDisabled,
     /// The enrolment token is unknown, spent, expired or for another worker.
     EnrolmentRefused,
+    /// Operator API only: the operator's role does not allow the request.
+    Forbidden,
     /// No such session, offer, run or attempt (or route).
     NotFound,
     /// The session was replaced, closed or expired.
@@ -112,7 +114,11 @@ impl ErrorCode {
         match self {
             Self::InvalidRequest => 400,
             Self::Unauthenticated => 401,
-            Self::PrincipalMismatch | Self::CertificateRevoked | Self::WorkerDisabled | Self::EnrolmentRefused => 403,
+            Self::PrincipalMismatch
+            | Self::CertificateRevoked
+            | Self::WorkerDisabled
+            | Self::EnrolmentRefused
+            | Self::Forbidden => 403,
             Self::NotFound => 404,
             Self::SessionConflict
             | Self::OfferConflict
@@ -138,6 +144,7 @@ impl ErrorCode {
             Self::CertificateRevoked => "certificate_revoked",
             Self::WorkerDisabled => "worker_disabled",
             Self::EnrolmentRefused => "enrolment_refused",
+            Self::Forbidden => "forbidden",
             Self::NotFound => "not_found",
             Self::SessionConflict => "session_conflict",
             Self::OfferConflict => "offer_conflict",
@@ -195,13 +202,14 @@ impl Body for ErrorBody {
 mod tests {
     use super::*;
 
-    const ALL: [ErrorCode; 19] = [
+    const ALL: [ErrorCode; 20] = [
         ErrorCode::InvalidRequest,
         ErrorCode::Unauthenticated,
         ErrorCode::PrincipalMismatch,
         ErrorCode::CertificateRevoked,
         ErrorCode::WorkerDisabled,
         ErrorCode::EnrolmentRefused,
+        ErrorCode::Forbidden,
         ErrorCode::NotFound,
         ErrorCode::SessionConflict,
         ErrorCode::OfferConflict,
@@ -233,6 +241,7 @@ mod tests {
         assert!(table.contains(&(403, "certificate_revoked")));
         assert!(table.contains(&(403, "worker_disabled")));
         assert!(table.contains(&(403, "enrolment_refused")));
+        assert!(table.contains(&(403, "forbidden")));
         assert!(table.contains(&(404, "not_found")));
         assert!(table.contains(&(411, "length_required")));
         assert!(table.contains(&(413, "payload_too_large")));

@@ -91,6 +91,12 @@ impl FsBlobStore {
         Ok(Self { root: Arc::new(root) })
     }
 
+    /// The store at `root` for reading only: nothing is created, so an operator command
+    /// on a machine without the directory changes nothing there (and finds no log).
+    pub fn existing(root: impl AsRef<Path>) -> Self {
+        Self { root: Arc::new(root.as_ref().to_path_buf()) }
+    }
+
     /// The root directory.
     pub fn root(&self) -> &Path {
         &self.root

@@ -14,6 +14,7 @@
 //! directly. A refusal never carries writes (see [`Decision::refuse`]).
 
 mod abandon;
+mod credential;
 mod delivery;
 mod fence;
 mod finish;
@@ -30,6 +31,7 @@ pub(crate) mod testkit;
 mod worker;
 
 pub use abandon::WORKER_LOST;
+pub use credential::{authorize, check_name as check_operator_name};
 pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
 pub use grace::{absence, Grace, Graced};
 pub use identity::{admission, Access, AccessChanged, Issuer, WORKER_DISABLED, WORKER_REVOKED};
@@ -54,7 +56,8 @@ use ql_wire::{ErrorCode, Fence};
 use std::collections::BTreeMap;
 
 use crate::model::{
-    Attempt, Certificate, Enrolment, Event, Fire, Lease, LogChunk, Millis, Offer, Run, Schedule, Session, Worker,
+    Attempt, Certificate, Enrolment, Event, Fire, Lease, LogChunk, Millis, Offer, Operator, Role, Run, Schedule,
+    Session, Worker,
 };
 
 /// Durations the authority hands out. Every one is configurable so tests run short.
@@ -155,6 +158,10 @@ pub enum Command {
     RunScheduleNow(String),
     /// Fire the schedules that are due, by DB time.
     FireSchedules,
+    /// Operator: record an operator API credential (name, role, the token's digest).
+    AddOperator(String, Role, Digest),
+    /// Operator: remove an operator API credential.
+    RemoveOperator(String),
     /// Expire what has lapsed, by DB time.
     Sweep,
 }
@@ -188,6 +195,8 @@ pub struct Keys {
     pub schedule: Option<String>,
     /// Load the schedules due by DB time, each with its last run.
     pub due_schedules: bool,
+    /// Load this operator credential by name.
+    pub operator: Option<String>,
     /// Load placement candidates: queued runs, and the session's open offers and
     /// active attempt count.
     pub placement: bool,
@@ -234,6 +243,8 @@ pub struct Rows {
     pub schedule: Option<Schedule>,
     /// Due schedules, each with its last run.
     pub due_schedules: Vec<(Schedule, Option<Run>)>,
+    /// The operator credential named.
+    pub operator: Option<Operator>,
     /// Queued runs, oldest first (placement).
     pub queued: Vec<Run>,
     /// The session's open offers (placement).
@@ -319,6 +330,8 @@ pub enum Reply {
     Schedule(Box<Schedule>),
     /// How many schedules fired.
     Fired(usize),
+    /// An operator credential, as added or removed.
+    Operator(Box<Operator>),
     /// To sweep: how many rows it changed.
     Swept(usize),
     /// To a sweep after an outage: what its grace gave back (nothing was swept).
@@ -356,6 +369,10 @@ pub enum Write {
     RemoveSchedule(String),
     /// Append a fire (never replaced: the key refuses a second one for the same time).
     Fire(Fire),
+    /// Insert an operator credential.
+    Operator(Operator),
+    /// Delete an operator credential.
+    RemoveOperator(String),
     /// Record that a replica swept at this DB time.
     Alive(Millis),
 }
@@ -527,6 +544,9 @@ impl Command {
                 Keys { schedule: Some(name.clone()), ..Keys::default() }
             }
             Self::FireSchedules => Keys { due_schedules: true, ..Keys::default() },
+            Self::AddOperator(name, ..) | Self::RemoveOperator(name) => {
+                Keys { operator: Some(name.clone()), ..Keys::default() }
+            }
             Self::Enrol(digest, c) => Keys {
                 enrolment: Some(digest.clone()),
                 worker: Some(c.worker.clone()),
@@ -578,6 +598,8 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::RemoveSchedule(name) => schedule::remove(name, rows),
         Command::RunScheduleNow(name) => schedule::run_now(name, rows, now, ids),
         Command::FireSchedules => schedule::fire_due(rows, now, timings.missed_after_ms, ids),
+        Command::AddOperator(name, role, digest) => credential::add(name, *role, digest, rows, now),
+        Command::RemoveOperator(name) => credential::remove(name, rows),
         Command::Sweep => match &rows.grace {
             Some(grace) => grace::give_back(grace, now, timings),
             None => sweep::sweep(&rows.lapsed, now, ids),

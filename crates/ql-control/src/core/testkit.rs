@@ -268,6 +268,8 @@ pub(crate) fn applied(rows: &Rows, d: &super::Decision) -> Rows {
             super::Write::Enrolment(e) => next.enrolment = Some(e.clone()),
             super::Write::Schedule(x) => next.schedule = Some(x.clone()),
             super::Write::RemoveSchedule(_) => next.schedule = None,
+            super::Write::Operator(o) => next.operator = Some(o.clone()),
+            super::Write::RemoveOperator(_) => next.operator = None,
             super::Write::Event(_) | super::Write::LogChunk(_) | super::Write::Fire(_) => {}
         }
     }

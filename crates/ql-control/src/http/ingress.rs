@@ -420,6 +420,7 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
         | Reply::CertificateRecorded(_)
         | Reply::EnrolmentCreated(_)
         | Reply::Schedule(_)
+        | Reply::Operator(_)
         | Reply::Fired(_)
         | Reply::Swept(_)
         | Reply::Graced(_) => Answer::refuse(ErrorCode::Unavailable),

@@ -106,6 +106,27 @@ pub fn server_config_from_dir(dir: &Path) -> Result<Arc<ServerConfig>, TlsError>
     server_config(&read(&paths.ca_cert)?, &read(&paths.server_cert)?, key.as_bytes())
 }
 
+/// The operator API's server configuration: the same server certificate as the worker
+/// ingress, TLS 1.3 only, no client certificate (operators present a bearer token).
+pub fn operator_config_from_dir(dir: &Path) -> Result<Arc<ServerConfig>, TlsError> {
+    let paths = PkiPaths::new(dir);
+    let cert_pem =
+        std::fs::read(&paths.server_cert).map_err(|e| TlsError::Io(format!("{}: {e}", paths.server_cert.display())))?;
+    let key_pem = read_secret(&paths.server_key).map_err(|e| TlsError::Io(e.to_string()))?;
+    let chain = CertificateDer::pem_slice_iter(&cert_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| TlsError::Pem("server certificate"))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|_| TlsError::Pem("server key"))?;
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(TlsError::Rustls)?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(TlsError::Rustls)?;
+    config.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
+    Ok(Arc::new(config))
+}
+
 /// Why a verified peer has no principal. Every variant answers `401 unauthenticated`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unauthenticated {

@@ -25,8 +25,8 @@ use crate::core::{Command, Reply};
 use ql_wire::ids::WorkerId;
 
 use crate::model::{
-    Attempt, AuditRecord, Certificate, Enrolment, Event, Fire, Lease, LogChunk, Offer, Run, RunStatus, Schedule,
-    Session, Worker,
+    Attempt, AuditRecord, Certificate, Enrolment, Event, Fire, Lease, LogChunk, Offer, Operator, Run, RunStatus,
+    Schedule, Session, Worker,
 };
 
 /// The store could not reach or use its database. Maps to `503 unavailable`.
@@ -81,6 +81,8 @@ pub struct Snapshot {
     pub schedules: Vec<Schedule>,
     /// Fires by schedule and time.
     pub fires: Vec<Fire>,
+    /// Operator credentials by name.
+    pub operators: Vec<Operator>,
 }
 
 /// Which runs to list: newest first, at most `limit`, of one schedule and one status if
@@ -93,6 +95,8 @@ pub struct RunQuery {
     pub status: Option<RunStatus>,
     /// At most this many.
     pub limit: usize,
+    /// Only runs listed after this one (older): the next page.
+    pub before: Option<RunId>,
 }
 
 impl RunQuery {
@@ -160,6 +164,9 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Certificates recorded, by worker then newest first, at most `limit`.
     fn certificates(&self, limit: usize) -> impl Future<Output = Result<Vec<Certificate>, StoreError>> + Send;
+
+    /// Operator credentials, by name.
+    fn operators(&self) -> impl Future<Output = Result<Vec<Operator>, StoreError>> + Send;
 
     /// Sessions, newest first, at most `limit`.
     fn sessions(&self, limit: usize) -> impl Future<Output = Result<Vec<Session>, StoreError>> + Send;

@@ -11,8 +11,8 @@ use ql_wire::lease::StopIntent;
 use super::columns::{Columns, Corrupt, Table, Value as V};
 use crate::model::{
     Attempt, AttemptStatus, AuditRecord, CatchUp, Certificate, ClaimFacts, EndKind, Enrolment, Event, Fire,
-    FireOutcome, Lease, LeaseFacts, LeaseState, LogChunk, Offer, OfferState, Overlap, Run, RunStatus, Schedule,
-    Session, SessionState, Worker,
+    FireOutcome, Lease, LeaseFacts, LeaseState, LogChunk, Offer, OfferState, Operator, Overlap, Role, Run, RunStatus,
+    Schedule, Session, SessionState, Worker,
 };
 
 /// A model type stored as one row of one table.
@@ -66,6 +66,8 @@ pub(super) const SCHEDULE_COLS: &str = "name, cron, tz, random_delay_ms, overlap
      agent_labels, retry_budget, paused, next_fire_at, due_at, last_run_id, created_at, updated_at";
 /// Columns of `fires`, in select order.
 pub(super) const FIRE_COLS: &str = "schedule, fire_at, outcome, run_id, at";
+/// Columns of `operators`, in select order.
+pub(super) const OPERATOR_COLS: &str = "name, role, token_digest, created_at";
 /// Columns of `certificates`, in select order.
 pub(super) const CERTIFICATE_COLS: &str = "serial, worker, issued_at, not_after, revoked_at";
 /// Columns of `audit`, in select order (`seq` as for events).
@@ -92,8 +94,10 @@ pub(super) const SCHEDULES: Table = Table { name: "schedules", key: Some("name")
 /// Never upserted: the primary key (schedule, fire time) refuses a second fire.
 pub(super) const FIRES: Table = Table { name: "fires", key: None, cols: FIRE_COLS };
 
+pub(super) const OPERATORS: Table = Table { name: "operators", key: Some("name"), cols: OPERATOR_COLS };
+
 /// Every table a model type is stored in.
-pub(super) const TABLES: [&Table; 13] = [
+pub(super) const TABLES: [&Table; 14] = [
     &SESSIONS,
     &RUNS,
     &ATTEMPTS,
@@ -107,6 +111,7 @@ pub(super) const TABLES: [&Table; 13] = [
     &ENROLMENTS,
     &SCHEDULES,
     &FIRES,
+    &OPERATORS,
 ];
 
 impl Stored for Session {
@@ -575,6 +580,28 @@ impl Stored for Certificate {
     }
 }
 
+impl Stored for Operator {
+    const TABLE: &'static Table = &OPERATORS;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Operator {
+            name: c.text("name")?,
+            role: c.word("role", Role::parse)?,
+            token_digest: c.valid("token_digest")?,
+            created_at: c.int("created_at")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::text(&self.name),
+            V::text(self.role.as_str()),
+            V::text(self.token_digest.as_str()),
+            V::int(self.created_at),
+        ])
+    }
+}
+
 impl Stored for AuditRecord {
     const TABLE: &'static Table = &AUDIT;
 
@@ -620,6 +647,7 @@ mod tests {
             Enrolment::TABLE,
             Schedule::TABLE,
             Fire::TABLE,
+            Operator::TABLE,
         ];
         assert_eq!(stored.len(), TABLES.len());
         for t in stored {

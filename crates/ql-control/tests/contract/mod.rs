@@ -13,6 +13,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod identity;
+pub mod operators;
 pub mod pg;
 pub mod scenarios;
 pub mod schedules;
@@ -161,6 +162,7 @@ pub fn assert_unchanged(before: &Snapshot, after: &Snapshot, what: &str) {
     assert_eq!(before.enrolments, after.enrolments, "{what}: enrolments changed");
     assert_eq!(before.schedules, after.schedules, "{what}: schedules changed");
     assert_eq!(before.fires, after.fires, "{what}: fires changed");
+    assert_eq!(before.operators, after.operators, "{what}: operators changed");
 }
 
 pub fn worker(name: &str) -> WorkerId {

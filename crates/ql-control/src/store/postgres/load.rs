@@ -426,6 +426,10 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
     if let Some(name) = &keys.schedule {
         out.schedule = one_by(tx, "schedules", &SCHEDULE_COLS, "name", name, "FOR UPDATE", rows::read).await?;
     }
+    if let Some(name) = &keys.operator {
+        let cols = crate::store::records::OPERATOR_COLS;
+        out.operator = one_by(tx, "operators", cols, "name", name, "FOR UPDATE", rows::read).await?;
+    }
     match (&keys.attempt, &keys.run) {
         (Some(a), run) => run_attempt_lease(tx, run.as_ref(), a, &mut out).await?,
         (None, Some(r)) if keys.current_attempt => current_attempt(tx, r, &mut out).await?,

@@ -65,12 +65,12 @@ use ql_wire::ErrorCode;
 
 use super::records::{
     ATTEMPTS, AUDIT_COLS, CERTIFICATES, ENROLMENTS, EVENTS, EVENT_COLS, FIRES, LEASES, LOG_CHUNKS, LOG_CHUNK_COLS,
-    OFFERS, RUNS, SCHEDULES, SESSIONS, WORKERS,
+    OFFERS, OPERATORS, RUNS, SCHEDULES, SESSIONS, WORKERS,
 };
 use super::{AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
-use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Run, Schedule, Session, Worker};
-use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS, FIRE_COLS};
+use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
+use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
 
@@ -442,6 +442,8 @@ impl<'a> Loaded<'a> {
             Write::Schedule(_) => (&SCHEDULES, false),
             Write::Fire(_) => (&FIRES, false),
             Write::RemoveSchedule(_) => return ("DELETE FROM schedules WHERE name = $1", false),
+            Write::Operator(_) => (&OPERATORS, false),
+            Write::RemoveOperator(_) => return ("DELETE FROM operators WHERE name = $1", false),
             Write::Alive(_) => return (ALIVE, false),
         };
         if known {
@@ -467,7 +469,8 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
         Write::Enrolment(e) => rows::params(e),
         Write::Schedule(x) => rows::params(x),
         Write::Fire(f) => rows::params(f),
-        Write::RemoveSchedule(name) => Ok(vec![Box::new(name.clone())]),
+        Write::RemoveSchedule(name) | Write::RemoveOperator(name) => Ok(vec![Box::new(name.clone())]),
+        Write::Operator(o) => rows::params(o),
         Write::Alive(at) => Ok(vec![Box::new(*at)]),
     }
 }
@@ -672,19 +675,30 @@ impl Store for PgStore {
     async fn runs(&self, query: &RunQuery) -> Result<Vec<Run>, StoreError> {
         let sql = format!(
             "SELECT {} FROM runs WHERE ($1::text IS NULL OR schedule = $1) AND ($2::text IS NULL OR status = $2) \
+             AND ($4::text IS NULL OR (created_at, id) < (SELECT created_at, id FROM runs WHERE id = $4)) \
              ORDER BY created_at DESC, id DESC LIMIT $3",
             *RUN_COLS
         );
         let (schedule, status) = (query.schedule.as_deref(), query.status.map(|s| s.as_str()));
+        let before = query.before.as_ref().map(|r| r.as_str());
         let mut conn = self.reading().await?;
-        let found =
-            map_all(Tx { conn: &mut conn }.all(&sql, &[&schedule, &status, &limit(query.limit)]).await?, rows::read)?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+            [&schedule, &status, &limit(query.limit), &before];
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &params).await?, rows::read)?;
         Self::done(conn).await?;
         Ok(found)
     }
 
     async fn schedules(&self) -> Result<Vec<Schedule>, StoreError> {
         let sql = format!("SELECT {} FROM schedules ORDER BY name", *SCHEDULE_COLS);
+        let mut conn = self.reading().await?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[]).await?, rows::read)?;
+        Self::done(conn).await?;
+        Ok(found)
+    }
+
+    async fn operators(&self) -> Result<Vec<Operator>, StoreError> {
+        let sql = format!("SELECT {OPERATOR_COLS} FROM operators ORDER BY name");
         let mut conn = self.reading().await?;
         let found = map_all(Tx { conn: &mut conn }.all(&sql, &[]).await?, rows::read)?;
         Self::done(conn).await?;
@@ -770,6 +784,7 @@ impl Store for PgStore {
             enrolments: map_all(tx.all(&q("enrolments", ENROLMENT_COLS, "token_digest"), &[]).await?, rows::read)?,
             schedules: map_all(tx.all(&q("schedules", &SCHEDULE_COLS, "name"), &[]).await?, rows::read)?,
             fires: map_all(tx.all(&q("fires", FIRE_COLS, "schedule, fire_at"), &[]).await?, rows::read)?,
+            operators: map_all(tx.all(&q("operators", OPERATOR_COLS, "name"), &[]).await?, rows::read)?,
         };
         Self::done(conn).await?;
         Ok(snap)

@@ -13,8 +13,8 @@ use super::rows;
 use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
 use crate::model::{Attempt, Certificate, Enrolment, Event, Lease, Millis, Offer, Run, Schedule, Session, Worker};
 use crate::store::records::{
-    ATTEMPT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS,
-    SESSION_COLS, WORKER_COLS,
+    ATTEMPT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, OPERATOR_COLS, RUN_COLS,
+    SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
 };
 
 /// Most queued runs placement looks at per poll.
@@ -308,6 +308,10 @@ pub(super) fn load(
     }
     if let Some(name) = &keys.schedule {
         rows.schedule = schedule(conn, name)?;
+    }
+    if let Some(name) = &keys.operator {
+        let sql = format!("SELECT {OPERATOR_COLS} FROM operators WHERE name = ?1");
+        rows.operator = one(conn, &sql, name, rows::read)?;
     }
     if keys.placement {
         if let Some(s) = rows.session.clone() {

@@ -61,11 +61,11 @@ use ql_wire::ErrorCode;
 
 use super::records::{
     ATTEMPT_COLS, AUDIT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, FIRE_COLS, LEASE_COLS, LOG_CHUNK_COLS,
-    OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
+    OFFER_COLS, OPERATOR_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
 };
 use super::{AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
-use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Run, Schedule, Session, Worker};
+use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
 
 pub use schema::SCHEMA_VERSION;
 
@@ -348,6 +348,10 @@ fn apply(conn: &Connection, write: &Write) -> rusqlite::Result<()> {
         Write::Enrolment(e) => rows::write(conn, e),
         Write::Schedule(x) => rows::write(conn, x),
         Write::Fire(f) => rows::write(conn, f),
+        Write::Operator(o) => rows::write(conn, o),
+        Write::RemoveOperator(name) => {
+            conn.prepare_cached("DELETE FROM operators WHERE name = ?1")?.execute([name.as_str()]).map(drop)
+        }
         Write::RemoveSchedule(name) => {
             conn.prepare_cached("DELETE FROM schedules WHERE name = ?1")?.execute([name.as_str()]).map(drop)
         }
@@ -402,6 +406,7 @@ fn snapshot(tx: &Connection) -> rusqlite::Result<Snapshot> {
         enrolments: all(tx, &format!("SELECT {ENROLMENT_COLS} FROM enrolments ORDER BY token_digest"), [], rows::read)?,
         schedules: all(tx, &format!("SELECT {SCHEDULE_COLS} FROM schedules ORDER BY name"), [], rows::read)?,
         fires: all(tx, &format!("SELECT {FIRE_COLS} FROM fires ORDER BY schedule, fire_at"), [], rows::read)?,
+        operators: all(tx, &format!("SELECT {OPERATOR_COLS} FROM operators ORDER BY name"), [], rows::read)?,
     };
     Ok(snap)
 }
@@ -524,9 +529,11 @@ impl Store for SqliteStore {
         self.call(move |w| {
             let q = format!(
                 "SELECT {RUN_COLS} FROM runs WHERE (?1 IS NULL OR schedule = ?1) AND (?2 IS NULL OR status = ?2) \
+                 AND (?4 IS NULL OR (created_at, id) < (SELECT created_at, id FROM runs WHERE id = ?4)) \
                  ORDER BY created_at DESC, id DESC LIMIT ?3"
             );
-            let params = (query.schedule.as_deref(), query.status.map(|s| s.as_str()), limit(query.limit));
+            let before = query.before.as_ref().map(|r| r.as_str().to_owned());
+            let params = (query.schedule.as_deref(), query.status.map(|s| s.as_str()), limit(query.limit), before);
             all(&w.conn, &q, params, rows::read).map_err(sql)
         })
         .await
@@ -535,6 +542,13 @@ impl Store for SqliteStore {
     async fn schedules(&self) -> Result<Vec<Schedule>, StoreError> {
         self.call(|w| {
             all(&w.conn, &format!("SELECT {SCHEDULE_COLS} FROM schedules ORDER BY name"), [], rows::read).map_err(sql)
+        })
+        .await
+    }
+
+    async fn operators(&self) -> Result<Vec<Operator>, StoreError> {
+        self.call(|w| {
+            all(&w.conn, &format!("SELECT {OPERATOR_COLS} FROM operators ORDER BY name"), [], rows::read).map_err(sql)
         })
         .await
     }

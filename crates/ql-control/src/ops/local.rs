@@ -1,0 +1,418 @@
+//! Every operator command on a store and an artifact store, through the store's one
+//! decision code ([`crate::core`]): what the CLI does with `--dir` or `--database`, and
+//! what the operator API does for a remote CLI.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use ql_wire::capability::Digest;
+use ql_wire::ids::{ProjectId, RunId, WorkerId};
+use ql_wire::spec::{EnvName, ExecutionSpec, Interpreter, Script, SpecSchema};
+use ql_wire::ErrorCode;
+
+use super::view::{
+    time, CertificateList, CertificateRow, Done, FireRow, LogWindow, RunPage, RunRow, RunView, ScheduleBody,
+    ScheduleList, ScheduleRow, ScheduleView, SubmitBody, WorkerList, WorkerRow,
+};
+use super::{LogRequest, OpError, RunFilter, ScheduleAction, MAX_PAGE};
+use crate::admin::labels_of;
+use crate::blob::{ArtifactKey, BlobStore};
+use crate::core::{Access, CancelOutcome, Command, Reply, ScheduleSpec, Submit};
+use crate::model::{Attempt, AttemptStatus, RunStatus};
+use crate::store::{RunDetail, RunQuery, Store};
+
+/// The commands on `store` and `blobs`.
+#[derive(Debug, Clone)]
+pub struct Local<S, B> {
+    /// The authority.
+    pub store: S,
+    /// Where logs are.
+    pub blobs: B,
+}
+
+/// Builds the run request from the API's body, refusing what the protocol would refuse.
+pub fn submit_of(body: &SubmitBody) -> Result<Submit, OpError> {
+    let invalid = |m: String| OpError::invalid(m);
+    let project =
+        ProjectId::parse(body.project.as_str()).map_err(|e| invalid(format!("project {:?}: {e}", body.project)))?;
+    let (argv, script) = match (&body.argv, &body.script) {
+        (Some(argv), None) if !argv.is_empty() => (Some(argv.clone()), None),
+        (None, Some(s)) => {
+            let interpreter = match s.interpreter.as_str() {
+                "sh" => Interpreter::Sh,
+                "python3" => Interpreter::Python3,
+                "node" => Interpreter::Node,
+                other => return Err(invalid(format!("interpreter {other:?}: use sh, python3 or node"))),
+            };
+            (None, Some(Script { interpreter, source: s.source.clone() }))
+        }
+        (Some(_), Some(_)) => return Err(invalid("give either a program or a script, not both".into())),
+        _ => return Err(invalid("nothing to run: give a program (argv) or a script".into())),
+    };
+    let mut env = BTreeMap::new();
+    for (k, v) in &body.env {
+        env.insert(EnvName::parse(k.as_str()).map_err(|e| invalid(format!("--env {k:?}: {e}")))?, v.clone());
+    }
+    let words = |m: &BTreeMap<String, String>| m.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>();
+    let labels = labels_of(&words(&body.labels), "--label").map_err(invalid)?;
+    let agent_labels = labels_of(&words(&body.agent_labels), "--agent-label").map_err(invalid)?;
+    let spec = ExecutionSpec {
+        schema: SpecSchema,
+        project_id: project.clone(),
+        argv,
+        script,
+        env,
+        timeout_ms: body.timeout_ms,
+        log_limit_bytes: body.log_limit_bytes,
+    };
+    spec.validate().map_err(|e| invalid(format!("the run is out of bounds: {e}")))?;
+    Ok(Submit { project, spec, labels, agent_labels, retry_budget: body.retries })
+}
+
+/// Checks a schedule's body (before the store is asked), then its run.
+pub fn schedule_of(body: &ScheduleBody) -> Result<ScheduleSpec, OpError> {
+    crate::core::check_schedule_name(&body.name).map_err(OpError::invalid)?;
+    crate::core::parse_cron(&body.cron, &body.tz).map_err(OpError::invalid)?;
+    Ok(ScheduleSpec {
+        name: body.name.clone(),
+        cron: body.cron.clone(),
+        tz: body.tz.clone(),
+        random_delay_ms: body.random_delay_ms,
+        overlap: body.overlap.parse().map_err(OpError::invalid)?,
+        catch_up: body.catch_up.parse().map_err(OpError::invalid)?,
+        submit: submit_of(&body.run)?,
+    })
+}
+
+/// Labels as `k=v,k=v`, or `-` for none.
+pub fn label_list(labels: &BTreeMap<String, String>) -> String {
+    if labels.is_empty() {
+        return "-".into();
+    }
+    labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+}
+
+impl<S: Store, B: BlobStore> Local<S, B> {
+    async fn execute(&self, cmd: Command) -> Result<Reply, OpError> {
+        match self.store.execute(cmd).await? {
+            Ok(reply) => Ok(reply),
+            Err(code) => Err(OpError::new(code, format!("refused: {code}"))),
+        }
+    }
+
+    /// Queues a run.
+    pub async fn submit(&self, body: &SubmitBody) -> Result<Done, OpError> {
+        match self.execute(Command::Submit(submit_of(body)?)).await? {
+            Reply::Submitted(id) => Ok(Done { message: id.to_string(), run_id: Some(id.to_string()) }),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Cancels a run: at once if no worker holds it, else at the worker's next renewal.
+    pub async fn cancel(&self, run: &RunId) -> Result<Done, OpError> {
+        let message = match self.execute(Command::Cancel(run.clone())).await {
+            Ok(Reply::Cancelled(CancelOutcome::Cancelled)) => format!("{run} cancelled"),
+            Ok(Reply::Cancelled(CancelOutcome::StopRequested)) => {
+                format!("{run}: stop requested; the worker stops it at its next lease renewal")
+            }
+            Ok(Reply::Cancelled(CancelOutcome::AlreadyEnded(status))) => format!("{run} had already ended: {status}"),
+            Ok(other) => return Err(unexpected(&other)),
+            Err(e) if e.code == ErrorCode::NotFound => return Err(no_run(run)),
+            Err(e) => return Err(e),
+        };
+        Ok(Done { message, run_id: Some(run.to_string()) })
+    }
+
+    /// Runs, newest first, a page at a time.
+    pub async fn runs(&self, filter: &RunFilter) -> Result<RunPage, OpError> {
+        let status = match &filter.status {
+            None => None,
+            Some(s) => {
+                Some(RunStatus::parse(s).ok_or_else(|| OpError::invalid(format!("status {s:?} is not a run status")))?)
+            }
+        };
+        let before = match &filter.before {
+            None => None,
+            Some(r) => Some(RunId::parse(r.as_str()).map_err(|e| OpError::invalid(format!("before {r:?}: {e}")))?),
+        };
+        let limit = filter.limit.clamp(1, MAX_PAGE);
+        let query = RunQuery { schedule: filter.schedule.clone(), status, limit, before };
+        let runs: Vec<RunRow> = self.store.runs(&query).await?.iter().map(RunRow::from).collect();
+        let next = (runs.len() == limit).then(|| runs.last().map(|r| r.run_id.clone())).flatten();
+        Ok(RunPage { runs, next })
+    }
+
+    async fn detail(&self, run: &RunId) -> Result<RunDetail, OpError> {
+        self.store.run_detail(run).await?.ok_or_else(|| no_run(run))
+    }
+
+    /// One run with its attempts, leases and events.
+    pub async fn run(&self, run: &RunId) -> Result<RunView, OpError> {
+        Ok(RunView::from(&self.detail(run).await?))
+    }
+
+    /// Sets the labels the operator vouches for of `worker` (all of them; none clears
+    /// them) and says what it now carries.
+    pub async fn label(&self, worker: &WorkerId, words: &[String]) -> Result<Done, OpError> {
+        let labels = labels_of(words, "label").map_err(OpError::invalid)?;
+        match self.execute(Command::LabelWorker(worker.clone(), labels)).await? {
+            Reply::WorkerLabelled(w) => Ok(Done::said(format!("{}: {}", w.id.as_str(), label_list(&w.labels)))),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Disables, enables or revokes `worker`, or with `serial` one of its certificates.
+    pub async fn set_access(&self, worker: &WorkerId, access: Access, serial: Option<&str>) -> Result<Done, OpError> {
+        let said = match (access, serial) {
+            (Access::Revoke, Some(serial)) => crate::identity::revoke_certificate(&self.store, worker, serial).await,
+            (_, Some(_)) => return Err(OpError::invalid("a serial goes with revoke only")),
+            (access, None) => crate::identity::set_access(&self.store, worker, access).await,
+        };
+        said.map(Done::said).map_err(coded)
+    }
+
+    /// Each session with its worker's standing, then the workers without a session; see
+    /// [`WorkerRow`].
+    pub async fn workers(&self, limit: usize) -> Result<WorkerList, OpError> {
+        let limit = limit.clamp(1, MAX_PAGE);
+        let sessions = self.store.sessions(limit).await?;
+        let records = self.store.workers(limit).await?;
+        let twins = self.store.twin_refusals(3_600_000).await?;
+        let certificates = self.store.certificates(usize::MAX).await?;
+        let record = |w: &WorkerId| records.iter().find(|r| &r.id == w);
+        let trusted = |w: &WorkerId| record(w).map(|r| r.labels.clone()).unwrap_or_default();
+        // Revoked until a certificate is issued after the revocation (an enrolment again).
+        let enrolled_since = |w: &WorkerId, at: i64| {
+            certificates.iter().any(|c| &c.worker == w && c.revoked_at.is_none() && c.issued_at >= at)
+        };
+        let access = |w: &WorkerId| match record(w) {
+            Some(r) if r.disabled_at.is_some() => "disabled",
+            Some(r) if r.revoked_at.is_some_and(|at| !enrolled_since(w, at)) => "revoked",
+            _ => "active",
+        };
+        // The latest not-after among the worker's certificates still valid for it.
+        let not_after = |w: &WorkerId| {
+            certificates
+                .iter()
+                .filter(|c| &c.worker == w && c.revoked_at.is_none())
+                .map(|c| c.not_after)
+                .max()
+                .map(time)
+        };
+        let refused = |w: &WorkerId| twins.iter().find(|(t, _)| t == w).map_or(0, |(_, n)| *n);
+        let mut rows: Vec<WorkerRow> = sessions
+            .iter()
+            .map(|s| WorkerRow {
+                worker: s.worker.to_string(),
+                session: Some(s.id.to_string()),
+                generation: Some(s.generation.get()),
+                status: Some(s.state.as_str().into()),
+                capacity: Some(s.capacity),
+                last_seen: Some(time(s.seen_at)),
+                agent: Some(format!("{} {}", s.agent_version, s.arch)),
+                twins: refused(&s.worker),
+                access: access(&s.worker).into(),
+                cert_not_after: not_after(&s.worker),
+                labels: trusted(&s.worker),
+                declared: s.labels.clone(),
+            })
+            .collect();
+        let mut quiet: Vec<&WorkerId> = records.iter().map(|r| &r.id).collect();
+        quiet.extend(certificates.iter().map(|c| &c.worker));
+        quiet.sort();
+        quiet.dedup();
+        for w in quiet.into_iter().filter(|w| !sessions.iter().any(|s| &s.worker == *w)) {
+            rows.push(WorkerRow {
+                worker: w.to_string(),
+                session: None,
+                generation: None,
+                status: None,
+                capacity: None,
+                last_seen: None,
+                agent: None,
+                twins: refused(w),
+                access: access(w).into(),
+                cert_not_after: not_after(w),
+                labels: trusted(w),
+                declared: BTreeMap::new(),
+            });
+        }
+        Ok(WorkerList { workers: rows })
+    }
+
+    /// The recorded certificates.
+    pub async fn certificates(&self) -> Result<CertificateList, OpError> {
+        let all = self.store.certificates(usize::MAX).await?;
+        Ok(CertificateList { certificates: all.iter().map(CertificateRow::from).collect() })
+    }
+
+    /// The schedules.
+    pub async fn schedules(&self) -> Result<ScheduleList, OpError> {
+        Ok(ScheduleList { schedules: self.store.schedules().await?.iter().map(ScheduleRow::from).collect() })
+    }
+
+    /// One schedule with its 20 latest fires.
+    pub async fn schedule(&self, name: &str) -> Result<ScheduleView, OpError> {
+        let all = self.store.schedules().await?;
+        let s = all.iter().find(|s| s.name == name).ok_or_else(no_schedule)?;
+        let fires = self.store.fires(name, 20).await?;
+        Ok(ScheduleView { schedule: ScheduleRow::from(s), fires: fires.iter().map(FireRow::from).collect() })
+    }
+
+    /// Adds a schedule and says when it first fires.
+    pub async fn add_schedule(&self, body: &ScheduleBody) -> Result<Done, OpError> {
+        let spec = schedule_of(body)?;
+        match self.schedule_command(Command::AddSchedule(Box::new(spec))).await? {
+            Reply::Schedule(s) => Ok(Done::said(format!("{} added; first fire {}", s.name, time(s.due_at)))),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Pauses, resumes, fires now or removes a schedule.
+    pub async fn schedule_action(&self, name: &str, action: ScheduleAction) -> Result<Done, OpError> {
+        let name = name.to_owned();
+        let cmd = match action {
+            ScheduleAction::Pause => Command::PauseSchedule(name.clone(), true),
+            ScheduleAction::Resume => Command::PauseSchedule(name.clone(), false),
+            ScheduleAction::RunNow => Command::RunScheduleNow(name.clone()),
+            ScheduleAction::Remove => Command::RemoveSchedule(name.clone()),
+        };
+        match (action, self.schedule_command(cmd).await?) {
+            (ScheduleAction::Remove, _) => Ok(Done::said(format!("{name} removed (its runs stay)"))),
+            (_, Reply::Submitted(run)) => Ok(Done { message: run.to_string(), run_id: Some(run.to_string()) }),
+            (_, Reply::Schedule(s)) if s.paused => Ok(Done::said(format!("{} paused", s.name))),
+            (_, Reply::Schedule(s)) => Ok(Done::said(format!("{} resumed; next fire {}", s.name, time(s.due_at)))),
+            (_, other) => Err(unexpected(&other)),
+        }
+    }
+
+    async fn schedule_command(&self, cmd: Command) -> Result<Reply, OpError> {
+        self.execute(cmd).await.map_err(|e| match e.code {
+            ErrorCode::NotFound => no_schedule(),
+            ErrorCode::StateConflict => OpError::new(e.code, "a schedule with that name exists already"),
+            _ => e,
+        })
+    }
+
+    /// A piece of the run's log; see [`crate::logs`] for which attempt's, and when the
+    /// stored log replaces the live chunks. With `follow`, waits up to `wait_ms` for more
+    /// when there is none yet.
+    pub async fn log(&self, run: &RunId, request: &LogRequest) -> Result<LogWindow, OpError> {
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(request.wait_ms);
+        let mut changes = self.store.changes();
+        loop {
+            let window = self.window(run, request).await?;
+            let idle = window.bytes.is_empty() && window.sealed.is_none() && !window.terminal;
+            if !request.follow || !idle || tokio::time::Instant::now() >= deadline {
+                return Ok(window);
+            }
+            // A store notices writes of other processes only so often: look again at least
+            // every 250 ms.
+            let nap = deadline.min(tokio::time::Instant::now() + Duration::from_millis(250));
+            let _ = tokio::time::timeout_at(nap, changes.changed()).await;
+        }
+    }
+
+    async fn window(&self, run: &RunId, request: &LogRequest) -> Result<LogWindow, OpError> {
+        let d = self.detail(run).await?;
+        let terminal = d.run.status.is_terminal();
+        let mut window = LogWindow { status: d.run.status.as_str().into(), terminal, ..LogWindow::default() };
+        let Some(attempt) = target(&d, request.follow && !terminal) else {
+            return Ok(window);
+        };
+        let offset = if request.attempt.as_deref() == Some(attempt.id.as_str()) { request.offset } else { 0 };
+        window.attempt = Some(attempt.id.to_string());
+        window.number = attempt.number;
+        window.offset = offset;
+        let limit = request.limit.max(1);
+        let key = |artifact| ArtifactKey {
+            project: d.run.project.clone(),
+            run: d.run.id.clone(),
+            attempt: attempt.id.clone(),
+            artifact,
+        };
+        // While following, the live chunks are read until the run ends; the stored log
+        // then checks all of them.
+        if let Some(receipt) = attempt.artifact.as_ref().filter(|_| terminal || !request.follow) {
+            let content = self
+                .blobs
+                .read(&key(receipt.artifact_id.clone()))
+                .await
+                .map_err(|e| OpError::new(ErrorCode::Unavailable, e.to_string()))?
+                .ok_or_else(|| {
+                    unavailable(format!("the log of {run} is recorded but missing from the artifact store"))
+                })?;
+            if content.len() as u64 != receipt.length || !Digest::of(&content).ct_eq(&receipt.sha256) {
+                return Err(unavailable(format!(
+                    "the stored log of {run} does not match its receipt (SHA-256 or length differs)"
+                )));
+            }
+            let from = usize::try_from(offset).unwrap_or(usize::MAX).min(content.len());
+            let to = from.saturating_add(usize::try_from(limit).unwrap_or(usize::MAX)).min(content.len());
+            window.bytes = content[from..to].to_vec();
+            if to == content.len() {
+                window.sealed = Some(receipt.clone());
+            }
+            return Ok(window);
+        }
+        let Some(artifact) = attempt.log_artifact.clone() else {
+            return Ok(window);
+        };
+        let key = key(artifact);
+        for chunk in self.store.log_chunks(&attempt.id).await? {
+            let end = chunk.offset + chunk.length;
+            let have = offset + window.bytes.len() as u64;
+            if end <= have {
+                continue;
+            }
+            if window.bytes.len() as u64 >= limit {
+                break;
+            }
+            let bytes = self
+                .blobs
+                .read_chunk(&key, chunk.offset, chunk.length, &chunk.sha256)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
+            let from = usize::try_from(have.saturating_sub(chunk.offset)).unwrap_or(usize::MAX).min(bytes.len());
+            window.bytes.extend_from_slice(&bytes[from..]);
+        }
+        Ok(window)
+    }
+}
+
+/// The attempt whose log is the run's: the latest one; for a finished run, or a look
+/// without following, the latest one that has any log.
+fn target(d: &RunDetail, live: bool) -> Option<&Attempt> {
+    if live {
+        return d.attempts.last().filter(|a| a.status != AttemptStatus::Offered);
+    }
+    d.attempts.iter().rev().find(|a| a.artifact.is_some() || a.log_acked > 0)
+}
+
+/// The code of an identity command's message: `refused: <code>`, a missing serial, or the
+/// store's unavailability.
+fn coded(message: String) -> OpError {
+    let code = match message.rsplit_once("refused: ") {
+        Some((_, word)) => serde_json::from_value(serde_json::Value::String(word.to_owned())).ok(),
+        None if message.starts_with("no certificate") => Some(ErrorCode::NotFound),
+        None if message.starts_with("store unavailable") => Some(ErrorCode::Unavailable),
+        None => None,
+    };
+    OpError::new(code.unwrap_or(ErrorCode::InvalidRequest), message)
+}
+
+fn no_run(run: &RunId) -> OpError {
+    OpError::not_found(format!("no run {run} (see `ql-control runs`)"))
+}
+
+fn no_schedule() -> OpError {
+    OpError::not_found("no such schedule")
+}
+
+fn unavailable(message: String) -> OpError {
+    OpError::new(ErrorCode::Unavailable, message)
+}
+
+fn unexpected(reply: &Reply) -> OpError {
+    OpError::new(ErrorCode::Unavailable, format!("unexpected answer {reply:?}"))
+}

@@ -1,0 +1,288 @@
+//! The operator API of a real `ql-control serve`, over real TLS with the state
+//! directory's certificates: every route answers its admin, a read-only token is refused
+//! every change, a request without a valid token learns nothing, and no refusal changes
+//! a row. Tokens are stored only as digests.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use ql_control::store::{Snapshot, Store as _};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ql-control");
+
+/// A scratch directory, removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A process killed when the test ends.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn ql(args: &[&str]) -> String {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    assert!(out.status.success(), "ql-control {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `operator add NAME --role ROLE`, returning the token it printed.
+fn add_operator(dir: &Path, name: &str, role: &str) -> String {
+    let out = ql(&["operator", "add", name, "--role", role, "--dir", dir.to_str().unwrap()]);
+    out.lines().nth(1).expect("the token line").trim().to_owned()
+}
+
+/// The operator URL of a `serve` on `dir`.
+fn serve(dir: &Path) -> (Proc, String) {
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--operator-listen", "127.0.0.1:0", "--dir"])
+        .arg(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let proc = Proc(child);
+    use std::io::BufRead as _;
+    for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+        if let Some(url) = line.strip_prefix("operator API on ") {
+            return (proc, url.trim().to_owned());
+        }
+    }
+    panic!("serve did not say where its operator API is");
+}
+
+struct Api {
+    agent: ureq::Agent,
+    url: String,
+}
+
+/// An answer: status, JSON body (or `Null`), and the `www-authenticate` header.
+struct Answer {
+    status: u16,
+    body: Value,
+    challenge: Option<String>,
+}
+
+impl Api {
+    fn new(ca: &Path, url: String) -> Self {
+        use ureq::tls::{PemItem, RootCerts, TlsConfig, TlsProvider};
+        let pem = std::fs::read(ca).unwrap();
+        let certs: Vec<_> = ureq::tls::parse_pem(&pem)
+            .filter_map(|i| match i {
+                Ok(PemItem::Certificate(c)) => Some(c),
+                _ => None,
+            })
+            .collect();
+        let tls = TlsConfig::builder()
+            .provider(TlsProvider::Rustls)
+            .unversioned_rustls_crypto_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .root_certs(RootCerts::new_with_certs(&certs))
+            .build();
+        let config = ureq::Agent::config_builder()
+            .tls_config(tls)
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build();
+        Self { agent: config.into(), url }
+    }
+
+    fn call(&self, method: &str, path: &str, token: Option<&str>, body: Option<(&str, Vec<u8>)>) -> Answer {
+        let url = format!("{}{path}", self.url);
+        let auth = token.map(|t| format!("Bearer {t}"));
+        let response = match method {
+            "GET" | "DELETE" => {
+                let mut r = if method == "GET" { self.agent.get(&url) } else { self.agent.delete(&url) };
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.call()
+            }
+            _ => {
+                let mut r = if method == "PUT" { self.agent.put(&url) } else { self.agent.post(&url) };
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                let (kind, bytes) = body.unwrap_or(("application/json", b"{}".to_vec()));
+                r.header("Content-Type", kind).send(&bytes[..])
+            }
+        };
+        let mut response = response.unwrap();
+        let status = response.status().as_u16();
+        let challenge = response.headers().get("www-authenticate").map(|v| v.to_str().unwrap().to_owned());
+        let text = response.body_mut().read_to_string().unwrap();
+        Answer { status, body: serde_json::from_str(&text).unwrap_or(Value::Null), challenge }
+    }
+
+    fn json(&self, method: &str, path: &str, token: &str, body: Value) -> Answer {
+        self.call(method, path, Some(token), Some(("application/json", serde_json::to_vec(&body).unwrap())))
+    }
+}
+
+fn snapshot(dir: &Path) -> Snapshot {
+    let (store, _) = ql_control::admin::open_store(dir).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(store.snapshot()).unwrap()
+}
+
+#[test]
+fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
+    let root = TempDir(std::env::temp_dir().join(format!("ql-operator-api-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&root.0);
+    let dir = root.0.join("state");
+    let d = dir.to_str().unwrap();
+    ql(&["init", "--host", "127.0.0.1", "--dir", d]);
+    ql(&["enroll", "w1", "--dir", d, "--out", root.0.join("creds").to_str().unwrap()]);
+    let viewer = add_operator(&dir, "viewer", "read");
+    let admin = add_operator(&dir, "boss", "admin");
+    let (_serve, url) = serve(&dir);
+    let api = Api::new(&dir.join("pki").join("ca.crt"), url);
+
+    // Without a valid token nothing is answered, not even whether a route exists.
+    let (name, secret) = viewer.rsplit_once('.').unwrap();
+    let wrong_secret = format!("{name}.{}", "A".repeat(secret.len()));
+    let unknown_name = format!("nobody.{secret}");
+    let before = snapshot(&dir);
+    for token in [None, Some("garbage"), Some(wrong_secret.as_str()), Some(unknown_name.as_str())] {
+        for (method, path) in [("GET", "/v1/runs"), ("POST", "/v1/runs"), ("GET", "/v1/no-such-route")] {
+            let a = api.call(method, path, token, None);
+            assert_eq!(
+                (a.status, a.body["error"].as_str()),
+                (401, Some("unauthenticated")),
+                "{method} {path} {token:?}"
+            );
+            assert_eq!(a.challenge.as_deref(), Some("Bearer"));
+        }
+    }
+
+    // Admin: submit, with every refusal of a body changing nothing.
+    let run_body = json!({ "argv": ["sh", "-c", "echo hi"], "timeoutMs": 60000 });
+    for (kind, bytes, status, code) in [
+        ("application/json", br#"{"argv":["true"],"bogus":1}"#.to_vec(), 400, "invalid_request"),
+        ("application/json", br#"{"argv":[]}"#.to_vec(), 400, "invalid_request"),
+        ("text/plain", br#"{"argv":["true"]}"#.to_vec(), 415, "unsupported_media_type"),
+        ("application/json", vec![b' '; 2 * 1024 * 1024], 413, "payload_too_large"),
+    ] {
+        let a = api.call("POST", "/v1/runs", Some(&admin), Some((kind, bytes)));
+        assert_eq!((a.status, a.body["error"].as_str()), (status, Some(code)), "{kind}: {}", a.body);
+    }
+    // A read-only token is refused every change.
+    let refused_to_viewer = [
+        ("POST", "/v1/runs".to_owned(), run_body.clone()),
+        ("POST", "/v1/schedules".to_owned(), json!({ "name": "s", "cron": "* * * * *", "run": run_body })),
+        ("POST", "/v1/workers/w1:disable".to_owned(), json!({})),
+        ("PUT", "/v1/workers/w1/labels".to_owned(), json!({ "labels": { "site": "attic" } })),
+    ];
+    for (method, path, body) in &refused_to_viewer {
+        let a = api.json(method, path, &viewer, body.clone());
+        assert_eq!((a.status, a.body["error"].as_str()), (403, Some("forbidden")), "{method} {path}");
+    }
+    assert_eq!(snapshot(&dir), before, "no refusal changed a row");
+
+    let first = api.json("POST", "/v1/runs", &admin, run_body.clone());
+    assert_eq!(first.status, 200, "{}", first.body);
+    let first = first.body["runId"].as_str().unwrap().to_owned();
+    let second = api.json("POST", "/v1/runs", &admin, run_body.clone()).body["runId"].as_str().unwrap().to_owned();
+
+    // Reading: a page at a time, newest first.
+    let page = api.call("GET", "/v1/runs?limit=1", Some(&viewer), None).body;
+    assert_eq!(page["runs"][0]["runId"], second.as_str(), "{page}");
+    let next = page["next"].as_str().unwrap().to_owned();
+    let page = api.call("GET", &format!("/v1/runs?limit=1&before={next}"), Some(&viewer), None).body;
+    assert_eq!(page["runs"][0]["runId"], first.as_str(), "{page}");
+    let queued = api.call("GET", "/v1/runs?status=queued", Some(&viewer), None).body;
+    assert_eq!(queued["runs"].as_array().unwrap().len(), 2);
+    let bad = api.call("GET", "/v1/runs?status=sleeping", Some(&viewer), None);
+    assert_eq!((bad.status, bad.body["error"].as_str()), (400, Some("invalid_request")));
+    let shown = api.call("GET", &format!("/v1/runs/{first}"), Some(&viewer), None).body;
+    assert_eq!(shown["status"], "queued");
+    let missing = api.call("GET", "/v1/runs/run_nosuchrun", Some(&viewer), None);
+    assert_eq!((missing.status, missing.body["error"].as_str()), (404, Some("not_found")));
+    let log = api.call("GET", &format!("/v1/runs/{first}/log"), Some(&viewer), None);
+    assert_eq!(log.status, 200, "a queued run has no log yet, which is no error");
+
+    // Cancel.
+    let before = snapshot(&dir);
+    let a = api.json("POST", &format!("/v1/runs/{first}:cancel"), &viewer, json!({}));
+    assert_eq!(a.status, 403);
+    assert_eq!(snapshot(&dir), before);
+    let a = api.json("POST", &format!("/v1/runs/{first}:cancel"), &admin, json!({}));
+    assert_eq!(a.body["message"], format!("{first} cancelled"), "{}", a.body);
+
+    // Workers: the list, the certificates, labels and access.
+    let workers = api.call("GET", "/v1/workers", Some(&viewer), None).body;
+    assert_eq!(workers["workers"][0]["worker"], "w1", "{workers}");
+    assert_eq!(workers["workers"][0]["access"], "active");
+    let certs = api.call("GET", "/v1/certificates", Some(&viewer), None).body;
+    assert_eq!(certs["certificates"].as_array().unwrap().len(), 1, "{certs}");
+    let a = api.json("PUT", "/v1/workers/w1/labels", &admin, json!({ "labels": { "site": "attic" } }));
+    assert_eq!(a.body["message"], "w1: site=attic", "{}", a.body);
+    let a = api.json("PUT", "/v1/workers/w1/labels", &admin, json!({ "labels": { "A": "b" } }));
+    assert_eq!(a.status, 400, "{}", a.body);
+    let a = api.json("POST", "/v1/workers/w1:disable", &admin, json!({}));
+    assert!(a.body["message"].as_str().unwrap().starts_with("w1 disabled"), "{}", a.body);
+    let workers = api.call("GET", "/v1/workers", Some(&viewer), None).body;
+    assert_eq!(workers["workers"][0]["access"], "disabled");
+    let a = api.json("POST", "/v1/workers/w1:enable", &admin, json!({}));
+    assert_eq!(a.body["message"], "w1 enabled");
+    let a = api.json("POST", "/v1/workers/w1:revoke", &admin, json!({ "serial": "00ff" }));
+    assert_eq!((a.status, a.body["error"].as_str()), (404, Some("not_found")), "{}", a.body);
+
+    // Schedules.
+    let schedule = json!({ "name": "nightly", "cron": "0 30 7 * * *", "tz": "Asia/Shanghai", "run": run_body });
+    let a = api.json("POST", "/v1/schedules", &admin, schedule.clone());
+    assert!(a.body["message"].as_str().unwrap().starts_with("nightly added"), "{}", a.body);
+    let a = api.json("POST", "/v1/schedules", &admin, schedule);
+    assert_eq!((a.status, a.body["error"].as_str()), (409, Some("state_conflict")));
+    let a = api.json("POST", "/v1/schedules", &admin, json!({ "name": "bad", "cron": "61 * * * *", "run": run_body }));
+    assert_eq!(a.status, 400, "{}", a.body);
+    let list = api.call("GET", "/v1/schedules", Some(&viewer), None).body;
+    assert_eq!(list["schedules"][0]["tz"], "Asia/Shanghai", "{list}");
+    for action in ["pause", "resume"] {
+        let a = api.json("POST", &format!("/v1/schedules/nightly:{action}"), &admin, json!({}));
+        assert!(a.body["message"].as_str().unwrap().starts_with(&format!("nightly {action}d")), "{}", a.body);
+    }
+    let fired = api.json("POST", "/v1/schedules/nightly:run-now", &admin, json!({})).body;
+    let fired = fired["runId"].as_str().unwrap().to_owned();
+    let shown = api.call("GET", &format!("/v1/runs/{fired}"), Some(&viewer), None).body;
+    assert_eq!(shown["schedule"], "nightly");
+    let one = api.call("GET", "/v1/schedules/nightly", Some(&viewer), None).body;
+    assert_eq!(one["schedule"]["name"], "nightly", "{one}");
+    let before = snapshot(&dir);
+    assert_eq!(api.call("DELETE", "/v1/schedules/nightly", Some(&viewer), None).status, 403);
+    assert_eq!(snapshot(&dir), before);
+    let a = api.call("DELETE", "/v1/schedules/nightly", Some(&admin), None);
+    assert_eq!(a.body["message"], "nightly removed (its runs stay)");
+    let a = api.call("GET", "/v1/schedules/nightly", Some(&viewer), None);
+    assert_eq!(a.status, 404);
+
+    // The tokens are nowhere in the state directory; removing an operator ends its token.
+    for token in [&viewer, &admin] {
+        let secret = token.rsplit_once('.').unwrap().1;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_file() {
+                let bytes = std::fs::read(&path).unwrap();
+                assert!(!bytes.windows(secret.len()).any(|w| w == secret.as_bytes()), "{path:?} holds a raw token");
+            }
+        }
+    }
+    let listed = ql(&["operator", "list", "--dir", d]);
+    assert!(listed.contains("viewer") && listed.contains("read") && !listed.contains(secret), "{listed}");
+    ql(&["operator", "remove", "viewer", "--dir", d]);
+    assert_eq!(api.call("GET", "/v1/runs", Some(&viewer), None).status, 401);
+    assert_eq!(api.call("GET", "/v1/runs", Some(&admin), None).status, 200);
+}

@@ -1,0 +1,105 @@
+//! The CLI from another machine: `ql-control --server` against a real `serve`'s operator
+//! API, with a real agent running the job. The README's quickstart runs through it — a
+//! script submitted, its log followed live to the end with its SHA-256 checked, the run
+//! shown and listed, the worker listed — with no access to the state directory but its
+//! public CA certificate; a read-only token may look but not change, and the commands
+//! that need the state directory itself refuse `--server`.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::{text, World};
+
+/// `ql-control --server URL --ca CA <args>` with `token` in `$QL_CONTROL_TOKEN`, from a
+/// directory that is not the state directory.
+fn remote(w: &World, token: &str, args: &[&str]) -> Output {
+    Command::new(&w.control.bin)
+        .args(["--server", &w.control.operator_url, "--ca"])
+        .arg(w.control.dir.join("pki").join("ca.crt"))
+        .args(args)
+        .env("QL_CONTROL_TOKEN", token)
+        .env("QL_CONTROL_DIR", "/nonexistent/ql-control")
+        .current_dir(w.path(""))
+        .output()
+        .expect("ql-control runs")
+}
+
+fn add_operator(dir: &Path, bin: &Path, name: &str, role: &str) -> String {
+    let out = Command::new(bin).args(["operator", "add", name, "--role", role, "--dir"]).arg(dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    text(&out).lines().nth(1).unwrap().trim().to_owned()
+}
+
+/// Its stdout, exactly, once it succeeded.
+fn ok(out: Output) -> String {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn the_quickstart_runs_remotely_through_the_operator_api() {
+    let w = World::new("remote", &[]);
+    let admin = add_operator(&w.control.dir, &w.control.bin, "ops", "admin");
+    let viewer = add_operator(&w.control.dir, &w.control.bin, "viewer", "read");
+
+    // The quickstart's job, with a pause so the log is followed while it grows.
+    let script = w.path("job.sh");
+    std::fs::write(&script, "echo \"hello from QingLong Edge\"\nsleep 1\nseq 1 20000\necho done\n").unwrap();
+    let run = ok(remote(
+        &w,
+        &admin,
+        &["submit", "--script", script.to_str().unwrap(), "--interpreter", "sh", "--timeout-ms", "60000"],
+    ))
+    .trim()
+    .to_owned();
+    let followed = remote(&w, &admin, &["logs", &run, "--follow", "--poll-ms", "200"]);
+    let log = ok(followed.clone());
+    let expected: String = std::iter::once("hello from QingLong Edge".to_owned())
+        .chain((1..=20000).map(|i| i.to_string()))
+        .chain(["done".to_owned()])
+        .map(|l| l + "\n")
+        .collect();
+    let differs = log.bytes().zip(expected.bytes()).position(|(a, b)| a != b);
+    assert!(
+        log == expected,
+        "the followed log is not the job's output: {} bytes, {} expected, first difference at {differs:?}, near {:?}",
+        log.len(),
+        expected.len(),
+        differs.map(|at| &log[at.saturating_sub(20)..(at + 20).min(log.len())]),
+    );
+    let said = String::from_utf8_lossy(&followed.stderr);
+    assert!(said.contains("SHA-256") && said.contains("checked"), "{said}");
+    assert_eq!(w.wait_status(&run, "succeeded")["status"], "succeeded");
+    assert!(ok(remote(&w, &viewer, &["logs", &run])) == expected, "the stored log, read by a viewer");
+
+    let shown = ok(remote(&w, &viewer, &["show", &run]));
+    assert!(shown.contains("status   succeeded") && shown.contains("exit=0"), "{shown}");
+    let json: serde_json::Value = serde_json::from_str(&ok(remote(&w, &viewer, &["show", &run, "--json"]))).unwrap();
+    assert_eq!(json["attempts"][0]["artifact"]["length"], expected.len());
+    assert!(ok(remote(&w, &viewer, &["runs", "--status", "succeeded"])).contains(&run));
+    let workers = ok(remote(&w, &viewer, &["workers"]));
+    assert!(workers.lines().any(|l| l.starts_with("w1 ") && l.contains("online")), "{workers}");
+
+    // Schedules remotely.
+    let added = ok(remote(&w, &admin, &["schedule", "add", "nightly", "--cron", "0 30 7 * * *", "--", "true"]));
+    assert!(added.starts_with("nightly added"), "{added}");
+    assert!(ok(remote(&w, &viewer, &["schedule", "list"])).contains("nightly"));
+    let now = ok(remote(&w, &admin, &["schedule", "run-now", "nightly"])).trim().to_owned();
+    assert!(ok(remote(&w, &viewer, &["runs", "--schedule", "nightly"])).contains(&now));
+    ok(remote(&w, &admin, &["schedule", "remove", "nightly"]));
+
+    // A viewer may not change anything; --server refuses what needs the directory.
+    let run_ids = || -> Vec<String> {
+        text(&w.control.cli(&["runs"])).lines().skip(1).filter_map(|l| l.split(' ').next()).map(str::to_owned).collect()
+    };
+    let before = run_ids();
+    let refused = remote(&w, &viewer, &["submit", "--", "true"]);
+    assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("may not"));
+    assert_eq!(run_ids(), before, "nothing was queued");
+    let refused = remote(&w, &admin, &["operator", "list"]);
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not through --server"));
+    let wrong = remote(&w, "ops.AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", &["runs"]);
+    assert!(!wrong.status.success() && String::from_utf8_lossy(&wrong.stderr).contains("operator token"));
+}
