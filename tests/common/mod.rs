@@ -185,19 +185,22 @@ impl Control {
                 }
             }
         });
-        let said = |prefix: &str| loop {
+        // The operator API's line comes first, "listening on" last.
+        let mut operator_url = String::new();
+        let url = loop {
             let line = rx.recv_timeout(DEADLINE).unwrap_or_else(|_| {
                 panic!(
                     "ql-control serve did not say where it listens:\n{}",
                     fs::read_to_string(stderr).unwrap_or_default()
                 )
             });
-            if let Some(url) = line.strip_prefix(prefix) {
+            if let Some(url) = line.strip_prefix("operator API on ") {
+                operator_url = url.trim().to_owned();
+            }
+            if let Some(url) = line.strip_prefix("listening on ") {
                 break url.trim().to_owned();
             }
         };
-        let url = said("listening on ");
-        let operator_url = said("operator API on ");
         Control { bin: bin.to_owned(), dir: dir.to_owned(), server, url, operator_url, stderr: stderr.to_owned() }
     }
 

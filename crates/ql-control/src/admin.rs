@@ -11,7 +11,7 @@ use ql_wire::ids::{RunId, WorkerId};
 use crate::blob::fs::FsBlobStore;
 use crate::config::{Config, Layout};
 use crate::core::{Command, Reply};
-use crate::ops::view::{ScriptBody, SubmitBody};
+use crate::ops::view::{NotifyBody, ScriptBody, SubmitBody};
 use crate::store::postgres::{PgOptions, PgStore};
 use crate::store::sqlite::SqliteStore;
 use crate::store::{RunDetail, Snapshot, Store, StoreError};
@@ -39,6 +39,10 @@ pub struct SubmitArgs {
     pub agent_labels: Vec<String>,
     /// Lost leases tolerated.
     pub retries: u32,
+    /// A webhook URL told of the run's end.
+    pub notify: Option<String>,
+    /// `all` or `failure`: which ends the webhook is told of.
+    pub notify_on: Option<String>,
 }
 
 fn pair(text: &str, what: &str) -> Result<(String, String), String> {
@@ -78,6 +82,11 @@ pub fn body_of(args: &SubmitArgs) -> Result<SubmitBody, String> {
         labels: labels_of(&args.labels, "--label")?,
         agent_labels: labels_of(&args.agent_labels, "--agent-label")?,
         retries: args.retries,
+        notify: match (&args.notify, &args.notify_on) {
+            (Some(url), on) => Some(NotifyBody { url: url.clone(), on: on.clone().unwrap_or_else(|| "all".into()) }),
+            (None, Some(_)) => return Err("--notify-on goes with --notify URL".into()),
+            (None, None) => None,
+        },
     };
     // Refuse what could never run before anything is sent.
     crate::ops::local::submit_of(&body)?;

@@ -19,6 +19,21 @@ pub struct Config {
     pub operator_max_connections: u64,
     /// The longest wait of an operator API log follow (`waitMs`).
     pub operator_log_wait_ms: u64,
+    /// The key webhook bodies are signed with (HMAC-SHA256), made at the first `serve`
+    /// when absent; relative to the state directory. Replicas share it.
+    pub webhook_secret_file: String,
+    /// CA certificates trusted for `https://` webhooks.
+    pub webhook_ca_file: String,
+    /// One webhook send may take this long.
+    pub webhook_timeout_ms: u64,
+    /// How often the notifier looks for deliveries due.
+    pub webhook_poll_ms: u64,
+    /// Sends tried before a delivery is `failed`.
+    pub webhook_max_attempts: u64,
+    /// The wait after a first failed send; it doubles with each further one.
+    pub webhook_backoff_ms: u64,
+    /// The longest wait between two sends.
+    pub webhook_backoff_max_ms: u64,
     /// How often agents heartbeat.
     pub heartbeat_ms: u64,
     /// A session lapses after this long without a heartbeat or poll.
@@ -88,6 +103,13 @@ impl Default for Config {
             operator_listen: "127.0.0.1:8444".into(),
             operator_max_connections: 64,
             operator_log_wait_ms: 25_000,
+            webhook_secret_file: "webhook.key".into(),
+            webhook_ca_file: "/etc/ssl/certs/ca-certificates.crt".into(),
+            webhook_timeout_ms: 10_000,
+            webhook_poll_ms: 1_000,
+            webhook_max_attempts: 5,
+            webhook_backoff_ms: 2_000,
+            webhook_backoff_max_ms: 300_000,
             heartbeat_ms: t.heartbeat_ms,
             session_ttl_ms: t.session_ttl_ms,
             offer_ttl_ms: t.offer_ttl_ms,
@@ -197,6 +219,17 @@ impl Config {
         }
     }
 
+    /// How webhook deliveries are claimed and retried: a claim outlasts three sends.
+    pub fn delivery_policy(&self) -> crate::core::DeliveryPolicy {
+        crate::core::DeliveryPolicy {
+            claim_ms: self.webhook_timeout_ms.saturating_mul(3),
+            max_attempts: u32::try_from(self.webhook_max_attempts).unwrap_or(u32::MAX),
+            backoff_ms: self.webhook_backoff_ms,
+            backoff_max_ms: self.webhook_backoff_max_ms.max(self.webhook_backoff_ms),
+            ..crate::core::DeliveryPolicy::default()
+        }
+    }
+
     /// How long a worker certificate is valid.
     pub fn worker_cert_lifetime(&self) -> std::time::Duration {
         std::time::Duration::from_millis(self.worker_cert_lifetime_ms)
@@ -233,6 +266,9 @@ impl Config {
             ("enrolment_token_ttl_ms", self.enrolment_token_ttl_ms),
             ("schedule_missed_after_ms", self.schedule_missed_after_ms),
             ("operator_max_connections", self.operator_max_connections),
+            ("webhook_timeout_ms", self.webhook_timeout_ms),
+            ("webhook_poll_ms", self.webhook_poll_ms),
+            ("webhook_max_attempts", self.webhook_max_attempts),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be greater than 0"));

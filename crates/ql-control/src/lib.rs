@@ -14,6 +14,7 @@
 pub mod admin;
 pub mod api;
 pub mod blob;
+pub mod client;
 pub mod config;
 pub mod core;
 pub mod fault;
@@ -21,6 +22,7 @@ pub mod http;
 pub mod identity;
 pub mod logs;
 pub mod model;
+pub mod notifier;
 pub mod ops;
 pub mod pki;
 pub mod serve;

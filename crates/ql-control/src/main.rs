@@ -260,6 +260,12 @@ struct SubmitCmd {
     /// times a run whose worker vanished is queued again (default 0)
     #[argh(option, default = "0")]
     retries: u32,
+    /// a webhook URL POSTed the run's end (signed with the webhook key)
+    #[argh(option)]
+    notify: Option<String>,
+    /// with --notify: all (default) or failure (failed and timed_out only)
+    #[argh(option)]
+    notify_on: Option<String>,
     /// the program and its arguments
     #[argh(positional, greedy)]
     argv: Vec<String>,
@@ -511,6 +517,12 @@ struct ScheduleAdd {
     /// times a run whose worker vanished is queued again (default 0)
     #[argh(option, default = "0")]
     retries: u32,
+    /// a webhook URL POSTed the run's end (signed with the webhook key)
+    #[argh(option)]
+    notify: Option<String>,
+    /// with --notify: all (default) or failure (failed and timed_out only)
+    #[argh(option)]
+    notify_on: Option<String>,
     /// state directory
     #[argh(option)]
     dir: Option<PathBuf>,
@@ -600,6 +612,8 @@ fn schedule(reach: &Reach, cmd: ScheduleCmd) -> Result<(), String> {
                 labels: a.label,
                 agent_labels: a.agent_label,
                 retries: a.retries,
+                notify: a.notify,
+                notify_on: a.notify_on,
             })?;
             let body = ql_control::ops::view::ScheduleBody {
                 name: a.name,
@@ -942,6 +956,8 @@ fn main() -> ExitCode {
                 labels: cmd.label,
                 agent_labels: cmd.agent_label,
                 retries: cmd.retries,
+                notify: cmd.notify,
+                notify_on: cmd.notify_on,
             };
             admin::body_of(&args).and_then(|body| {
                 let done = with_target(&reach, cmd.dir, cmd.database, async |t| t.submit(&body).await)?;

@@ -585,3 +585,61 @@ pub struct Operator {
     /// Made at.
     pub created_at: Millis,
 }
+
+status! {
+    /// Which ends of a run its webhook is told of.
+    NotifyOn {
+        /// Every terminal status.
+        All = "all",
+        /// `failed` and `timed_out` only.
+        Failure = "failure",
+    }
+}
+
+/// A webhook asked for at submit: where to POST the run's end, and which ends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Notify {
+    /// An `http://` or `https://` URL.
+    pub url: String,
+    /// Which ends.
+    pub on: NotifyOn,
+}
+
+status! {
+    /// Where a run's webhook delivery stands.
+    DeliveryState {
+        /// The run has not ended.
+        Waiting = "waiting",
+        /// Claimed for a send, or waiting for the next one after a failure.
+        Pending = "pending",
+        /// A receiver answered 2xx.
+        Delivered = "delivered",
+        /// Every attempt failed.
+        Failed = "failed",
+        /// The run ended in a way the webhook did not ask for.
+        Skipped = "skipped",
+    }
+}
+
+/// A run's webhook delivery, one per run (the run id is its idempotency key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    /// The run.
+    pub run: RunId,
+    /// Where to POST.
+    pub url: String,
+    /// Which ends.
+    pub on: NotifyOn,
+    /// Where it stands.
+    pub state: DeliveryState,
+    /// Sends tried.
+    pub attempts: u32,
+    /// Not to be claimed before then (a claim, or the backoff after a failure).
+    pub next_at: Millis,
+    /// Why the last send failed.
+    pub last_error: Option<String>,
+    /// Written with its run at.
+    pub created_at: Millis,
+    /// Last changed at.
+    pub updated_at: Millis,
+}

@@ -277,21 +277,36 @@ async fn serve_on<S: Store>(
             Some(api)
         }
     };
-    // Scripts and tests read this line to learn the port when they asked for port 0; it is
-    // out before READY=1, so whoever waited for `systemctl start` can read it too.
-    let listening = format!("listening on https://{}", ingress.local_addr());
-    println!("{listening}");
+    // Scripts and tests read these lines to learn the ports when they asked for port 0;
+    // "listening on" comes last, and before READY=1, so whoever waited for it or for
+    // `systemctl start` can read both.
+    // A closed stdout (whoever started us stopped reading) is no reason to stop serving.
+    let say = |line: &str| {
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), "{line}");
+    };
     if let Some(api) = &api {
-        println!("operator API on https://{}", api.local_addr());
+        say(&format!("operator API on https://{}", api.local_addr()));
     }
+    let listening = format!("listening on https://{}", ingress.local_addr());
+    say(&listening);
     notifying(&notify, |n| n.ready(&listening, Instant::now()));
     let every = notifying(&notify, |n| n.watchdog_every());
     let watchdog = every.map(|every| tokio::spawn(watchdog_forever(store.clone(), notify.clone(), every)));
+    let notifier = {
+        let key = crate::notifier::webhook_key(&layout.dir.join(&config.webhook_secret_file))?;
+        let timeout = Duration::from_millis(config.webhook_timeout_ms);
+        let notifier =
+            crate::notifier::Notifier::new(&key, Path::new(&config.webhook_ca_file), timeout, config.delivery_policy());
+        let every = Duration::from_millis(config.webhook_poll_ms);
+        tokio::spawn(crate::notifier::notify_forever(store.clone(), Arc::new(notifier), every))
+    };
     let every = Duration::from_millis(config.sweep_interval_ms);
     let sweeper = tokio::spawn(sweep_forever(store, every, config.audit_retention()));
     shutdown.await;
     notifying(&notify, |n| n.stopping("stopping: finishing the requests in flight", None));
     sweeper.abort();
+    notifier.abort();
     let (connections, requests) = (ingress.stats().connections(), ingress.stats().requests());
     if let Some(api) = api {
         api.shutdown().await;

@@ -169,7 +169,10 @@ fn serve_raises_its_open_file_limit_and_says_when_even_the_hard_one_is_too_low()
         let err = root.0.join("serve.err");
         let mut child = Command::new("sh")
             .arg("-c")
-            .arg(format!("{limits}; exec {BIN} serve --listen 127.0.0.1:0 --dir {}", dir.display()))
+            .arg(format!(
+                "{limits}; exec {BIN} serve --listen 127.0.0.1:0 --operator-listen '' --dir {}",
+                dir.display()
+            ))
             .stdout(std::process::Stdio::piped())
             .stderr(std::fs::File::create(&err).unwrap())
             .spawn()

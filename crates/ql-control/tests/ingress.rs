@@ -179,7 +179,8 @@ impl Server {
             timeout_ms: 600_000,
             log_limit_bytes: 1024 * 1024,
         };
-        let submit = Submit { project: project(), spec, labels, agent_labels: BTreeMap::new(), retry_budget };
+        let submit =
+            Submit { project: project(), spec, labels, agent_labels: BTreeMap::new(), retry_budget, notify: None };
         match self.rt.block_on(self.store.execute(Command::Submit(submit))).unwrap() {
             Ok(Reply::Submitted(run)) => run,
             other => panic!("submit: {other:?}"),

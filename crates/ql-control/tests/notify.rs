@@ -115,7 +115,7 @@ impl Service {
         let manager = Manager::bind(&socket);
         let stderr = tmp.path().join("serve.err");
         let mut serve = Command::new(BIN);
-        serve.args(["serve", "--listen", "127.0.0.1:0", "--operator-listen", "127.0.0.1:0", "--dir"]).arg(&state);
+        serve.args(["serve", "--listen", "127.0.0.1:0", "--operator-listen", "", "--dir"]).arg(&state);
         if named {
             serve.env("NOTIFY_SOCKET", &socket);
         } else {

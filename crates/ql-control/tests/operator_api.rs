@@ -5,7 +5,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -51,18 +50,23 @@ fn serve(dir: &Path) -> (Proc, String) {
         .args(["serve", "--listen", "127.0.0.1:0", "--operator-listen", "127.0.0.1:0", "--dir"])
         .arg(dir)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("serve.err")).unwrap())
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
     let proc = Proc(child);
     use std::io::BufRead as _;
+    let mut operators = None;
     for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
         if let Some(url) = line.strip_prefix("operator API on ") {
-            return (proc, url.trim().to_owned());
+            operators = Some(url.trim().to_owned());
+        }
+        // The last line it prints.
+        if line.starts_with("listening on ") {
+            break;
         }
     }
-    panic!("serve did not say where its operator API is");
+    (proc, operators.expect("serve says where its operator API is"))
 }
 
 struct Api {
@@ -79,25 +83,8 @@ struct Answer {
 
 impl Api {
     fn new(ca: &Path, url: String) -> Self {
-        use ureq::tls::{PemItem, RootCerts, TlsConfig, TlsProvider};
-        let pem = std::fs::read(ca).unwrap();
-        let certs: Vec<_> = ureq::tls::parse_pem(&pem)
-            .filter_map(|i| match i {
-                Ok(PemItem::Certificate(c)) => Some(c),
-                _ => None,
-            })
-            .collect();
-        let tls = TlsConfig::builder()
-            .provider(TlsProvider::Rustls)
-            .unversioned_rustls_crypto_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .root_certs(RootCerts::new_with_certs(&certs))
-            .build();
-        let config = ureq::Agent::config_builder()
-            .tls_config(tls)
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(30)))
-            .build();
-        Self { agent: config.into(), url }
+        let roots = ql_control::client::certificates(&std::fs::read(ca).unwrap());
+        Self { agent: ql_control::client::agent(&roots, true, Some(Duration::from_secs(30))), url }
     }
 
     fn call(&self, method: &str, path: &str, token: Option<&str>, body: Option<(&str, Vec<u8>)>) -> Answer {
@@ -120,7 +107,7 @@ impl Api {
                 r.header("Content-Type", kind).send(&bytes[..])
             }
         };
-        let mut response = response.unwrap();
+        let mut response = response.unwrap_or_else(|e| panic!("{method} {path}: {e}"));
         let status = response.status().as_u16();
         let challenge = response.headers().get("www-authenticate").map(|v| v.to_str().unwrap().to_owned());
         let text = response.body_mut().read_to_string().unwrap();

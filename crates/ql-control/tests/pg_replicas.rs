@@ -383,6 +383,7 @@ async fn stress(db_url: &str, replicas: usize, agents: usize, runs: usize, resta
             labels: Default::default(),
             agent_labels: Default::default(),
             retry_budget: 1,
+            notify: None,
         };
         match store.execute(Cmd::Submit(submit)).await.unwrap() {
             Ok(Reply::Submitted(id)) => ids.push(id),
@@ -560,6 +561,7 @@ async fn outage_grace_is_given_only_when_no_replica_served() {
             labels: Default::default(),
             agent_labels: Default::default(),
             retry_budget: 0,
+            notify: None,
         };
         match store.execute(Cmd::Submit(submit)).await.unwrap() {
             Ok(Reply::Submitted(id)) => id,
@@ -687,6 +689,7 @@ async fn a_worker_revoked_through_the_database_is_refused_by_every_replica_at_on
         labels: Default::default(),
         agent_labels: Default::default(),
         retry_budget: 1,
+        notify: None,
     };
     let Ok(Reply::Submitted(run)) = store.execute(Cmd::Submit(submit)).await.unwrap() else { panic!("submit") };
     let worker = WorkerId::parse("w-revoked").unwrap();

@@ -43,6 +43,7 @@ async fn concurrent_ack_transactions_keep_every_invariant() {
                 labels: BTreeMap::new(),
                 agent_labels: labels.clone(),
                 retry_budget: 0,
+                notify: None,
             };
             assert!(matches!(exec(&store, Command::Submit(submit)).await, Ok(Reply::Submitted(_))));
         }

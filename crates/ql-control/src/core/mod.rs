@@ -21,6 +21,7 @@ mod finish;
 mod grace;
 mod identity;
 mod log;
+mod notify;
 mod operator;
 mod schedule;
 mod session;
@@ -36,7 +37,8 @@ pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
 pub use grace::{absence, Grace, Graced};
 pub use identity::{admission, Access, AccessChanged, Issuer, WORKER_DISABLED, WORKER_REVOKED};
 pub use log::{same_bytes, ChunkAdmitted, ChunkPlan};
-pub use operator::{check_labels, CancelOutcome, Submit};
+pub use notify::{backoff, wanted, DeliveryPolicy, Sent};
+pub use operator::{check_labels, check_url, CancelOutcome, Submit};
 pub use schedule::{check_name as check_schedule_name, next_after, parse as parse_cron, ScheduleSpec};
 pub use start::{EXECUTION_CANCELLED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED};
 pub use sweep::{LEASE_LOST, OFFER_EXPIRED};
@@ -56,8 +58,8 @@ use ql_wire::{ErrorCode, Fence};
 use std::collections::BTreeMap;
 
 use crate::model::{
-    Attempt, Certificate, Enrolment, Event, Fire, Lease, LogChunk, Millis, Offer, Operator, Role, Run, Schedule,
-    Session, Worker,
+    Attempt, Certificate, Delivery, Enrolment, Event, Fire, Lease, LogChunk, Millis, Offer, Operator, Role, Run,
+    Schedule, Session, Worker,
 };
 
 /// Durations the authority hands out. Every one is configurable so tests run short.
@@ -162,6 +164,10 @@ pub enum Command {
     AddOperator(String, Role, Digest),
     /// Operator: remove an operator API credential.
     RemoveOperator(String),
+    /// Claim the webhook deliveries that are due, by DB time.
+    ClaimDeliveries(DeliveryPolicy),
+    /// How the send of a delivery's attempt went.
+    DeliveryDone(RunId, u32, Sent, DeliveryPolicy),
     /// Expire what has lapsed, by DB time.
     Sweep,
 }
@@ -197,6 +203,11 @@ pub struct Keys {
     pub due_schedules: bool,
     /// Load this operator credential by name.
     pub operator: Option<String>,
+    /// Load this run's webhook delivery (and lock it).
+    pub delivery: Option<RunId>,
+    /// Load at most this many webhook deliveries due by DB time whose runs ended, with
+    /// their runs.
+    pub due_deliveries: Option<usize>,
     /// Load placement candidates: queued runs, and the session's open offers and
     /// active attempt count.
     pub placement: bool,
@@ -245,6 +256,10 @@ pub struct Rows {
     pub due_schedules: Vec<(Schedule, Option<Run>)>,
     /// The operator credential named.
     pub operator: Option<Operator>,
+    /// The run's webhook delivery.
+    pub delivery: Option<Delivery>,
+    /// Due webhook deliveries of ended runs, with their runs.
+    pub due_deliveries: Vec<(Delivery, Run)>,
     /// Queued runs, oldest first (placement).
     pub queued: Vec<Run>,
     /// The session's open offers (placement).
@@ -332,6 +347,10 @@ pub enum Reply {
     Fired(usize),
     /// An operator credential, as added or removed.
     Operator(Box<Operator>),
+    /// The deliveries claimed for a send, with their runs.
+    Deliveries(Vec<(Delivery, Run)>),
+    /// A delivery as it now is.
+    Delivery(Box<Delivery>),
     /// To sweep: how many rows it changed.
     Swept(usize),
     /// To a sweep after an outage: what its grace gave back (nothing was swept).
@@ -373,6 +392,8 @@ pub enum Write {
     Operator(Operator),
     /// Delete an operator credential.
     RemoveOperator(String),
+    /// Insert or replace a run's webhook delivery.
+    Delivery(Delivery),
     /// Record that a replica swept at this DB time.
     Alive(Millis),
 }
@@ -547,6 +568,8 @@ impl Command {
             Self::AddOperator(name, ..) | Self::RemoveOperator(name) => {
                 Keys { operator: Some(name.clone()), ..Keys::default() }
             }
+            Self::ClaimDeliveries(policy) => Keys { due_deliveries: Some(policy.batch), ..Keys::default() },
+            Self::DeliveryDone(run, ..) => Keys { delivery: Some(run.clone()), ..Keys::default() },
             Self::Enrol(digest, c) => Keys {
                 enrolment: Some(digest.clone()),
                 worker: Some(c.worker.clone()),
@@ -600,6 +623,8 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::FireSchedules => schedule::fire_due(rows, now, timings.missed_after_ms, ids),
         Command::AddOperator(name, role, digest) => credential::add(name, *role, digest, rows, now),
         Command::RemoveOperator(name) => credential::remove(name, rows),
+        Command::ClaimDeliveries(policy) => notify::claim(rows, now, policy),
+        Command::DeliveryDone(run, attempt, sent, policy) => notify::done(run, *attempt, sent, rows, now, policy),
         Command::Sweep => match &rows.grace {
             Some(grace) => grace::give_back(grace, now, timings),
             None => sweep::sweep(&rows.lapsed, now, ids),

@@ -11,7 +11,7 @@ use ql_wire::text::{LabelKey, LabelValue};
 
 use super::start::{run_transition, transition, EXECUTION_CANCELLED};
 use super::{event, Decision, IdGen, Reply, Rows, Write};
-use crate::model::{Attempt, AttemptStatus, EndKind, Millis, OfferState, Run, RunStatus};
+use crate::model::{Attempt, AttemptStatus, EndKind, Millis, Notify, OfferState, Run, RunStatus};
 use ql_wire::ErrorCode;
 
 /// A run to queue.
@@ -27,6 +27,8 @@ pub struct Submit {
     pub agent_labels: BTreeMap<String, String>,
     /// Lost leases tolerated before the run fails.
     pub retry_budget: u32,
+    /// A webhook told of the run's end.
+    pub notify: Option<Notify>,
 }
 
 /// What a cancel did.
@@ -55,6 +57,22 @@ pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), String> {
     Ok(())
 }
 
+/// The longest webhook URL.
+const URL_MAX: usize = 2048;
+
+/// Why `url` cannot be a webhook's: an `http://` or `https://` URL with a host, of at
+/// most 2048 printable ASCII characters.
+pub fn check_url(url: &str) -> Result<(), String> {
+    let rest = url.strip_prefix("https://").or_else(|| url.strip_prefix("http://"));
+    let host = rest.map(|r| r.split(['/', '?', '#']).next().unwrap_or(""));
+    match host {
+        _ if url.len() > URL_MAX => Err(format!("a webhook URL of at most {URL_MAX} characters")),
+        _ if !url.bytes().all(|b| b.is_ascii_graphic()) => Err("a webhook URL of printable ASCII, no spaces".into()),
+        Some(h) if !h.is_empty() && !h.starts_with('@') && !h.ends_with(':') => Ok(()),
+        _ => Err(format!("webhook {url:?}: an http:// or https:// URL with a host")),
+    }
+}
+
 /// Whether a run request could ever run (the spec and project agree, labels a worker
 /// could carry).
 pub(super) fn check_submit(s: &Submit) -> Result<(), ErrorCode> {
@@ -62,6 +80,7 @@ pub(super) fn check_submit(s: &Submit) -> Result<(), ErrorCode> {
         || s.spec.validate().is_err()
         || check_labels(&s.labels).is_err()
         || check_labels(&s.agent_labels).is_err()
+        || s.notify.as_ref().is_some_and(|n| check_url(&n.url).is_err())
     {
         return Err(ErrorCode::InvalidRequest);
     }
@@ -109,7 +128,11 @@ pub(super) fn submitted(
         None => json!({ "project": s.project }),
     };
     let ev = event(ids, &run.id, None, "run.queued", (None, Some("queued")), payload, now);
-    (run.id.clone(), vec![Write::Run(run), ev])
+    let id = run.id.clone();
+    let mut writes = vec![Write::Run(run), ev];
+    // The delivery is written with the run, so no end of it can pass unnoticed.
+    writes.extend(s.notify.as_ref().map(|n| super::notify::waiting(&id, n, now)));
+    (id, writes)
 }
 
 /// Cancels a run. Its current attempt, lease and offer are loaded with it.
@@ -198,6 +221,7 @@ mod tests {
             labels: BTreeMap::new(),
             agent_labels: BTreeMap::new(),
             retry_budget: 2,
+            notify: None,
         }
     }
 

@@ -39,6 +39,7 @@ pub(crate) fn submit_request() -> super::Submit {
         labels: BTreeMap::new(),
         agent_labels: BTreeMap::new(),
         retry_budget: 0,
+        notify: None,
     }
 }
 
@@ -270,6 +271,7 @@ pub(crate) fn applied(rows: &Rows, d: &super::Decision) -> Rows {
             super::Write::RemoveSchedule(_) => next.schedule = None,
             super::Write::Operator(o) => next.operator = Some(o.clone()),
             super::Write::RemoveOperator(_) => next.operator = None,
+            super::Write::Delivery(d) => next.delivery = Some(d.clone()),
             super::Write::Event(_) | super::Write::LogChunk(_) | super::Write::Fire(_) => {}
         }
     }

@@ -421,6 +421,8 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
         | Reply::EnrolmentCreated(_)
         | Reply::Schedule(_)
         | Reply::Operator(_)
+        | Reply::Deliveries(_)
+        | Reply::Delivery(_)
         | Reply::Fired(_)
         | Reply::Swept(_)
         | Reply::Graced(_) => Answer::refuse(ErrorCode::Unavailable),

@@ -18,7 +18,7 @@ use super::{LogRequest, OpError, RunFilter, ScheduleAction, MAX_PAGE};
 use crate::admin::labels_of;
 use crate::blob::{ArtifactKey, BlobStore};
 use crate::core::{Access, CancelOutcome, Command, Reply, ScheduleSpec, Submit};
-use crate::model::{Attempt, AttemptStatus, RunStatus};
+use crate::model::{Attempt, AttemptStatus, Notify, NotifyOn, RunStatus};
 use crate::store::{RunDetail, RunQuery, Store};
 
 /// The commands on `store` and `blobs`.
@@ -66,7 +66,15 @@ pub fn submit_of(body: &SubmitBody) -> Result<Submit, OpError> {
         log_limit_bytes: body.log_limit_bytes,
     };
     spec.validate().map_err(|e| invalid(format!("the run is out of bounds: {e}")))?;
-    Ok(Submit { project, spec, labels, agent_labels, retry_budget: body.retries })
+    let notify = match &body.notify {
+        None => None,
+        Some(n) => {
+            crate::core::check_url(&n.url).map_err(invalid)?;
+            let on = NotifyOn::parse(&n.on).ok_or_else(|| invalid(format!("notify on {:?}: all or failure", n.on)))?;
+            Some(Notify { url: n.url.clone(), on })
+        }
+    };
+    Ok(Submit { project, spec, labels, agent_labels, retry_budget: body.retries, notify })
 }
 
 /// Checks a schedule's body (before the store is asked), then its run.

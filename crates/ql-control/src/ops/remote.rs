@@ -5,12 +5,10 @@
 
 use std::io::Read as _;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use ureq::tls::{RootCerts, TlsConfig, TlsProvider};
 use zeroize::Zeroizing;
 
 use ql_wire::artifact::Receipt;
@@ -75,30 +73,12 @@ impl Remote {
             return Err(OpError::invalid(format!("--server {:?}: give an https:// URL", options.server)));
         }
         let pem = std::fs::read(&options.ca).map_err(|e| OpError::invalid(format!("{}: {e}", options.ca.display())))?;
-        let certs: Vec<_> = ureq::tls::parse_pem(&pem)
-            .filter_map(|item| match item {
-                Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
-                _ => None,
-            })
-            .collect();
+        let certs = crate::client::certificates(&pem);
         if certs.is_empty() {
             return Err(OpError::invalid(format!("{}: no certificate in it", options.ca.display())));
         }
-        let tls = TlsConfig::builder()
-            .provider(TlsProvider::Rustls)
-            .unversioned_rustls_crypto_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .root_certs(RootCerts::new_with_certs(&certs))
-            .build();
-        let config = ureq::Agent::config_builder()
-            .tls_config(tls)
-            .https_only(true)
-            .http_status_as_error(false)
-            .max_redirects(0)
-            .timeout_connect(Some(Duration::from_secs(10)))
-            .user_agent(format!("ql-control/{}", env!("CARGO_PKG_VERSION")))
-            .build();
         Ok(Self {
-            agent: config.into(),
+            agent: crate::client::agent(&certs, true, None),
             base: options.server.trim_end_matches('/').to_owned(),
             token: options.token.clone(),
             timeout: options.timeout,

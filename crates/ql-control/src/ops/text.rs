@@ -171,6 +171,16 @@ pub fn run(r: &RunView) -> String {
             )),
         );
     }
+    if let Some(d) = &r.delivery {
+        out += &format!(
+            "webhook  {} ({}) {} after {} attempt(s){}\n",
+            d.origin,
+            d.on,
+            d.state,
+            d.attempts,
+            d.last_error.as_ref().map_or(String::new(), |e| format!(", last error: {e}"))
+        );
+    }
     out += "events\n";
     for e in &r.events {
         out += &format!("  {} {:<22} {} -> {}\n", e.at, e.kind, or_dash(e.from.as_deref()), or_dash(e.to.as_deref()));

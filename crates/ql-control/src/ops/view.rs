@@ -54,6 +54,24 @@ pub struct SubmitBody {
     /// Times a run whose worker vanished is queued again.
     #[serde(default)]
     pub retries: u32,
+    /// A webhook told of the run's end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notify: Option<NotifyBody>,
+}
+
+/// A webhook: where to POST a run's end, and which ends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NotifyBody {
+    /// An `http://` or `https://` URL.
+    pub url: String,
+    /// `all` (default) or `failure` (`failed` and `timed_out`).
+    #[serde(default = "all")]
+    pub on: String,
+}
+
+fn all() -> String {
+    "all".into()
 }
 
 fn default_project() -> String {
@@ -204,12 +222,42 @@ pub struct RunView {
     pub leases: Vec<LeaseView>,
     /// Its events, in commit order.
     pub events: Vec<EventView>,
+    /// Its webhook delivery.
+    #[serde(default)]
+    pub delivery: Option<DeliveryView>,
     /// Submitted at.
     pub created_at: String,
     /// Running since.
     pub started_at: Option<String>,
     /// Ended at.
     pub finished_at: Option<String>,
+}
+
+/// A run's webhook delivery: where it stands (the URL's origin only: the rest may be a
+/// receiver's secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeliveryView {
+    /// Scheme, host and port of the URL.
+    pub origin: String,
+    /// `all` or `failure`.
+    pub on: String,
+    /// `waiting`, `pending`, `delivered`, `failed` or `skipped`.
+    pub state: String,
+    /// Sends tried.
+    pub attempts: u32,
+    /// Why the last send failed.
+    pub last_error: Option<String>,
+    /// Last changed at.
+    pub updated_at: String,
+}
+
+/// `scheme://host[:port]` of a URL, nothing of its path, query or user.
+pub fn origin(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    format!("{scheme}://{host}")
 }
 
 /// One attempt of a run.
@@ -350,6 +398,14 @@ impl From<&RunDetail> for RunView {
                     at: time(e.at),
                 })
                 .collect(),
+            delivery: d.delivery.as_ref().map(|x| DeliveryView {
+                origin: origin(&x.url),
+                on: x.on.as_str().into(),
+                state: x.state.as_str().into(),
+                attempts: x.attempts,
+                last_error: x.last_error.clone(),
+                updated_at: time(x.updated_at),
+            }),
             created_at: time(r.created_at),
             started_at: opt_time(r.started_at),
             finished_at: opt_time(r.finished_at),

@@ -25,8 +25,8 @@ use crate::core::{Command, Reply};
 use ql_wire::ids::WorkerId;
 
 use crate::model::{
-    Attempt, AuditRecord, Certificate, Enrolment, Event, Fire, Lease, LogChunk, Offer, Operator, Run, RunStatus,
-    Schedule, Session, Worker,
+    Attempt, AuditRecord, Certificate, Delivery, Enrolment, Event, Fire, Lease, LogChunk, Offer, Operator, Run,
+    RunStatus, Schedule, Session, Worker,
 };
 
 /// The store could not reach or use its database. Maps to `503 unavailable`.
@@ -52,6 +52,8 @@ pub struct RunDetail {
     pub leases: Vec<Lease>,
     /// Its events, in commit order.
     pub events: Vec<Event>,
+    /// Its webhook delivery, if it asked for one.
+    pub delivery: Option<Delivery>,
 }
 
 /// Every row, in a stable order: what tests compare to prove a refusal changed nothing.
@@ -83,6 +85,8 @@ pub struct Snapshot {
     pub fires: Vec<Fire>,
     /// Operator credentials by name.
     pub operators: Vec<Operator>,
+    /// Webhook deliveries by run.
+    pub deliveries: Vec<Delivery>,
 }
 
 /// Which runs to list: newest first, at most `limit`, of one schedule and one status if

@@ -10,9 +10,9 @@ use ql_wire::lease::StopIntent;
 
 use super::columns::{Columns, Corrupt, Table, Value as V};
 use crate::model::{
-    Attempt, AttemptStatus, AuditRecord, CatchUp, Certificate, ClaimFacts, EndKind, Enrolment, Event, Fire,
-    FireOutcome, Lease, LeaseFacts, LeaseState, LogChunk, Offer, OfferState, Operator, Overlap, Role, Run, RunStatus,
-    Schedule, Session, SessionState, Worker,
+    Attempt, AttemptStatus, AuditRecord, CatchUp, Certificate, ClaimFacts, Delivery, DeliveryState, EndKind, Enrolment,
+    Event, Fire, FireOutcome, Lease, LeaseFacts, LeaseState, LogChunk, Notify, NotifyOn, Offer, OfferState, Operator,
+    Overlap, Role, Run, RunStatus, Schedule, Session, SessionState, Worker,
 };
 
 /// A model type stored as one row of one table.
@@ -63,7 +63,10 @@ pub(super) const WORKER_COLS: &str = "id, labels, disabled_at, revoked_at, creat
 pub(super) const ENROLMENT_COLS: &str = "token_digest, worker, created_at, expires_at, used_at, serial";
 /// Columns of `schedules`, in select order.
 pub(super) const SCHEDULE_COLS: &str = "name, cron, tz, random_delay_ms, overlap, catch_up, project, spec, labels, \
-     agent_labels, retry_budget, paused, next_fire_at, due_at, last_run_id, created_at, updated_at";
+     agent_labels, retry_budget, paused, next_fire_at, due_at, last_run_id, created_at, updated_at, notify_url, notify_on";
+/// Columns of `deliveries`, in select order.
+pub(super) const DELIVERY_COLS: &str =
+    "run_id, url, notify_on, state, attempts, next_at, last_error, created_at, updated_at";
 /// Columns of `fires`, in select order.
 pub(super) const FIRE_COLS: &str = "schedule, fire_at, outcome, run_id, at";
 /// Columns of `operators`, in select order.
@@ -95,9 +98,10 @@ pub(super) const SCHEDULES: Table = Table { name: "schedules", key: Some("name")
 pub(super) const FIRES: Table = Table { name: "fires", key: None, cols: FIRE_COLS };
 
 pub(super) const OPERATORS: Table = Table { name: "operators", key: Some("name"), cols: OPERATOR_COLS };
+pub(super) const DELIVERIES: Table = Table { name: "deliveries", key: Some("run_id"), cols: DELIVERY_COLS };
 
 /// Every table a model type is stored in.
-pub(super) const TABLES: [&Table; 14] = [
+pub(super) const TABLES: [&Table; 15] = [
     &SESSIONS,
     &RUNS,
     &ATTEMPTS,
@@ -112,6 +116,7 @@ pub(super) const TABLES: [&Table; 14] = [
     &SCHEDULES,
     &FIRES,
     &OPERATORS,
+    &DELIVERIES,
 ];
 
 impl Stored for Session {
@@ -219,6 +224,10 @@ impl Stored for Schedule {
                 labels: c.json("labels")?,
                 agent_labels: c.json("agent_labels")?,
                 retry_budget: c.num("retry_budget")?,
+                notify: match (c.opt_text("notify_url")?, c.opt_word("notify_on", NotifyOn::parse)?) {
+                    (Some(url), Some(on)) => Some(Notify { url, on }),
+                    _ => None,
+                },
             },
             paused: c.int("paused")? != 0,
             next_fire_at: c.int("next_fire_at")?,
@@ -246,6 +255,40 @@ impl Stored for Schedule {
             V::int(self.next_fire_at),
             V::int(self.due_at),
             V::opt_text(self.last_run.as_ref().map(|r| r.as_str())),
+            V::int(self.created_at),
+            V::int(self.updated_at),
+            V::opt_text(self.submit.notify.as_ref().map(|n| n.url.as_str())),
+            V::opt_text(self.submit.notify.as_ref().map(|n| n.on.as_str())),
+        ])
+    }
+}
+
+impl Stored for Delivery {
+    const TABLE: &'static Table = &DELIVERIES;
+
+    fn read<C: Columns + ?Sized>(c: &C) -> Result<Self, C::Error> {
+        Ok(Delivery {
+            run: c.valid("run_id")?,
+            url: c.text("url")?,
+            on: c.word("notify_on", NotifyOn::parse)?,
+            state: c.word("state", DeliveryState::parse)?,
+            attempts: c.num("attempts")?,
+            next_at: c.int("next_at")?,
+            last_error: c.opt_text("last_error")?,
+            created_at: c.int("created_at")?,
+            updated_at: c.int("updated_at")?,
+        })
+    }
+
+    fn values(&self) -> Result<Vec<V>, Corrupt> {
+        Ok(vec![
+            V::text(self.run.as_str()),
+            V::text(&self.url),
+            V::text(self.on.as_str()),
+            V::text(self.state.as_str()),
+            V::int(self.attempts),
+            V::int(self.next_at),
+            V::opt_text(self.last_error.as_deref()),
             V::int(self.created_at),
             V::int(self.updated_at),
         ])
@@ -648,6 +691,7 @@ mod tests {
             Schedule::TABLE,
             Fire::TABLE,
             Operator::TABLE,
+            Delivery::TABLE,
         ];
         assert_eq!(stored.len(), TABLES.len());
         for t in stored {

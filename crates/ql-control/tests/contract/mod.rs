@@ -163,6 +163,7 @@ pub fn assert_unchanged(before: &Snapshot, after: &Snapshot, what: &str) {
     assert_eq!(before.schedules, after.schedules, "{what}: schedules changed");
     assert_eq!(before.fires, after.fires, "{what}: fires changed");
     assert_eq!(before.operators, after.operators, "{what}: operators changed");
+    assert_eq!(before.deliveries, after.deliveries, "{what}: deliveries changed");
 }
 
 pub fn worker(name: &str) -> WorkerId {
@@ -199,8 +200,14 @@ pub async fn submit_with<S: Store>(
     labels: BTreeMap<String, String>,
     agent_labels: BTreeMap<String, String>,
 ) -> RunId {
-    let cmd =
-        Command::Submit(Submit { project: project(), spec: spec(timeout_ms), labels, agent_labels, retry_budget });
+    let cmd = Command::Submit(Submit {
+        project: project(),
+        spec: spec(timeout_ms),
+        labels,
+        agent_labels,
+        retry_budget,
+        notify: None,
+    });
     match exec(store, cmd).await {
         Ok(Reply::Submitted(id)) => id,
         other => panic!("submit: {other:?}"),

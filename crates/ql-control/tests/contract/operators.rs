@@ -43,3 +43,50 @@ pub async fn an_operator_credential_is_added_once_and_removed_once<B: Backend>(b
     assert_eq!(left, ["boss"]);
     assert_eq!(store.snapshot().await.unwrap().operators.len(), 1);
 }
+
+/// A run's webhook delivery is written with the run, claimed once its run ended (by one
+/// of two processes claiming at once), and retried after a failure until it is delivered;
+/// a stale report changes nothing.
+pub async fn a_webhook_delivery_is_claimed_once_and_retried_until_delivered<B: Backend>(b: B) {
+    use ql_control::core::{DeliveryPolicy, Submit};
+    use ql_control::model::{DeliveryState, Notify, NotifyOn};
+    let (store, other) = (b.store(), b.other_process());
+    let notify = Some(Notify { url: "http://127.0.0.1:9/hook".into(), on: NotifyOn::All });
+    let submit = Submit {
+        project: project(),
+        spec: spec(LONG_TIMEOUT_MS),
+        labels: BTreeMap::new(),
+        agent_labels: BTreeMap::new(),
+        retry_budget: 0,
+        notify,
+    };
+    let Ok(Reply::Submitted(run)) = exec(&store, Command::Submit(submit)).await else { panic!("submit") };
+    let policy =
+        DeliveryPolicy { claim_ms: 60_000, max_attempts: 3, backoff_ms: 1_000, backoff_max_ms: 1_000, batch: 16 };
+    let snap = store.snapshot().await.unwrap();
+    assert_eq!(snap.deliveries.len(), 1, "written with its run");
+    assert_eq!(snap.deliveries[0].state, DeliveryState::Waiting);
+    let claimed = |r: Result<Reply, ErrorCode>| match r {
+        Ok(Reply::Deliveries(d)) => d.len(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(claimed(exec(&store, Command::ClaimDeliveries(policy)).await), 0, "a queued run is not told of");
+
+    assert_eq!(cancel(&store, &run).await, ql_control::core::CancelOutcome::Cancelled);
+    let (x, y) =
+        tokio::join!(store.execute(Command::ClaimDeliveries(policy)), other.execute(Command::ClaimDeliveries(policy)));
+    assert_eq!(claimed(x.unwrap()) + claimed(y.unwrap()), 1, "one claim of the ended run's delivery");
+    assert_eq!(claimed(exec(&store, Command::ClaimDeliveries(policy)).await), 0, "claimed: not again meanwhile");
+
+    let failed = Command::DeliveryDone(run.clone(), 1, Err("answered 500".into()), policy);
+    assert!(exec(&store, failed).await.is_ok());
+    b.advance(1_001);
+    assert_eq!(claimed(exec(&store, Command::ClaimDeliveries(policy)).await), 1, "again after the backoff");
+    refused(&store, Command::DeliveryDone(run.clone(), 1, Ok(()), policy), ErrorCode::StateConflict, "a stale report")
+        .await;
+    assert!(exec(&store, Command::DeliveryDone(run.clone(), 2, Ok(()), policy)).await.is_ok());
+    let d = &store.snapshot().await.unwrap().deliveries[0];
+    assert_eq!((d.state, d.attempts, d.last_error.as_deref()), (DeliveryState::Delivered, 2, None));
+    let detail = store.run_detail(&run).await.unwrap().unwrap();
+    assert_eq!(detail.delivery.as_ref().map(|d| d.state), Some(DeliveryState::Delivered));
+}

@@ -23,6 +23,7 @@ fn every_second(name: &str, overlap: Overlap, catch_up: CatchUp) -> Command {
             labels: BTreeMap::new(),
             agent_labels: BTreeMap::new(),
             retry_budget: 0,
+            notify: None,
         },
     }))
 }

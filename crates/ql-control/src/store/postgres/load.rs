@@ -365,12 +365,46 @@ async fn due_schedules(
     Ok(out)
 }
 
+/// At most `batch` deliveries due by DB time whose runs ended, each with its run, each
+/// locked without waiting (another replica claiming one right now keeps it).
+async fn due_deliveries(
+    tx: &mut Tx<'_>,
+    offset: i64,
+    batch: usize,
+) -> Result<Vec<(crate::model::Delivery, crate::model::Run)>, Error> {
+    let now: Millis = tx.now(offset).await?;
+    let sql = format!(
+        "SELECT {} FROM deliveries WHERE state IN ('waiting', 'pending') AND next_at <= $1 \
+         AND run_id IN (SELECT id FROM runs WHERE status IN ('succeeded', 'failed', 'cancelled', 'timed_out')) \
+         ORDER BY next_at, run_id LIMIT $2 FOR UPDATE SKIP LOCKED",
+        crate::store::records::DELIVERY_COLS
+    );
+    let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+    let due: Vec<crate::model::Delivery> =
+        tx.all(&sql, &[&now, &batch]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
+    let mut out = Vec::with_capacity(due.len());
+    for d in due {
+        if let Some(run) = one_by(tx, "runs", &RUN_COLS, "id", d.run.as_str(), "", rows::read).await? {
+            out.push((d, run));
+        }
+    }
+    Ok(out)
+}
+
 /// Loads what `keys` names, one statement at a time, in the protocol's lock order.
 async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timings) -> Result<Rows, Error> {
     let mut out = Rows::default();
     if keys.due_schedules {
         out.due_schedules = due_schedules(tx, offset).await?;
         return Ok(out);
+    }
+    if let Some(batch) = keys.due_deliveries {
+        out.due_deliveries = due_deliveries(tx, offset, batch).await?;
+        return Ok(out);
+    }
+    if let Some(run) = &keys.delivery {
+        let cols = crate::store::records::DELIVERY_COLS;
+        out.delivery = one_by(tx, "deliveries", cols, "run_id", run.as_str(), "FOR UPDATE", rows::read).await?;
     }
     if keys.sweep {
         // The one lock a sweep waits for, taken first and by sweeps only: two replicas

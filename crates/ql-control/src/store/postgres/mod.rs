@@ -64,13 +64,13 @@ use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use super::records::{
-    ATTEMPTS, AUDIT_COLS, CERTIFICATES, ENROLMENTS, EVENTS, EVENT_COLS, FIRES, LEASES, LOG_CHUNKS, LOG_CHUNK_COLS,
-    OFFERS, OPERATORS, RUNS, SCHEDULES, SESSIONS, WORKERS,
+    ATTEMPTS, AUDIT_COLS, CERTIFICATES, DELIVERIES, ENROLMENTS, EVENTS, EVENT_COLS, FIRES, LEASES, LOG_CHUNKS,
+    LOG_CHUNK_COLS, OFFERS, OPERATORS, RUNS, SCHEDULES, SESSIONS, WORKERS,
 };
 use super::{AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
-use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
+use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
 
@@ -443,6 +443,7 @@ impl<'a> Loaded<'a> {
             Write::Fire(_) => (&FIRES, false),
             Write::RemoveSchedule(_) => return ("DELETE FROM schedules WHERE name = $1", false),
             Write::Operator(_) => (&OPERATORS, false),
+            Write::Delivery(_) => (&DELIVERIES, false),
             Write::RemoveOperator(_) => return ("DELETE FROM operators WHERE name = $1", false),
             Write::Alive(_) => return (ALIVE, false),
         };
@@ -471,6 +472,7 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
         Write::Fire(f) => rows::params(f),
         Write::RemoveSchedule(name) | Write::RemoveOperator(name) => Ok(vec![Box::new(name.clone())]),
         Write::Operator(o) => rows::params(o),
+        Write::Delivery(d) => rows::params(d),
         Write::Alive(at) => Ok(vec![Box::new(*at)]),
     }
 }
@@ -728,8 +730,10 @@ impl Store for PgStore {
         let leases = map_all(tx.all(&sql, &[&id]).await?, rows::read)?;
         let sql = format!("SELECT {EVENT_COLS} FROM events WHERE run_id = $1 ORDER BY seq");
         let events = map_all(tx.all(&sql, &[&id]).await?, rows::read)?;
+        let sql = format!("SELECT {DELIVERY_COLS} FROM deliveries WHERE run_id = $1");
+        let delivery = tx.one(&sql, &[&id]).await?.as_ref().map(rows::read).transpose()?;
         Self::done(conn).await?;
-        Ok(Some(RunDetail { run, attempts, leases, events }))
+        Ok(Some(RunDetail { run, attempts, leases, events, delivery }))
     }
 
     async fn log_chunks(&self, attempt: &AttemptId) -> Result<Vec<LogChunk>, StoreError> {
@@ -785,6 +789,7 @@ impl Store for PgStore {
             schedules: map_all(tx.all(&q("schedules", &SCHEDULE_COLS, "name"), &[]).await?, rows::read)?,
             fires: map_all(tx.all(&q("fires", FIRE_COLS, "schedule, fire_at"), &[]).await?, rows::read)?,
             operators: map_all(tx.all(&q("operators", OPERATOR_COLS, "name"), &[]).await?, rows::read)?,
+            deliveries: map_all(tx.all(&q("deliveries", DELIVERY_COLS, "run_id"), &[]).await?, rows::read)?,
         };
         Self::done(conn).await?;
         Ok(snap)

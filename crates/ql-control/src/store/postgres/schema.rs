@@ -22,6 +22,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0007_identity.sql"),
     include_str!("../../../migrations/postgres/0008_schedules.sql"),
     include_str!("../../../migrations/postgres/0009_operators.sql"),
+    include_str!("../../../migrations/postgres/0010_webhooks.sql"),
 ];
 
 /// The schema version this build reads and writes.

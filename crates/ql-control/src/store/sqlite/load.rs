@@ -11,10 +11,12 @@ use ql_wire::ids::{AttemptId, OfferId, RunId, SessionId, WorkerId};
 
 use super::rows;
 use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
-use crate::model::{Attempt, Certificate, Enrolment, Event, Lease, Millis, Offer, Run, Schedule, Session, Worker};
+use crate::model::{
+    Attempt, Certificate, Delivery, Enrolment, Event, Lease, Millis, Offer, Run, Schedule, Session, Worker,
+};
 use crate::store::records::{
-    ATTEMPT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, OPERATOR_COLS, RUN_COLS,
-    SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
+    ATTEMPT_COLS, CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, EVENT_COLS, LEASE_COLS, OFFER_COLS, OPERATOR_COLS,
+    RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
 };
 
 /// Most queued runs placement looks at per poll.
@@ -24,6 +26,32 @@ pub(super) const SWEEP_BATCH: usize = 256;
 
 pub(super) fn schedule(conn: &Connection, name: &str) -> rusqlite::Result<Option<Schedule>> {
     one(conn, &format!("SELECT {SCHEDULE_COLS} FROM schedules WHERE name = ?1"), name, rows::read)
+}
+
+/// A run's webhook delivery.
+pub(super) fn delivery(conn: &Connection, run: &RunId) -> rusqlite::Result<Option<Delivery>> {
+    one(conn, &format!("SELECT {DELIVERY_COLS} FROM deliveries WHERE run_id = ?1"), run.as_str(), rows::read)
+}
+
+/// At most `batch` deliveries due by `now` whose runs ended, each with its run, earliest
+/// first.
+fn due_deliveries(conn: &Connection, now: Millis, batch: usize) -> rusqlite::Result<Vec<(Delivery, Run)>> {
+    let sql = format!(
+        "SELECT {DELIVERY_COLS} FROM deliveries WHERE state IN ('waiting', 'pending') AND next_at <= ?1 \
+         AND run_id IN (SELECT id FROM runs WHERE status IN ('succeeded', 'failed', 'cancelled', 'timed_out')) \
+         ORDER BY next_at, run_id LIMIT ?2"
+    );
+    let due: Vec<Delivery> = conn
+        .prepare_cached(&sql)?
+        .query_map((now, i64::try_from(batch).unwrap_or(i64::MAX)), rows::read)?
+        .collect::<rusqlite::Result<_>>()?;
+    let mut out = Vec::with_capacity(due.len());
+    for d in due {
+        if let Some(r) = run(conn, &d.run)? {
+            out.push((d, r));
+        }
+    }
+    Ok(out)
 }
 
 /// The schedules due by `now`, each with its last run, earliest first.
@@ -338,6 +366,13 @@ pub(super) fn load(
     }
     if keys.due_schedules {
         rows.due_schedules = due_schedules(conn, sweep_now()?)?;
+        return Ok(rows);
+    }
+    if let Some(run) = &keys.delivery {
+        rows.delivery = delivery(conn, run)?;
+    }
+    if let Some(batch) = keys.due_deliveries {
+        rows.due_deliveries = due_deliveries(conn, sweep_now()?, batch)?;
         return Ok(rows);
     }
     if keys.sweep {

@@ -60,8 +60,8 @@ use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use super::records::{
-    ATTEMPT_COLS, AUDIT_COLS, CERTIFICATE_COLS, ENROLMENT_COLS, EVENT_COLS, FIRE_COLS, LEASE_COLS, LOG_CHUNK_COLS,
-    OFFER_COLS, OPERATOR_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
+    ATTEMPT_COLS, AUDIT_COLS, CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, EVENT_COLS, FIRE_COLS, LEASE_COLS,
+    LOG_CHUNK_COLS, OFFER_COLS, OPERATOR_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
 };
 use super::{AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
@@ -349,6 +349,7 @@ fn apply(conn: &Connection, write: &Write) -> rusqlite::Result<()> {
         Write::Schedule(x) => rows::write(conn, x),
         Write::Fire(f) => rows::write(conn, f),
         Write::Operator(o) => rows::write(conn, o),
+        Write::Delivery(d) => rows::write(conn, d),
         Write::RemoveOperator(name) => {
             conn.prepare_cached("DELETE FROM operators WHERE name = ?1")?.execute([name.as_str()]).map(drop)
         }
@@ -407,6 +408,7 @@ fn snapshot(tx: &Connection) -> rusqlite::Result<Snapshot> {
         schedules: all(tx, &format!("SELECT {SCHEDULE_COLS} FROM schedules ORDER BY name"), [], rows::read)?,
         fires: all(tx, &format!("SELECT {FIRE_COLS} FROM fires ORDER BY schedule, fire_at"), [], rows::read)?,
         operators: all(tx, &format!("SELECT {OPERATOR_COLS} FROM operators ORDER BY name"), [], rows::read)?,
+        deliveries: all(tx, &format!("SELECT {DELIVERY_COLS} FROM deliveries ORDER BY run_id"), [], rows::read)?,
     };
     Ok(snap)
 }
@@ -429,7 +431,8 @@ fn run_detail(tx: &Connection, id: &RunId) -> rusqlite::Result<Option<RunDetail>
     )?;
     let events =
         all(tx, &format!("SELECT {EVENT_COLS} FROM events WHERE run_id = ?1 ORDER BY seq"), [id.as_str()], rows::read)?;
-    Ok(Some(RunDetail { run, attempts, leases, events }))
+    let delivery = load::delivery(tx, id)?;
+    Ok(Some(RunDetail { run, attempts, leases, events, delivery }))
 }
 
 impl Store for SqliteStore {
