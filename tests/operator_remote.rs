@@ -32,6 +32,30 @@ fn add_operator(dir: &Path, bin: &Path, name: &str, role: &str) -> String {
     text(&out).lines().nth(1).unwrap().trim().to_owned()
 }
 
+/// `GET path` on the operator API with `token`: the status and the body.
+fn get(w: &World, path: &str, token: &str) -> (u16, String) {
+    use ureq::tls::{PemItem, RootCerts, TlsConfig, TlsProvider};
+    let pem = std::fs::read(w.control.dir.join("pki").join("ca.crt")).unwrap();
+    let roots: Vec<_> = ureq::tls::parse_pem(&pem)
+        .filter_map(|i| match i {
+            Ok(PemItem::Certificate(c)) => Some(c),
+            _ => None,
+        })
+        .collect();
+    let tls = TlsConfig::builder()
+        .provider(TlsProvider::Rustls)
+        .unversioned_rustls_crypto_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+        .root_certs(RootCerts::new_with_certs(&roots))
+        .build();
+    let agent: ureq::Agent = ureq::Agent::config_builder().tls_config(tls).http_status_as_error(false).build().into();
+    let mut answer = agent
+        .get(format!("{}{path}", w.control.operator_url))
+        .header("Authorization", format!("Bearer {token}"))
+        .call()
+        .unwrap();
+    (answer.status().as_u16(), answer.body_mut().read_to_string().unwrap())
+}
+
 /// Its stdout, exactly, once it succeeded.
 fn ok(out: Output) -> String {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -89,6 +113,21 @@ fn the_quickstart_runs_remotely_through_the_operator_api() {
     let now = ok(remote(&w, &admin, &["schedule", "run-now", "nightly"])).trim().to_owned();
     assert!(ok(remote(&w, &viewer, &["runs", "--schedule", "nightly"])).contains(&now));
     ok(remote(&w, &admin, &["schedule", "remove", "nightly"]));
+
+    // Prometheus's view, with a read token: the worker requests by route and status, the
+    // runs by status, the stored bytes; no run id anywhere (no unbounded label).
+    let (status, metrics) = get(&w, "/metrics", &viewer);
+    assert_eq!(status, 200, "{metrics}");
+    let value = |prefix: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("no {prefix}:\n{metrics}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert!(value("ql_runs{status=\"succeeded\"}") >= 2.0, "{metrics}");
+    assert!(value("ql_artifact_bytes ") >= expected.len() as f64);
+    assert!(metrics.lines().any(|l| l.starts_with("ql_requests_total{") && l.contains("route=\"session.open\"")));
+    assert!(metrics.contains("ql_store_seconds_bucket{") && metrics.contains("command=\"complete\""));
+    assert!(!metrics.contains(&run) && !metrics.contains("w1"), "no id is a label:\n{metrics}");
+    assert_eq!(get(&w, "/metrics", "nobody.AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA").0, 401);
 
     // A viewer may not change anything; --server refuses what needs the directory.
     let run_ids = || -> Vec<String> {

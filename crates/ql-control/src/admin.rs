@@ -166,6 +166,9 @@ impl Store for Authority {
     async fn run_detail(&self, run: &RunId) -> Result<Option<RunDetail>, StoreError> {
         either!(self, s => s.run_detail(run))
     }
+    async fn stats(&self) -> Result<Vec<crate::store::Stat>, StoreError> {
+        either!(self, s => s.stats())
+    }
     async fn operators(&self) -> Result<Vec<crate::model::Operator>, StoreError> {
         either!(self, s => s.operators())
     }

@@ -21,6 +21,7 @@ pub mod fault;
 pub mod http;
 pub mod identity;
 pub mod logs;
+pub mod metrics;
 pub mod model;
 pub mod notifier;
 pub mod ops;

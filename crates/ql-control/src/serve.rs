@@ -248,6 +248,9 @@ async fn serve_on<S: Store>(
     }
     let notify: SharedNotify = Arc::new(Mutex::new(notify));
     let shutdown = shutdown_signal()?;
+    // Every command of every part of the server is timed and counted.
+    let metrics = Arc::new(crate::metrics::Metrics::new());
+    let store = crate::metrics::Measured::new(store, metrics.clone());
     let blobs = crate::blob::fs::FsBlobStore::open(layout.artifacts()).map_err(|e| e.to_string())?;
     // Before the first request: after an outage, the time no replica served is given back
     // to live leases and sessions, so no agent's request meets a lapse that was the
@@ -256,6 +259,7 @@ async fn serve_on<S: Store>(
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?;
     let mut ingress_cfg = ingress_config(config);
     ingress_cfg.identity = Some(Arc::new(identity(layout, config)?));
+    ingress_cfg.metrics = Some(metrics.clone());
     // The operator API binds before anything is served, so a taken port stops serve
     // instead of leaving it without its operators' door.
     let operators = match config.operator_listen.as_str() {
@@ -273,7 +277,8 @@ async fn serve_on<S: Store>(
         Some(listener) => {
             let tls = http::tls::operator_config_from_dir(&layout.dir).map_err(|e| e.to_string())?;
             let local = crate::ops::Local { store: store.clone(), blobs };
-            let api = api::spawn(listener, tls, local, api_config(config)).map_err(|e| format!("operator API: {e}"))?;
+            let api = api::spawn(listener, tls, local, api_config(config), Some(metrics.clone()))
+                .map_err(|e| format!("operator API: {e}"))?;
             Some(api)
         }
     };

@@ -95,6 +95,7 @@ fn test_config() -> IngressConfig {
         report_every: Duration::from_secs(10),
         max_anonymous_connections: 4,
         identity: None,
+        metrics: None,
     }
 }
 

@@ -201,6 +201,20 @@ fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
     let log = api.call("GET", &format!("/v1/runs/{first}/log"), Some(&viewer), None);
     assert_eq!(log.status, 200, "a queued run has no log yet, which is no error");
 
+    // Metrics: a read token; the database's figures and each store command's latency.
+    let metrics = api.call("GET", "/metrics", Some(&viewer), None);
+    assert_eq!(metrics.status, 200);
+    let text = {
+        let mut r = api.agent.get(format!("{}/metrics", api.url)).header("Authorization", format!("Bearer {viewer}"));
+        r = r.header("Accept", "application/openmetrics-text");
+        r.call().unwrap().body_mut().read_to_string().unwrap()
+    };
+    assert!(text.contains("ql_runs{status=\"queued\"} 2"), "{text}");
+    assert!(text.contains("ql_store_seconds_count{command=\"submit\"}"), "{text}");
+    assert!(text.contains("ql_queued_oldest_seconds") && text.ends_with("# EOF\n"), "{text}");
+    assert!(!text.contains(&first), "no run id is a label");
+    assert_eq!(api.call("GET", "/metrics", None, None).status, 401);
+
     // Cancel.
     let before = snapshot(&dir);
     let a = api.json("POST", &format!("/v1/runs/{first}:cancel"), &viewer, json!({}));

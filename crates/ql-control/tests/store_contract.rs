@@ -160,6 +160,7 @@ contract_suite!(
         an_enrolment_token_is_spent_once,
         an_operator_credential_is_added_once_and_removed_once,
         a_webhook_delivery_is_claimed_once_and_retried_until_delivered,
+        stats_count_the_rows_by_status,
         each_fire_time_fires_once_whoever_sweeps,
         overlap_catch_up_and_pause_decide_each_fire,
         completion_from_starting_registers_the_callback,

@@ -85,10 +85,11 @@ pub fn spawn<S: Store, B: BlobStore>(
     tls: Arc<ServerConfig>,
     local: Local<S, B>,
     config: ApiConfig,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 ) -> std::io::Result<Api> {
     let addr = listener.local_addr()?;
     let (stop, stopped) = watch::channel(false);
-    let shared = Arc::new(routes::Shared { local, config: config.clone() });
+    let shared = Arc::new(routes::Shared { local, config: config.clone(), metrics });
     let task = tokio::spawn(accept_loop(listener, TlsAcceptor::from(tls), shared, config, stopped));
     Ok(Api { addr, stop, task })
 }

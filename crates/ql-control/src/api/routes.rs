@@ -5,6 +5,7 @@
 //!
 //! | method | path | role | command |
 //! |---|---|---|---|
+//! | GET | `/metrics` | read | the OpenMetrics text ([`crate::metrics`]) |
 //! | GET | `/v1/runs?status=&schedule=&limit=&before=` | read | runs, newest first, a page |
 //! | POST | `/v1/runs` | admin | submit |
 //! | GET | `/v1/runs/{run}` | read | show |
@@ -44,12 +45,14 @@ use crate::store::Store;
 pub(super) struct Shared<S, B> {
     pub(super) local: Local<S, B>,
     pub(super) config: ApiConfig,
+    pub(super) metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
 }
 
 type Answer = Response<Full<Bytes>>;
 
 /// The route a request names, with what it needs.
 enum Route {
+    Metrics,
     Runs,
     Submit,
     Run(RunId),
@@ -68,6 +71,9 @@ enum Route {
 impl Route {
     /// The route of `method` and `path`; `None`: no such route.
     fn of(method: &Method, path: &str) -> Option<Route> {
+        if (method, path) == (&Method::GET, "/metrics") {
+            return Some(Route::Metrics);
+        }
         let parts: Vec<&str> = path.strip_prefix("/v1/")?.split('/').collect();
         let run = |s: &str| RunId::parse(s).ok();
         let worker = |s: &str| WorkerId::parse(s).ok();
@@ -115,7 +121,9 @@ impl Route {
     /// The role the route needs: looking is `read`, changing is `admin`.
     fn role(&self) -> Role {
         match self {
-            Route::Runs | Route::Run(_) | Route::Log(_) | Route::Workers | Route::Certificates => Role::Read,
+            Route::Metrics | Route::Runs | Route::Run(_) | Route::Log(_) | Route::Workers | Route::Certificates => {
+                Role::Read
+            }
             Route::Schedules | Route::Schedule(_) => Role::Read,
             _ => Role::Admin,
         }
@@ -260,6 +268,7 @@ pub(super) async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, reques
     let cap = shared.config.max_body_bytes;
     let q = query(&request);
     match route {
+        Route::Metrics => metrics(shared).await,
         Route::Runs => {
             let filter = match number(&q, "limit", 50) {
                 Ok(limit) => RunFilter {
@@ -312,6 +321,23 @@ pub(super) async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, reques
             }
             answer(local.schedule_action(&name, action).await)
         }
+    }
+}
+
+/// `/metrics`: the OpenMetrics text ([`crate::metrics`]).
+async fn metrics<S: Store, B: BlobStore>(shared: &Shared<S, B>) -> Answer {
+    let Some(metrics) = &shared.metrics else {
+        return refuse(&OpError::not_found("this server keeps no metrics"));
+    };
+    match metrics.render(&shared.local.store).await {
+        Ok(text) => {
+            let mut answer = Response::new(Full::new(Bytes::from(text)));
+            let kind = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+            answer.headers_mut().insert("content-type", kind.parse().expect("a header value"));
+            answer.headers_mut().insert("cache-control", "no-store".parse().expect("a header value"));
+            answer
+        }
+        Err(e) => refuse(&OpError::from(e)),
     }
 }
 

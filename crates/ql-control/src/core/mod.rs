@@ -581,6 +581,48 @@ impl Command {
     }
 }
 
+impl Command {
+    /// Its name, for metrics: one per variant.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::OpenSession(..) => "open_session",
+            Self::Heartbeat(..) => "heartbeat",
+            Self::CloseSession(..) => "close_session",
+            Self::PollOffers(..) => "poll_offers",
+            Self::Claim(..) => "claim",
+            Self::Starting(..) => "starting",
+            Self::Running(..) => "running",
+            Self::StartFailure(..) => "start_failure",
+            Self::Renew(..) => "renew",
+            Self::Abandon(..) => "abandon",
+            Self::AdmitArtifact(..) => "admit_artifact",
+            Self::ConfirmArtifact(..) => "confirm_artifact",
+            Self::AdmitLogChunk(..) => "admit_log_chunk",
+            Self::AppendLog(..) => "append_log",
+            Self::SealLog(..) => "seal_log",
+            Self::Complete(..) => "complete",
+            Self::Submit(_) => "submit",
+            Self::Cancel(_) => "cancel",
+            Self::LabelWorker(..) => "label_worker",
+            Self::SetAccess(..) => "set_access",
+            Self::RevokeCertificate(..) => "revoke_certificate",
+            Self::RecordCertificate(..) => "record_certificate",
+            Self::CreateEnrolment(..) => "create_enrolment",
+            Self::Enrol(..) => "enrol",
+            Self::AddSchedule(_) => "add_schedule",
+            Self::PauseSchedule(..) => "pause_schedule",
+            Self::RemoveSchedule(_) => "remove_schedule",
+            Self::RunScheduleNow(_) => "run_schedule_now",
+            Self::FireSchedules => "fire_schedules",
+            Self::AddOperator(..) => "add_operator",
+            Self::RemoveOperator(_) => "remove_operator",
+            Self::ClaimDeliveries(_) => "claim_deliveries",
+            Self::DeliveryDone(..) => "delivery_done",
+            Self::Sweep => "sweep",
+        }
+    }
+}
+
 /// Decides one command. `now` is DB time read after the locks.
 pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &mut IdGen) -> Decision {
     match cmd {

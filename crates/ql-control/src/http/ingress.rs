@@ -105,7 +105,11 @@ impl<S: Store, B: BlobStore> hyper::service::Service<Request<Incoming>> for Serv
         clock.answering();
         Box::pin(async move {
             shared.stats.requests.fetch_add(1, Ordering::Relaxed);
+            let (route, started) = (route_name(&req), Instant::now());
             let answer = handle(&shared, principal, serial, req, &reset).await;
+            if let Some(metrics) = &shared.cfg.metrics {
+                metrics.request(route, answer.status.as_u16(), started.elapsed());
+            }
             clock.answered();
             if answer.close {
                 unread.store(true, Ordering::Relaxed);
@@ -176,6 +180,19 @@ impl Answer {
         }
         response
     }
+}
+
+/// The route's name (one of a fixed set, `unknown` for any other request): a metric's
+/// label.
+fn route_name(req: &Request<Incoming>) -> &'static str {
+    let (method, path) = (req.method().as_str(), req.uri().path());
+    if req.uri().query().is_some() {
+        return "unknown";
+    }
+    if let Some(route) = ql_wire::enrol::IdentityRoute::parse(method, path) {
+        return route.name();
+    }
+    Route::parse(method, path).map_or("unknown", |r| r.name())
 }
 
 async fn handle<S: Store, B: BlobStore>(

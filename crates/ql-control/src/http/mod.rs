@@ -112,6 +112,8 @@ pub struct IngressConfig {
     pub max_anonymous_connections: usize,
     /// The CA and lifetime the identity routes issue with; `None`: they answer `404`.
     pub identity: Option<Arc<identity::Identity>>,
+    /// Where each request's route, status and latency are counted; `None`: nowhere.
+    pub metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl Default for IngressConfig {
@@ -135,6 +137,7 @@ impl Default for IngressConfig {
             report_every: Duration::from_secs(10),
             max_anonymous_connections: 16,
             identity: None,
+            metrics: None,
         }
     }
 }

@@ -110,6 +110,30 @@ impl RunQuery {
     }
 }
 
+/// One figure of the authority's rows for metrics: `kind` (`runs`, `sessions`, `leases`,
+/// `fires`, `deliveries` by their status; `queued_age_ms`, `artifact_bytes`), its
+/// status (empty for the last two), and the figure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stat {
+    /// What is counted.
+    pub kind: String,
+    /// Of which status.
+    pub label: String,
+    /// The count, age or sum.
+    pub value: i64,
+}
+
+/// The statement of [`Store::stats`], less its dialect: `{NOW}` is DB time and `{LENGTH}`
+/// a stored receipt's length.
+pub(crate) const STATS_SQL: &str = "SELECT 'runs', status, count(*) FROM runs GROUP BY status \
+     UNION ALL SELECT 'sessions', state, count(*) FROM sessions GROUP BY state \
+     UNION ALL SELECT 'leases', state, count(*) FROM leases GROUP BY state \
+     UNION ALL SELECT 'fires', outcome, count(*) FROM fires GROUP BY outcome \
+     UNION ALL SELECT 'deliveries', state, count(*) FROM deliveries GROUP BY state \
+     UNION ALL SELECT 'queued_age_ms', '', {NOW} - min(created_at) FROM runs WHERE status = 'queued' HAVING count(*) > 0 \
+     UNION ALL SELECT 'artifact_bytes', '', CAST(coalesce(sum({LENGTH}), 0) AS BIGINT) FROM attempts \
+     WHERE artifact IS NOT NULL";
+
 /// How long audit records are kept: the sweeper removes those older than `max_age_ms`
 /// (by DB time) and all but the newest `max_records`; `None` sets no bound of that kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -168,6 +192,10 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Certificates recorded, by worker then newest first, at most `limit`.
     fn certificates(&self, limit: usize) -> impl Future<Output = Result<Vec<Certificate>, StoreError>> + Send;
+
+    /// Counts of the rows by status, the oldest queued run's age and the bytes of the
+    /// stored logs, for metrics ([`Stat`]).
+    fn stats(&self) -> impl Future<Output = Result<Vec<Stat>, StoreError>> + Send;
 
     /// Operator credentials, by name.
     fn operators(&self) -> impl Future<Output = Result<Vec<Operator>, StoreError>> + Send;

@@ -90,3 +90,20 @@ pub async fn a_webhook_delivery_is_claimed_once_and_retried_until_delivered<B: B
     let detail = store.run_detail(&run).await.unwrap().unwrap();
     assert_eq!(detail.delivery.as_ref().map(|d| d.state), Some(DeliveryState::Delivered));
 }
+
+/// The figures metrics read: runs by status, the oldest queued run's age, the stored
+/// bytes — the same on every store.
+pub async fn stats_count_the_rows_by_status<B: Backend>(b: B) {
+    let store = b.store();
+    let first = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    submit(&store, LONG_TIMEOUT_MS, 0).await;
+    cancel(&store, &first).await;
+    b.advance(2_000);
+    let stats = store.stats().await.unwrap();
+    let value = |kind: &str, label: &str| stats.iter().find(|s| s.kind == kind && s.label == label).map(|s| s.value);
+    assert_eq!(value("runs", "queued"), Some(1), "{stats:?}");
+    assert_eq!(value("runs", "cancelled"), Some(1), "{stats:?}");
+    assert!(value("queued_age_ms", "").is_some_and(|age| age >= 2_000), "{stats:?}");
+    assert_eq!(value("artifact_bytes", ""), Some(0));
+    assert_eq!(value("runs", "running"), None, "only the statuses there are");
+}

@@ -699,6 +699,23 @@ impl Store for PgStore {
         Ok(found)
     }
 
+    async fn stats(&self) -> Result<Vec<crate::store::Stat>, StoreError> {
+        let q = crate::store::STATS_SQL
+            .replace("{NOW}", "((floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint)")
+            .replace("{LENGTH}", "(artifact::jsonb->>'length')::bigint");
+        let conn = self.reading().await?;
+        let found = conn.client().query(&q, &[&self.offset()]).await.map_err(Error::Pg)?;
+        Self::done(conn).await?;
+        Ok(found
+            .iter()
+            .map(|r| crate::store::Stat {
+                kind: r.get(0),
+                label: r.get(1),
+                value: r.get::<_, Option<i64>>(2).unwrap_or(0),
+            })
+            .collect())
+    }
+
     async fn operators(&self) -> Result<Vec<Operator>, StoreError> {
         let sql = format!("SELECT {OPERATOR_COLS} FROM operators ORDER BY name");
         let mut conn = self.reading().await?;

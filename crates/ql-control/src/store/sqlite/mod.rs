@@ -549,6 +549,18 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn stats(&self) -> Result<Vec<crate::store::Stat>, StoreError> {
+        self.call(|w| {
+            let now = schema::db_now(&w.conn, w.offset()).map_err(sql)?;
+            let q = crate::store::STATS_SQL
+                .replace("{NOW}", &now.to_string())
+                .replace("{LENGTH}", "json_extract(artifact, '$.length')");
+            all(&w.conn, &q, [], |r| Ok(crate::store::Stat { kind: r.get(0)?, label: r.get(1)?, value: r.get(2)? }))
+                .map_err(sql)
+        })
+        .await
+    }
+
     async fn operators(&self) -> Result<Vec<Operator>, StoreError> {
         self.call(|w| {
             all(&w.conn, &format!("SELECT {OPERATOR_COLS} FROM operators ORDER BY name"), [], rows::read).map_err(sql)

@@ -1,0 +1,290 @@
+//! What `serve` tells Prometheus: `GET /metrics` on the operator listener (a `read`
+//! token), in the OpenMetrics text format, through `prometheus-client`.
+//!
+//! Two kinds of figures. Counted in this process as things happen: worker requests by
+//! route and status, their latency, each store command's latency, sweeps and what they
+//! changed, schedule fires, webhook sends. Read from the database at each scrape (so
+//! every replica tells the same): runs, sessions, leases, fires and deliveries by status,
+//! the oldest queued run's age, the bytes of the stored logs. Every label is a route,
+//! a command, a status or an outcome: a bounded set; no run, worker or session id is a
+//! label.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+
+use crate::core::{Command, Reply};
+use crate::store::{Store, StoreError};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CommandLabels {
+    command: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabels {
+    status: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: String,
+}
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Seconds from 0.5 ms to about 16 s.
+fn latency() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// The figures of one `serve`.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    request_seconds: Histograms<RouteLabels>,
+    store_seconds: Histograms<CommandLabels>,
+    swept: Counter,
+    graced: Counter,
+    fired: Counter,
+    webhook_sends: Family<OutcomeLabels, Counter>,
+    runs: Family<StatusLabels, Gauge>,
+    sessions: Family<StatusLabels, Gauge>,
+    leases: Family<StatusLabels, Gauge>,
+    fires: Family<StatusLabels, Gauge>,
+    deliveries: Family<StatusLabels, Gauge>,
+    queued_age: Gauge<f64, AtomicU64>,
+    artifact_bytes: Gauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+/// One `Metrics` is only ever equal to itself (settings that hold one compare by it).
+impl PartialEq for Metrics {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+
+impl Eq for Metrics {}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Every metric, registered.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("ql");
+        let m = Self {
+            registry: Registry::default(),
+            requests: Family::default(),
+            request_seconds: Family::new_with_constructor(latency),
+            store_seconds: Family::new_with_constructor(latency),
+            swept: Counter::default(),
+            graced: Counter::default(),
+            fired: Counter::default(),
+            webhook_sends: Family::default(),
+            runs: Family::default(),
+            sessions: Family::default(),
+            leases: Family::default(),
+            fires: Family::default(),
+            deliveries: Family::default(),
+            queued_age: Gauge::default(),
+            artifact_bytes: Gauge::default(),
+        };
+        registry.register("requests", "Worker requests answered, by route and HTTP status", m.requests.clone());
+        registry.register("request_seconds", "Worker request latency, by route", m.request_seconds.clone());
+        registry.register("store_seconds", "Store command latency, by command", m.store_seconds.clone());
+        registry.register("swept_rows", "Rows the sweeper found lapsed and changed", m.swept.clone());
+        registry.register("outage_graces", "Sweeps that gave an outage's time back", m.graced.clone());
+        registry.register("schedule_fired", "Schedule fires decided by this replica", m.fired.clone());
+        registry.register("webhook_sends", "Webhook sends by outcome (delivered, failed)", m.webhook_sends.clone());
+        registry.register("runs", "Runs by status", m.runs.clone());
+        registry.register("sessions", "Worker sessions by state", m.sessions.clone());
+        registry.register("leases", "Leases by state", m.leases.clone());
+        registry.register("schedule_fires", "Schedule fires recorded, by outcome", m.fires.clone());
+        registry.register("webhook_deliveries", "Webhook deliveries by state", m.deliveries.clone());
+        registry.register(
+            "queued_oldest_seconds",
+            "Age of the oldest queued run (0: none queued)",
+            m.queued_age.clone(),
+        );
+        registry.register("artifact_bytes", "Bytes of the stored logs", m.artifact_bytes.clone());
+        Self { registry, ..m }
+    }
+
+    /// One worker request answered with `status` after `took`.
+    pub fn request(&self, route: &str, status: u16, took: Duration) {
+        self.requests.get_or_create(&RequestLabels { route: route.to_owned(), code: status.to_string() }).inc();
+        self.request_seconds.get_or_create(&RouteLabels { route: route.to_owned() }).observe(took.as_secs_f64());
+    }
+
+    /// One store command named `name` that took `took`; `sent`: a webhook send's report,
+    /// whether it delivered.
+    fn command(
+        &self,
+        name: &str,
+        sent: Option<bool>,
+        took: Duration,
+        reply: &Result<Result<Reply, ql_wire::ErrorCode>, StoreError>,
+    ) {
+        self.store_seconds.get_or_create(&CommandLabels { command: name.to_owned() }).observe(took.as_secs_f64());
+        match reply {
+            Ok(Ok(Reply::Swept(n))) => {
+                self.swept.inc_by(*n as u64);
+            }
+            Ok(Ok(Reply::Graced(_))) => {
+                self.graced.inc();
+            }
+            Ok(Ok(Reply::Fired(n))) => {
+                self.fired.inc_by(*n as u64);
+            }
+            _ => {}
+        }
+        if let (Some(delivered), Ok(Ok(_))) = (sent, reply) {
+            let outcome = if delivered { "delivered" } else { "failed" };
+            self.webhook_sends.get_or_create(&OutcomeLabels { outcome: outcome.into() }).inc();
+        }
+    }
+
+    /// The OpenMetrics text, after reading the database's figures from `store`.
+    pub async fn render<S: Store>(&self, store: &S) -> Result<String, StoreError> {
+        let stats = store.stats().await?;
+        for family in [&self.runs, &self.sessions, &self.leases, &self.fires, &self.deliveries] {
+            family.clear();
+        }
+        self.queued_age.set(0.0);
+        for s in stats {
+            let family = match s.kind.as_str() {
+                "runs" => &self.runs,
+                "sessions" => &self.sessions,
+                "leases" => &self.leases,
+                "fires" => &self.fires,
+                "deliveries" => &self.deliveries,
+                "queued_age_ms" => {
+                    self.queued_age.set(s.value.max(0) as f64 / 1000.0);
+                    continue;
+                }
+                "artifact_bytes" => {
+                    self.artifact_bytes.set(s.value);
+                    continue;
+                }
+                _ => continue,
+            };
+            family.get_or_create(&StatusLabels { status: s.label }).set(s.value);
+        }
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).map_err(|e| StoreError(e.to_string()))?;
+        Ok(out)
+    }
+}
+
+/// A store whose every command is timed and counted in [`Metrics`]; everything else
+/// passes through.
+#[derive(Debug, Clone)]
+pub struct Measured<S> {
+    inner: S,
+    metrics: Arc<Metrics>,
+}
+
+impl<S> Measured<S> {
+    /// `inner`, measured into `metrics`.
+    pub fn new(inner: S, metrics: Arc<Metrics>) -> Self {
+        Self { inner, metrics }
+    }
+}
+
+impl<S: Store> Store for Measured<S> {
+    async fn execute(&self, cmd: Command) -> Result<Result<Reply, ql_wire::ErrorCode>, StoreError> {
+        let started = Instant::now();
+        let name = cmd.name();
+        let sent = match &cmd {
+            Command::DeliveryDone(_, _, sent, _) => Some(sent.is_ok()),
+            _ => None,
+        };
+        let reply = self.inner.execute(cmd).await;
+        self.metrics.command(name, sent, started.elapsed(), &reply);
+        reply
+    }
+    async fn audit(&self, record: crate::model::AuditRecord) -> Result<(), StoreError> {
+        self.inner.audit(record).await
+    }
+    async fn admit(
+        &self,
+        record: crate::model::AuditRecord,
+        serial: String,
+    ) -> Result<Option<ql_wire::ErrorCode>, StoreError> {
+        self.inner.admit(record, serial).await
+    }
+    async fn prune_audit(&self, retention: crate::store::AuditRetention) -> Result<u64, StoreError> {
+        self.inner.prune_audit(retention).await
+    }
+    async fn twin_refusals(&self, within_ms: u64) -> Result<Vec<(ql_wire::ids::WorkerId, u64)>, StoreError> {
+        self.inner.twin_refusals(within_ms).await
+    }
+    async fn audits(&self) -> Result<Vec<crate::model::AuditRecord>, StoreError> {
+        self.inner.audits().await
+    }
+    async fn runs(&self, query: &crate::store::RunQuery) -> Result<Vec<crate::model::Run>, StoreError> {
+        self.inner.runs(query).await
+    }
+    async fn schedules(&self) -> Result<Vec<crate::model::Schedule>, StoreError> {
+        self.inner.schedules().await
+    }
+    async fn fires(&self, schedule: &str, limit: usize) -> Result<Vec<crate::model::Fire>, StoreError> {
+        self.inner.fires(schedule, limit).await
+    }
+    async fn run_detail(&self, run: &ql_wire::ids::RunId) -> Result<Option<crate::store::RunDetail>, StoreError> {
+        self.inner.run_detail(run).await
+    }
+    async fn log_chunks(&self, attempt: &ql_wire::ids::AttemptId) -> Result<Vec<crate::model::LogChunk>, StoreError> {
+        self.inner.log_chunks(attempt).await
+    }
+    async fn workers(&self, limit: usize) -> Result<Vec<crate::model::Worker>, StoreError> {
+        self.inner.workers(limit).await
+    }
+    async fn certificates(&self, limit: usize) -> Result<Vec<crate::model::Certificate>, StoreError> {
+        self.inner.certificates(limit).await
+    }
+    async fn stats(&self) -> Result<Vec<crate::store::Stat>, StoreError> {
+        self.inner.stats().await
+    }
+    async fn operators(&self) -> Result<Vec<crate::model::Operator>, StoreError> {
+        self.inner.operators().await
+    }
+    async fn sessions(&self, limit: usize) -> Result<Vec<crate::model::Session>, StoreError> {
+        self.inner.sessions(limit).await
+    }
+    async fn snapshot(&self) -> Result<crate::store::Snapshot, StoreError> {
+        self.inner.snapshot().await
+    }
+    fn changes(&self) -> watch::Receiver<u64> {
+        self.inner.changes()
+    }
+}
