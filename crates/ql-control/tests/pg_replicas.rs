@@ -61,16 +61,7 @@ impl Server {
     /// The same, its stderr to `stderr`.
     fn start_logged(dir: &Path, database: &str, stderr: impl Into<Stdio>) -> Self {
         let mut child = Command::new(BIN)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--operator-listen",
-                "127.0.0.1:0",
-                "--database",
-                database,
-                "--dir",
-            ])
+            .args(["serve", "--listen", "127.0.0.1:0", "--operator-listen", "", "--database", database, "--dir"])
             .arg(dir)
             .stdout(Stdio::piped())
             .stderr(stderr)
