@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::{Command, Output};
 
 use common::{text, World};
@@ -26,29 +25,42 @@ fn remote(w: &World, token: &str, args: &[&str]) -> Output {
         .expect("ql-control runs")
 }
 
-fn add_operator(dir: &Path, bin: &Path, name: &str, role: &str) -> String {
-    let out = Command::new(bin).args(["operator", "add", name, "--role", role, "--dir"]).arg(dir).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    text(&out).lines().nth(1).unwrap().trim().to_owned()
+/// `text` parsed by the `prometheus_client` Python package's OpenMetrics parser: for
+/// each family, each sample's labels (`k=v,...`, sorted) and value (`_total` and
+/// `_count` samples only for counters and histograms).
+fn openmetrics(text: &str) -> serde_json::Value {
+    let script = r#"
+import json, sys
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+out = {}
+for family in text_string_to_metric_families(sys.stdin.read()):
+    samples = out.setdefault(family.name, {})
+    for s in family.samples:
+        if family.type in ("counter",) and not s.name.endswith("_total"):
+            continue
+        if family.type == "histogram" and not s.name.endswith("_count"):
+            continue
+        samples[",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))] = s.value
+print(json.dumps(out))
+"#;
+    let mut child = Command::new("python3")
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    use std::io::Write as _;
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "the parser refused the metrics:\n{text}");
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// `GET path` on the operator API with `token`: the status and the body.
 fn get(w: &World, path: &str, token: &str) -> (u16, String) {
-    use ureq::tls::{PemItem, RootCerts, TlsConfig, TlsProvider};
-    let pem = std::fs::read(w.control.dir.join("pki").join("ca.crt")).unwrap();
-    let roots: Vec<_> = ureq::tls::parse_pem(&pem)
-        .filter_map(|i| match i {
-            Ok(PemItem::Certificate(c)) => Some(c),
-            _ => None,
-        })
-        .collect();
-    let tls = TlsConfig::builder()
-        .provider(TlsProvider::Rustls)
-        .unversioned_rustls_crypto_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
-        .root_certs(RootCerts::new_with_certs(&roots))
-        .build();
-    let agent: ureq::Agent = ureq::Agent::config_builder().tls_config(tls).http_status_as_error(false).build().into();
-    let mut answer = agent
+    let mut answer = w
+        .control
+        .operator_client()
         .get(format!("{}{path}", w.control.operator_url))
         .header("Authorization", format!("Bearer {token}"))
         .call()
@@ -65,8 +77,8 @@ fn ok(out: Output) -> String {
 #[test]
 fn the_quickstart_runs_remotely_through_the_operator_api() {
     let w = World::new("remote", &[]);
-    let admin = add_operator(&w.control.dir, &w.control.bin, "ops", "admin");
-    let viewer = add_operator(&w.control.dir, &w.control.bin, "viewer", "read");
+    let admin = w.control.operator("ops", "admin");
+    let viewer = w.control.operator("viewer", "read");
 
     // The quickstart's job, with a pause so the log is followed while it grows.
     let script = w.path("job.sh");
@@ -112,6 +124,7 @@ fn the_quickstart_runs_remotely_through_the_operator_api() {
     assert!(ok(remote(&w, &viewer, &["schedule", "list"])).contains("nightly"));
     let now = ok(remote(&w, &admin, &["schedule", "run-now", "nightly"])).trim().to_owned();
     assert!(ok(remote(&w, &viewer, &["runs", "--schedule", "nightly"])).contains(&now));
+    w.wait_status(&now, "succeeded");
     ok(remote(&w, &admin, &["schedule", "remove", "nightly"]));
 
     // Prometheus's view, with a read token: the worker requests by route and status, the
@@ -128,6 +141,12 @@ fn the_quickstart_runs_remotely_through_the_operator_api() {
     assert!(metrics.contains("ql_store_seconds_bucket{") && metrics.contains("command=\"complete\""));
     assert!(!metrics.contains(&run) && !metrics.contains("w1"), "no id is a label:\n{metrics}");
     assert_eq!(get(&w, "/metrics", "nobody.AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA").0, 401);
+    // The Prometheus project's own parser reads it, and its counts are what happened.
+    let parsed = openmetrics(&metrics);
+    let succeeded = ok(remote(&w, &viewer, &["runs", "--status", "succeeded"])).lines().count() - 1;
+    assert_eq!(parsed["ql_runs"]["status=succeeded"], succeeded as f64, "{parsed}");
+    assert!(parsed["ql_requests"]["code=201,route=session.open"].as_f64().unwrap() >= 1.0, "{parsed}");
+    assert!(parsed["ql_store_seconds"].as_object().unwrap().keys().any(|k| k.contains("command=complete")));
 
     // A viewer may not change anything; --server refuses what needs the directory.
     let run_ids = || -> Vec<String> {

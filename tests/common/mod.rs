@@ -204,6 +204,32 @@ impl Control {
         Control { bin: bin.to_owned(), dir: dir.to_owned(), server, url, operator_url, stderr: stderr.to_owned() }
     }
 
+    /// An HTTPS client of the operator API that trusts this state directory's CA and
+    /// follows no redirect.
+    pub fn operator_client(&self) -> ureq::Agent {
+        use ureq::tls::{PemItem, RootCerts, TlsConfig, TlsProvider};
+        let pem = fs::read(self.dir.join("pki").join("ca.crt")).unwrap();
+        let roots: Vec<_> = ureq::tls::parse_pem(&pem)
+            .filter_map(|i| match i {
+                Ok(PemItem::Certificate(c)) => Some(c),
+                _ => None,
+            })
+            .collect();
+        let tls = TlsConfig::builder()
+            .provider(TlsProvider::Rustls)
+            .unversioned_rustls_crypto_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+            .root_certs(RootCerts::new_with_certs(&roots))
+            .build();
+        ureq::Agent::config_builder().tls_config(tls).http_status_as_error(false).max_redirects(0).build().into()
+    }
+
+    /// `ql-control operator add NAME --role ROLE`: its token.
+    pub fn operator(&self, name: &str, role: &str) -> String {
+        let out = self.cli(&["operator", "add", name, "--role", role]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        text(&out).lines().nth(1).unwrap().trim().to_owned()
+    }
+
     /// `host:port` of the server.
     pub fn addr(&self) -> &str {
         self.url.trim_start_matches("https://")

@@ -19,6 +19,8 @@ pub struct Config {
     pub operator_max_connections: u64,
     /// The longest wait of an operator API log follow (`waitMs`).
     pub operator_log_wait_ms: u64,
+    /// How long a dashboard sign-in lasts.
+    pub dashboard_session_ms: u64,
     /// The key webhook bodies are signed with (HMAC-SHA256), made at the first `serve`
     /// when absent; relative to the state directory. Replicas share it.
     pub webhook_secret_file: String,
@@ -103,6 +105,7 @@ impl Default for Config {
             operator_listen: "127.0.0.1:8444".into(),
             operator_max_connections: 64,
             operator_log_wait_ms: 25_000,
+            dashboard_session_ms: 12 * 3_600_000,
             webhook_secret_file: "webhook.key".into(),
             webhook_ca_file: "/etc/ssl/certs/ca-certificates.crt".into(),
             webhook_timeout_ms: 10_000,

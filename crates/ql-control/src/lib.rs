@@ -28,3 +28,4 @@ pub mod ops;
 pub mod pki;
 pub mod serve;
 pub mod store;
+pub mod web;

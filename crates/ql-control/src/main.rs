@@ -311,6 +311,9 @@ struct Runs {
     /// only runs older than this one (the next page)
     #[argh(option)]
     before: Option<String>,
+    /// only runs offered to this worker
+    #[argh(option)]
+    worker: Option<String>,
 }
 
 /// Show a run with its attempts and events.
@@ -976,6 +979,7 @@ fn main() -> ExitCode {
                 status: cmd.status,
                 limit: cmd.limit,
                 before: cmd.before,
+                worker: cmd.worker,
             };
             with_target(&reach, cmd.dir, cmd.database, async |t| t.runs(&filter).await).map(|page| {
                 print!("{}", ql_control::ops::text::runs(&page));

@@ -260,6 +260,8 @@ async fn serve_on<S: Store>(
     let mut ingress_cfg = ingress_config(config);
     ingress_cfg.identity = Some(Arc::new(identity(layout, config)?));
     ingress_cfg.metrics = Some(metrics.clone());
+    // One key for what replicas must agree on: webhook signatures, dashboard sessions.
+    let server_key = crate::notifier::webhook_key(&layout.dir.join(&config.webhook_secret_file))?;
     // The operator API binds before anything is served, so a taken port stops serve
     // instead of leaving it without its operators' door.
     let operators = match config.operator_listen.as_str() {
@@ -277,7 +279,8 @@ async fn serve_on<S: Store>(
         Some(listener) => {
             let tls = http::tls::operator_config_from_dir(&layout.dir).map_err(|e| e.to_string())?;
             let local = crate::ops::Local { store: store.clone(), blobs };
-            let api = api::spawn(listener, tls, local, api_config(config), Some(metrics.clone()))
+            let web = crate::web::Web::new(&server_key, Duration::from_millis(config.dashboard_session_ms));
+            let api = api::spawn(listener, tls, local, api_config(config), Some(metrics.clone()), Some(web))
                 .map_err(|e| format!("operator API: {e}"))?;
             Some(api)
         }
@@ -299,10 +302,10 @@ async fn serve_on<S: Store>(
     let every = notifying(&notify, |n| n.watchdog_every());
     let watchdog = every.map(|every| tokio::spawn(watchdog_forever(store.clone(), notify.clone(), every)));
     let notifier = {
-        let key = crate::notifier::webhook_key(&layout.dir.join(&config.webhook_secret_file))?;
+        let key = &server_key;
         let timeout = Duration::from_millis(config.webhook_timeout_ms);
         let notifier =
-            crate::notifier::Notifier::new(&key, Path::new(&config.webhook_ca_file), timeout, config.delivery_policy());
+            crate::notifier::Notifier::new(key, Path::new(&config.webhook_ca_file), timeout, config.delivery_policy());
         let every = Duration::from_millis(config.webhook_poll_ms);
         tokio::spawn(crate::notifier::notify_forever(store.clone(), Arc::new(notifier), every))
     };

@@ -86,10 +86,11 @@ pub fn spawn<S: Store, B: BlobStore>(
     local: Local<S, B>,
     config: ApiConfig,
     metrics: Option<Arc<crate::metrics::Metrics>>,
+    web: Option<crate::web::Web>,
 ) -> std::io::Result<Api> {
     let addr = listener.local_addr()?;
     let (stop, stopped) = watch::channel(false);
-    let shared = Arc::new(routes::Shared { local, config: config.clone(), metrics });
+    let shared = Arc::new(routes::Shared { local, config: config.clone(), metrics, web });
     let task = tokio::spawn(accept_loop(listener, TlsAcceptor::from(tls), shared, config, stopped));
     Ok(Api { addr, stop, task })
 }

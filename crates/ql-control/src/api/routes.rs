@@ -6,7 +6,7 @@
 //! | method | path | role | command |
 //! |---|---|---|---|
 //! | GET | `/metrics` | read | the OpenMetrics text ([`crate::metrics`]) |
-//! | GET | `/v1/runs?status=&schedule=&limit=&before=` | read | runs, newest first, a page |
+//! | GET | `/v1/runs?status=&schedule=&worker=&limit=&before=` | read | runs, newest first, a page |
 //! | POST | `/v1/runs` | admin | submit |
 //! | GET | `/v1/runs/{run}` | read | show |
 //! | POST | `/v1/runs/{run}:cancel` | admin | cancel |
@@ -46,6 +46,7 @@ pub(super) struct Shared<S, B> {
     pub(super) local: Local<S, B>,
     pub(super) config: ApiConfig,
     pub(super) metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+    pub(super) web: Option<crate::web::Web>,
 }
 
 type Answer = Response<Full<Bytes>>;
@@ -176,16 +177,7 @@ async fn authenticate<S: Store, B: BlobStore>(
 }
 
 fn query(request: &Request<Incoming>) -> BTreeMap<String, String> {
-    let decode = |s: &str| percent_encoding::percent_decode_str(&s.replace('+', " ")).decode_utf8_lossy().into_owned();
-    request
-        .uri()
-        .query()
-        .unwrap_or("")
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| p.split_once('=').unwrap_or((p, "")))
-        .map(|(k, v)| (decode(k), decode(v)))
-        .collect()
+    crate::web::pairs(request.uri().query().unwrap_or(""))
 }
 
 fn number<T: std::str::FromStr>(q: &BTreeMap<String, String>, key: &str, default: T) -> Result<T, OpError> {
@@ -251,6 +243,12 @@ struct Empty {}
 
 /// Answers one request.
 pub(super) async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, request: Request<Incoming>) -> Answer {
+    // The dashboard signs its operators in with a cookie of its own (see `web`).
+    if let Some(web) = &shared.web {
+        if request.uri().path() == "/ui" || request.uri().path().starts_with("/ui/") {
+            return crate::web::handle(web, &shared.local, request).await;
+        }
+    }
     // Who asks comes first: an unauthenticated request learns nothing, not even which
     // routes exist.
     if let Err(e) = authenticate(shared, &request, Role::Read).await {
@@ -276,6 +274,7 @@ pub(super) async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, reques
                     status: q.get("status").cloned(),
                     limit,
                     before: q.get("before").cloned(),
+                    worker: q.get("worker").cloned(),
                 },
                 Err(e) => return refuse(&e),
             };

@@ -143,8 +143,12 @@ impl<S: Store, B: BlobStore> Local<S, B> {
             None => None,
             Some(r) => Some(RunId::parse(r.as_str()).map_err(|e| OpError::invalid(format!("before {r:?}: {e}")))?),
         };
+        let worker = match &filter.worker {
+            None => None,
+            Some(w) => Some(WorkerId::parse(w.as_str()).map_err(|e| OpError::invalid(format!("worker {w:?}: {e}")))?),
+        };
         let limit = filter.limit.clamp(1, MAX_PAGE);
-        let query = RunQuery { schedule: filter.schedule.clone(), status, limit, before };
+        let query = RunQuery { schedule: filter.schedule.clone(), status, limit, before, worker };
         let runs: Vec<RunRow> = self.store.runs(&query).await?.iter().map(RunRow::from).collect();
         let next = (runs.len() == limit).then(|| runs.last().map(|r| r.run_id.clone())).flatten();
         Ok(RunPage { runs, next })

@@ -82,6 +82,8 @@ pub struct RunFilter {
     pub limit: usize,
     /// Only older than this run (the next page).
     pub before: Option<String>,
+    /// Only runs offered to this worker.
+    pub worker: Option<String>,
 }
 
 /// The most rows one list answers.

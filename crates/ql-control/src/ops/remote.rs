@@ -174,6 +174,7 @@ impl Remote {
         query.extend(filter.schedule.clone().map(|s| ("schedule", s)));
         query.extend(filter.status.clone().map(|s| ("status", s)));
         query.extend(filter.before.clone().map(|s| ("before", s)));
+        query.extend(filter.worker.clone().map(|s| ("worker", s)));
         self.json("GET", "/v1/runs", &query, None)
     }
 

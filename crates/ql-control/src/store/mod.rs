@@ -101,6 +101,8 @@ pub struct RunQuery {
     pub limit: usize,
     /// Only runs listed after this one (older): the next page.
     pub before: Option<RunId>,
+    /// Only runs with an attempt offered to this worker.
+    pub worker: Option<WorkerId>,
 }
 
 impl RunQuery {

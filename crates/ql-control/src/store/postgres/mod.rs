@@ -678,14 +678,16 @@ impl Store for PgStore {
         let sql = format!(
             "SELECT {} FROM runs WHERE ($1::text IS NULL OR schedule = $1) AND ($2::text IS NULL OR status = $2) \
              AND ($4::text IS NULL OR (created_at, id) < (SELECT created_at, id FROM runs WHERE id = $4)) \
+             AND ($5::text IS NULL OR id IN (SELECT run_id FROM attempts WHERE worker = $5)) \
              ORDER BY created_at DESC, id DESC LIMIT $3",
             *RUN_COLS
         );
         let (schedule, status) = (query.schedule.as_deref(), query.status.map(|s| s.as_str()));
         let before = query.before.as_ref().map(|r| r.as_str());
         let mut conn = self.reading().await?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-            [&schedule, &status, &limit(query.limit), &before];
+        let worker = query.worker.as_ref().map(|w| w.as_str());
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&schedule, &status, &limit(query.limit), &before, &worker];
         let found = map_all(Tx { conn: &mut conn }.all(&sql, &params).await?, rows::read)?;
         Self::done(conn).await?;
         Ok(found)

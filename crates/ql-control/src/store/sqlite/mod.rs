@@ -533,10 +533,13 @@ impl Store for SqliteStore {
             let q = format!(
                 "SELECT {RUN_COLS} FROM runs WHERE (?1 IS NULL OR schedule = ?1) AND (?2 IS NULL OR status = ?2) \
                  AND (?4 IS NULL OR (created_at, id) < (SELECT created_at, id FROM runs WHERE id = ?4)) \
+                 AND (?5 IS NULL OR id IN (SELECT run_id FROM attempts WHERE worker = ?5)) \
                  ORDER BY created_at DESC, id DESC LIMIT ?3"
             );
             let before = query.before.as_ref().map(|r| r.as_str().to_owned());
-            let params = (query.schedule.as_deref(), query.status.map(|s| s.as_str()), limit(query.limit), before);
+            let worker = query.worker.as_ref().map(|w| w.as_str().to_owned());
+            let status = query.status.map(|s| s.as_str());
+            let params = (query.schedule.as_deref(), status, limit(query.limit), before, worker);
             all(&w.conn, &q, params, rows::read).map_err(sql)
         })
         .await
