@@ -233,8 +233,14 @@ fn every_page_shows_the_database_escaped_with_a_live_log_and_checked_forms() {
 
     // Without a session: to the sign-in page, and nothing else.
     let client = w.control.operator_client();
-    let r = client.get(format!("{ui}/runs")).call().unwrap();
-    assert_eq!((r.status().as_u16(), r.headers()["location"].to_str().unwrap()), (303, "/ui/login"));
+    for page in ["/runs".to_owned(), format!("/runs/{ok}"), "/workers".into(), "/schedules".into(), "".into()] {
+        let r = client.get(format!("{ui}{page}")).call().unwrap();
+        assert_eq!((r.status().as_u16(), r.headers()["location"].to_str().unwrap()), (303, "/ui/login"), "{page}");
+    }
+    let r = client.get(format!("{ui}/runs/{ok}/log")).call().unwrap();
+    assert_eq!(r.status(), 401, "the live log without a session");
+    let r = client.get(format!("{ui}/runs")).header("Cookie", "ql_ui=boss.99999999999.00ff").call().unwrap();
+    assert_eq!(r.status(), 303, "a forged cookie is no session");
     assert_eq!(client.get(format!("{}/metrics", w.control.operator_url)).call().unwrap().status(), 401);
 
     let b = Browser::start(w.path("").as_path());

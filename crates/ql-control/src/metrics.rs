@@ -68,6 +68,7 @@ pub struct Metrics {
     fired: Counter,
     webhook_sends: Family<OutcomeLabels, Counter>,
     runs: Family<StatusLabels, Gauge>,
+    attempts: Family<StatusLabels, Gauge>,
     sessions: Family<StatusLabels, Gauge>,
     leases: Family<StatusLabels, Gauge>,
     fires: Family<StatusLabels, Gauge>,
@@ -111,6 +112,7 @@ impl Metrics {
             fired: Counter::default(),
             webhook_sends: Family::default(),
             runs: Family::default(),
+            attempts: Family::default(),
             sessions: Family::default(),
             leases: Family::default(),
             fires: Family::default(),
@@ -126,6 +128,7 @@ impl Metrics {
         registry.register("schedule_fired", "Schedule fires decided by this replica", m.fired.clone());
         registry.register("webhook_sends", "Webhook sends by outcome (delivered, failed)", m.webhook_sends.clone());
         registry.register("runs", "Runs by status", m.runs.clone());
+        registry.register("attempts", "Attempts by status (lost: their worker vanished)", m.attempts.clone());
         registry.register("sessions", "Worker sessions by state", m.sessions.clone());
         registry.register("leases", "Leases by state", m.leases.clone());
         registry.register("schedule_fires", "Schedule fires recorded, by outcome", m.fires.clone());
@@ -176,13 +179,14 @@ impl Metrics {
     /// The OpenMetrics text, after reading the database's figures from `store`.
     pub async fn render<S: Store>(&self, store: &S) -> Result<String, StoreError> {
         let stats = store.stats().await?;
-        for family in [&self.runs, &self.sessions, &self.leases, &self.fires, &self.deliveries] {
+        for family in [&self.runs, &self.attempts, &self.sessions, &self.leases, &self.fires, &self.deliveries] {
             family.clear();
         }
         self.queued_age.set(0.0);
         for s in stats {
             let family = match s.kind.as_str() {
                 "runs" => &self.runs,
+                "attempts" => &self.attempts,
                 "sessions" => &self.sessions,
                 "leases" => &self.leases,
                 "fires" => &self.fires,

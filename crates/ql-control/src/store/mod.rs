@@ -112,7 +112,7 @@ impl RunQuery {
     }
 }
 
-/// One figure of the authority's rows for metrics: `kind` (`runs`, `sessions`, `leases`,
+/// One figure of the authority's rows for metrics: `kind` (`runs`, `attempts`, `sessions`, `leases`,
 /// `fires`, `deliveries` by their status; `queued_age_ms`, `artifact_bytes`), its
 /// status (empty for the last two), and the figure.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,6 +130,7 @@ pub struct Stat {
 pub(crate) const STATS_SQL: &str = "SELECT 'runs', status, count(*) FROM runs GROUP BY status \
      UNION ALL SELECT 'sessions', state, count(*) FROM sessions GROUP BY state \
      UNION ALL SELECT 'leases', state, count(*) FROM leases GROUP BY state \
+     UNION ALL SELECT 'attempts', status, count(*) FROM attempts GROUP BY status \
      UNION ALL SELECT 'fires', outcome, count(*) FROM fires GROUP BY outcome \
      UNION ALL SELECT 'deliveries', state, count(*) FROM deliveries GROUP BY state \
      UNION ALL SELECT 'queued_age_ms', '', {NOW} - min(created_at) FROM runs WHERE status = 'queued' HAVING count(*) > 0 \

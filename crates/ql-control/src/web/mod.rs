@@ -272,7 +272,7 @@ pub(crate) async fn handle<S: Store, B: BlobStore>(
             Err(e) => error_page(&e),
         },
         (&Method::GET, ["schedules"]) => match local.schedules().await {
-            Ok(list) => page(StatusCode::OK, pages::schedules(&view, &list, None)),
+            Ok(list) => page(StatusCode::OK, pages::schedules(&view, &list, &last_outcomes(local, &list).await, None)),
             Err(e) => error_page(&e),
         },
         (&Method::POST, ["logout"]) => match form(request).await {
@@ -304,12 +304,31 @@ pub(crate) async fn handle<S: Store, B: BlobStore>(
             }
             let done = local.schedule_action(&name, action).await;
             match (done, local.schedules().await) {
-                (Ok(d), Ok(list)) => page(StatusCode::OK, pages::schedules(&view, &list, Some(&d.message))),
+                (Ok(d), Ok(list)) => {
+                    let outcomes = last_outcomes(local, &list).await;
+                    page(StatusCode::OK, pages::schedules(&view, &list, &outcomes, Some(&d.message)))
+                }
                 (Err(e), _) | (_, Err(e)) => error_page(&e),
             }
         }
         _ => error_page(&OpError::not_found("no such page")),
     }
+}
+
+/// Each schedule's last run's status, by run id.
+async fn last_outcomes<S: Store, B: BlobStore>(
+    local: &Local<S, B>,
+    list: &crate::ops::view::ScheduleList,
+) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for id in list.schedules.iter().filter_map(|s| s.last_run.as_deref()) {
+        if let Ok(run) = RunId::parse(id) {
+            if let Ok(view) = local.run(&run).await {
+                out.insert(id.to_owned(), view.status);
+            }
+        }
+    }
+    out
 }
 
 async fn login<S: Store, B: BlobStore>(web: &Web, local: &Local<S, B>, request: Request<Incoming>) -> Answer {

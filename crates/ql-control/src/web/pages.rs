@@ -220,10 +220,15 @@ pub(super) fn workers(v: &Viewer<'_>, list: &WorkerList) -> String {
 }
 
 /// The schedules, with pause, resume and run-now for an admin.
-pub(super) fn schedules(v: &Viewer<'_>, list: &ScheduleList, done: Option<&str>) -> String {
+pub(super) fn schedules(
+    v: &Viewer<'_>,
+    list: &ScheduleList,
+    outcomes: &std::collections::BTreeMap<String, String>,
+    done: Option<&str>,
+) -> String {
     let mut body = done.map_or(String::new(), |m| format!("<p>{}</p>", e(m)));
     body += "<table><thead><tr><th>Name</th><th>Cron</th><th>Time zone</th><th>Overlap</th><th>Next fire</th>\
-             <th>Last run</th><th></th></tr></thead><tbody>";
+             <th>Last run</th><th>Its outcome</th><th></th></tr></thead><tbody>";
     for s in &list.schedules {
         let button = |action: &str, label: &str| {
             format!(
@@ -243,8 +248,10 @@ pub(super) fn schedules(v: &Viewer<'_>, list: &ScheduleList, done: Option<&str>)
             .last_run
             .as_deref()
             .map_or_else(|| "-".to_owned(), |r| format!("<a href=\"/ui/runs/{}\">{}</a>", a(r), e(r)));
+        let outcome = s.last_run.as_ref().and_then(|r| outcomes.get(r)).map_or_else(|| "-".to_owned(), |x| status(x));
         body += &format!(
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{last}</td><td>{actions}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{last}</td><td>{outcome}</td>\
+             <td>{actions}</td></tr>",
             e(&s.name),
             e(&s.cron),
             e(&s.tz),
