@@ -247,11 +247,16 @@ fn every_page_shows_the_database_escaped_with_a_live_log_and_checked_forms() {
     b.open(&format!("{ui}/login"));
     b.type_into("input[name=token]", "boss.AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA");
     b.click("button[type=submit]");
-    assert!(b.source().contains("that token is not an operator"), "a wrong token is refused");
+    // A click returns before the page it posts has loaded: wait for it.
+    wait_for(
+        "a wrong token to be refused",
+        || b.source(),
+        || b.source().contains("that token is not an operator").then_some(()),
+    );
     b.screenshot(&shots().join("login.png"));
     b.type_into("input[name=token]", &admin);
     b.click("button[type=submit]");
-    assert_eq!(b.title(), "Runs · QingLong Edge", "{}", b.source());
+    wait_for("the runs page", || b.source(), || (b.title() == "Runs · QingLong Edge").then_some(()));
 
     // Runs: each with the status the database holds.
     let table = b.text("table");
@@ -304,16 +309,24 @@ fn every_page_shows_the_database_escaped_with_a_live_log_and_checked_forms() {
         .send(&b"csrf=forged"[..])
         .unwrap();
     assert_eq!(forged.status(), 403);
+    let cross_site = client
+        .post(format!("{ui}/login"))
+        .header("Sec-Fetch-Site", "cross-site")
+        .header("Content-Type", "application/x-www-form-urlencoded")
+        .send(format!("token={admin}").as_bytes())
+        .unwrap();
+    assert_eq!(cross_site.status(), 403, "a sign-in posted from another site");
     let listed = || String::from_utf8(w.control.cli(&["schedule", "list"]).stdout).unwrap();
     assert!(listed().lines().any(|l| l.starts_with("nightly") && l.contains(" no ")), "{}", listed());
     b.open(&format!("{ui}/schedules"));
     b.screenshot(&shots().join("schedules.png"));
     b.click("form[action='/ui/schedules/nightly/pause'] button");
-    assert!(b.text("main").contains("nightly paused"), "{}", b.source());
+    wait_for("the schedule to be paused", || b.source(), || b.source().contains("nightly paused").then_some(()));
     assert!(listed().lines().any(|l| l.starts_with("nightly") && l.contains(" yes ")), "{}", listed());
 
     // Signing out ends the session.
     b.click("form[action='/ui/logout'] button");
+    wait_for("the sign-in page", || b.source(), || (b.title() == "Sign in · QingLong Edge").then_some(()));
     b.open(&format!("{ui}/runs"));
     assert_eq!(b.title(), "Sign in · QingLong Edge");
 }

@@ -211,6 +211,12 @@ pub(crate) async fn handle<S: Store, B: BlobStore>(
 ) -> Answer {
     let path = request.uri().path().to_owned();
     let method = request.method().clone();
+    // A form posted from another site (the browser says so) is refused before anything,
+    // the sign-in's included; the CSRF token is checked on top for every other form.
+    let cross_site = request.headers().get("sec-fetch-site").is_some_and(|v| v.as_bytes() == b"cross-site");
+    if method == Method::POST && cross_site {
+        return error_page(&OpError::new(ql_wire::ErrorCode::Forbidden, "a form from this dashboard, please"));
+    }
     match (&method, path.as_str()) {
         (&Method::GET, "/ui/static/app.css") => return asset("text/css; charset=utf-8", APP_CSS),
         (&Method::GET, "/ui/static/tail.js") => return asset("text/javascript; charset=utf-8", TAIL_JS),
