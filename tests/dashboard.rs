@@ -239,7 +239,7 @@ fn every_page_shows_the_database_escaped_with_a_live_log_and_checked_forms() {
     }
     let r = client.get(format!("{ui}/runs/{ok}/log")).call().unwrap();
     assert_eq!(r.status(), 401, "the live log without a session");
-    let r = client.get(format!("{ui}/runs")).header("Cookie", "ql_ui=boss.99999999999.00ff").call().unwrap();
+    let r = client.get(format!("{ui}/runs")).header("Cookie", "__Host-ql_ui=boss.99999999999.00ff").call().unwrap();
     assert_eq!(r.status(), 303, "a forged cookie is no session");
     assert_eq!(client.get(format!("{}/metrics", w.control.operator_url)).call().unwrap().status(), 401);
 
@@ -301,10 +301,10 @@ fn every_page_shows_the_database_escaped_with_a_live_log_and_checked_forms() {
     b.screenshot(&shots().join("workers.png"));
 
     // Schedules: a form without its CSRF token changes nothing; the admin's button does.
-    let cookie = b.cookie("ql_ui");
+    let cookie = b.cookie("__Host-ql_ui");
     let forged = client
         .post(format!("{ui}/schedules/nightly/pause"))
-        .header("Cookie", format!("ql_ui={cookie}"))
+        .header("Cookie", format!("__Host-ql_ui={cookie}"))
         .header("Content-Type", "application/x-www-form-urlencoded")
         .send(&b"csrf=forged"[..])
         .unwrap();

@@ -21,6 +21,11 @@ pub struct Config {
     pub operator_log_wait_ms: u64,
     /// How long a dashboard sign-in lasts.
     pub dashboard_session_ms: u64,
+    /// The key dashboard sessions are signed with, made at the first `serve` when absent;
+    /// relative to the state directory. Replicas share it; nobody else needs it.
+    pub dashboard_secret_file: String,
+    /// An operator API or dashboard request body must arrive within this of its head.
+    pub operator_body_timeout_ms: u64,
     /// The key webhook bodies are signed with (HMAC-SHA256), made at the first `serve`
     /// when absent; relative to the state directory. Replicas share it.
     pub webhook_secret_file: String,
@@ -106,6 +111,8 @@ impl Default for Config {
             operator_max_connections: 64,
             operator_log_wait_ms: 25_000,
             dashboard_session_ms: 12 * 3_600_000,
+            dashboard_secret_file: "dashboard.key".into(),
+            operator_body_timeout_ms: 10_000,
             webhook_secret_file: "webhook.key".into(),
             webhook_ca_file: "/etc/ssl/certs/ca-certificates.crt".into(),
             webhook_timeout_ms: 10_000,
@@ -270,6 +277,8 @@ impl Config {
             ("schedule_missed_after_ms", self.schedule_missed_after_ms),
             ("operator_max_connections", self.operator_max_connections),
             ("webhook_timeout_ms", self.webhook_timeout_ms),
+            ("operator_body_timeout_ms", self.operator_body_timeout_ms),
+            ("dashboard_session_ms", self.dashboard_session_ms),
             ("webhook_poll_ms", self.webhook_poll_ms),
             ("webhook_max_attempts", self.webhook_max_attempts),
         ];

@@ -597,7 +597,7 @@ status! {
 }
 
 /// A webhook asked for at submit: where to POST the run's end, and which ends.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Notify {
     /// An `http://` or `https://` URL.
     pub url: String,
@@ -622,7 +622,7 @@ status! {
 }
 
 /// A run's webhook delivery, one per run (the run id is its idempotency key).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Delivery {
     /// The run.
     pub run: RunId,
@@ -642,4 +642,33 @@ pub struct Delivery {
     pub created_at: Millis,
     /// Last changed at.
     pub updated_at: Millis,
+}
+
+/// `scheme://host[:port]` of a URL, nothing of its path, query or user: what is shown and
+/// printed of a webhook's URL, whose rest may be its receiver's secret.
+pub fn url_origin(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    format!("{scheme}://{host}")
+}
+
+impl std::fmt::Debug for Notify {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Notify").field("url", &url_origin(&self.url)).field("on", &self.on).finish()
+    }
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delivery")
+            .field("run", &self.run)
+            .field("url", &url_origin(&self.url))
+            .field("on", &self.on)
+            .field("state", &self.state)
+            .field("attempts", &self.attempts)
+            .field("next_at", &self.next_at)
+            .field("last_error", &self.last_error)
+            .finish_non_exhaustive()
+    }
 }

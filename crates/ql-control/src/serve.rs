@@ -174,6 +174,7 @@ pub fn api_config(config: &Config) -> ApiConfig {
         header_read_timeout: Duration::from_millis(config.header_timeout_ms),
         max_connections: usize::try_from(config.operator_max_connections).unwrap_or(usize::MAX),
         max_log_wait: Duration::from_millis(config.operator_log_wait_ms),
+        body_timeout: Duration::from_millis(config.operator_body_timeout_ms),
         ..ApiConfig::default()
     }
 }
@@ -260,7 +261,7 @@ async fn serve_on<S: Store>(
     let mut ingress_cfg = ingress_config(config);
     ingress_cfg.identity = Some(Arc::new(identity(layout, config)?));
     ingress_cfg.metrics = Some(metrics.clone());
-    // One key for what replicas must agree on: webhook signatures, dashboard sessions.
+    // What replicas must agree on: the webhook key (and, below, the dashboard's).
     let server_key = crate::notifier::webhook_key(&layout.dir.join(&config.webhook_secret_file))?;
     // The operator API binds before anything is served, so a taken port stops serve
     // instead of leaving it without its operators' door.
@@ -279,7 +280,12 @@ async fn serve_on<S: Store>(
         Some(listener) => {
             let tls = http::tls::operator_config_from_dir(&layout.dir).map_err(|e| e.to_string())?;
             let local = crate::ops::Local { store: store.clone(), blobs };
-            let web = crate::web::Web::new(&server_key, Duration::from_millis(config.dashboard_session_ms));
+            let dashboard_key = crate::notifier::webhook_key(&layout.dir.join(&config.dashboard_secret_file))?;
+            let web = crate::web::Web::new(
+                &dashboard_key,
+                Duration::from_millis(config.dashboard_session_ms),
+                Duration::from_millis(config.operator_body_timeout_ms),
+            );
             let api = api::spawn(listener, tls, local, api_config(config), Some(metrics.clone()), Some(web))
                 .map_err(|e| format!("operator API: {e}"))?;
             Some(api)

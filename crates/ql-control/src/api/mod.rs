@@ -37,6 +37,8 @@ pub struct ApiConfig {
     pub header_read_timeout: Duration,
     /// The largest request body (a submitted script is the largest).
     pub max_body_bytes: usize,
+    /// A request body must arrive within this of its head: a trickle holds no slot long.
+    pub body_timeout: Duration,
     /// Connections served at once.
     pub max_connections: usize,
     /// The longest wait of a log follow, whatever `waitMs` asks.
@@ -51,6 +53,7 @@ impl Default for ApiConfig {
             handshake_timeout: Duration::from_secs(5),
             header_read_timeout: Duration::from_secs(10),
             max_body_bytes: 1024 * 1024,
+            body_timeout: Duration::from_secs(10),
             max_connections: 64,
             max_log_wait: Duration::from_secs(25),
             max_log_window: 4 * 1024 * 1024,

@@ -22,6 +22,7 @@
 //! | DELETE | `/v1/schedules/{name}` | admin | schedule remove |
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, Limited};
@@ -168,7 +169,11 @@ async fn authenticate<S: Store, B: BlobStore>(
     let presented = header.strip_prefix("Bearer ").ok_or_else(unauthenticated)?;
     let (name, secret) = presented.trim().rsplit_once('.').ok_or_else(unauthenticated)?;
     let secret = Token::parse(secret).map_err(|_| unauthenticated())?;
-    let operators = shared.local.store.operators().await?;
+    // The database's own words stay in the server's log, not in an unauthenticated answer.
+    let operators = shared.local.store.operators().await.map_err(|e| {
+        eprintln!("ql-control: operator API: {e}");
+        OpError::new(ErrorCode::Unavailable, "the database is unreachable; try again")
+    })?;
     let found = operators.iter().find(|o| o.name == name);
     crate::core::authorize(found, &secret.digest(), needed).map_err(|code| match code {
         ErrorCode::Forbidden => OpError::new(code, format!("the {} role may not do this", Role::Read.as_str())),
@@ -187,7 +192,8 @@ fn number<T: std::str::FromStr>(q: &BTreeMap<String, String>, key: &str, default
     }
 }
 
-async fn body<T: DeserializeOwned>(request: Request<Incoming>, cap: usize) -> Result<T, OpError> {
+async fn body<T: DeserializeOwned>(request: Request<Incoming>, limits: (usize, Duration)) -> Result<T, OpError> {
+    let (cap, timeout) = limits;
     let json_type = request
         .headers()
         .get("content-type")
@@ -213,12 +219,13 @@ async fn body<T: DeserializeOwned>(request: Request<Incoming>, cap: usize) -> Re
                 }
             }
         };
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), drain).await;
+        let _ = tokio::time::timeout(timeout, drain).await;
         return Err(OpError::new(ErrorCode::PayloadTooLarge, format!("a body of at most {cap} bytes")));
     }
-    let bytes = Limited::new(request.into_body(), cap)
-        .collect()
+    let collected = tokio::time::timeout(timeout, Limited::new(request.into_body(), cap).collect())
         .await
+        .map_err(|_| OpError::invalid(format!("the body did not arrive within {} s", timeout.as_secs())))?;
+    let bytes = collected
         .map_err(|_| OpError::new(ErrorCode::PayloadTooLarge, format!("a body of at most {cap} bytes")))?
         .to_bytes();
     serde_json::from_slice(&bytes).map_err(|e| OpError::invalid(format!("the body: {e}")))
@@ -263,7 +270,7 @@ pub(super) async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, reques
         }
     }
     let local = &shared.local;
-    let cap = shared.config.max_body_bytes;
+    let cap = (shared.config.max_body_bytes, shared.config.body_timeout);
     let q = query(&request);
     match route {
         Route::Metrics => metrics(shared).await,
@@ -299,10 +306,10 @@ pub(super) async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, reques
             Err(e) => refuse(&e),
         },
         Route::Labels(worker) => match body::<LabelsBody>(request, cap).await {
-            Ok(b) => {
-                let words: Vec<String> = b.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                answer(local.label(&worker, &words).await)
-            }
+            Ok(b) => match crate::ops::local::label_words(&b.labels) {
+                Ok(words) => answer(local.label(&worker, &words).await),
+                Err(e) => refuse(&e),
+            },
             Err(e) => refuse(&e),
         },
         Route::Certificates => answer(local.certificates().await),

@@ -53,9 +53,8 @@ pub fn submit_of(body: &SubmitBody) -> Result<Submit, OpError> {
     for (k, v) in &body.env {
         env.insert(EnvName::parse(k.as_str()).map_err(|e| invalid(format!("--env {k:?}: {e}")))?, v.clone());
     }
-    let words = |m: &BTreeMap<String, String>| m.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>();
-    let labels = labels_of(&words(&body.labels), "--label").map_err(invalid)?;
-    let agent_labels = labels_of(&words(&body.agent_labels), "--agent-label").map_err(invalid)?;
+    let labels = labels_of(&label_words(&body.labels)?, "--label").map_err(invalid)?;
+    let agent_labels = labels_of(&label_words(&body.agent_labels)?, "--agent-label").map_err(invalid)?;
     let spec = ExecutionSpec {
         schema: SpecSchema,
         project_id: project.clone(),
@@ -90,6 +89,17 @@ pub fn schedule_of(body: &ScheduleBody) -> Result<ScheduleSpec, OpError> {
         catch_up: body.catch_up.parse().map_err(OpError::invalid)?,
         submit: submit_of(&body.run)?,
     })
+}
+
+/// Stored logs read at once (each up to the largest log, 64 MiB).
+static STORED_READS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
+
+/// `key=value` words of a label map, refusing a key with a `=` (it would split apart).
+pub fn label_words(labels: &BTreeMap<String, String>) -> Result<Vec<String>, OpError> {
+    if let Some(k) = labels.keys().find(|k| k.contains('=')) {
+        return Err(OpError::invalid(format!("label {k:?}: a key without '='")));
+    }
+    Ok(labels.iter().map(|(k, v)| format!("{k}={v}")).collect())
 }
 
 /// Labels as `k=v,k=v`, or `-` for none.
@@ -332,7 +342,11 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         let Some(attempt) = target(&d, request.follow && !terminal) else {
             return Ok(window);
         };
-        let offset = if request.attempt.as_deref() == Some(attempt.id.as_str()) { request.offset } else { 0 };
+        // An offset counts in the attempt it was read from: another attempt starts at 0.
+        let offset = match request.attempt.as_deref() {
+            Some(a) if a != attempt.id.as_str() => 0,
+            _ => request.offset,
+        };
         window.attempt = Some(attempt.id.to_string());
         window.number = attempt.number;
         window.offset = offset;
@@ -346,6 +360,9 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         // While following, the live chunks are read until the run ends; the stored log
         // then checks all of them.
         if let Some(receipt) = attempt.artifact.as_ref().filter(|_| terminal || !request.follow) {
+            // A stored log is read whole to check it against its receipt: a few at a time,
+            // so no number of readers can hold more than a few logs in memory.
+            let _reading = STORED_READS.acquire().await.map_err(|_| unavailable("shutting down".into()))?;
             let content = self
                 .blobs
                 .read(&key(receipt.artifact_id.clone()))
@@ -388,6 +405,7 @@ impl<S: Store, B: BlobStore> Local<S, B> {
             let from = usize::try_from(have.saturating_sub(chunk.offset)).unwrap_or(usize::MAX).min(bytes.len());
             window.bytes.extend_from_slice(&bytes[from..]);
         }
+        window.bytes.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
         Ok(window)
     }
 }

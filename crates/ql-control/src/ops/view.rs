@@ -252,13 +252,7 @@ pub struct DeliveryView {
     pub updated_at: String,
 }
 
-/// `scheme://host[:port]` of a URL, nothing of its path, query or user.
-pub fn origin(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    format!("{scheme}://{host}")
-}
+pub use crate::model::url_origin as origin;
 
 /// One attempt of a run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

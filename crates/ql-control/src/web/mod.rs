@@ -40,14 +40,17 @@ pub const TAIL_JS: &str = include_str!("tail.js");
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; \
                    form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
 
-/// The session cookie's name.
-const COOKIE: &str = "ql_ui";
+/// The session cookie's name: `__Host-`, so the browser keeps it only if it is `Secure`,
+/// for this host alone and for every path.
+const COOKIE: &str = "__Host-ql_ui";
 
 /// The dashboard's settings.
 pub struct Web {
     key: Zeroizing<Vec<u8>>,
     /// How long a sign-in lasts.
     pub session_ttl: Duration,
+    /// A form must arrive within this of its head.
+    pub body_timeout: Duration,
 }
 
 impl std::fmt::Debug for Web {
@@ -57,11 +60,11 @@ impl std::fmt::Debug for Web {
 }
 
 impl Web {
-    /// The dashboard keyed from `server_key` (the webhook key's text), sessions lasting
-    /// `session_ttl`.
-    pub fn new(server_key: &str, session_ttl: Duration) -> Self {
-        let key = mac(server_key.as_bytes(), b"ql-control dashboard sessions");
-        Self { key: Zeroizing::new(key), session_ttl }
+    /// The dashboard keyed from `secret` (the text of `dashboard_secret_file`), sessions
+    /// lasting `session_ttl`, forms arriving within `body_timeout`.
+    pub fn new(secret: &str, session_ttl: Duration, body_timeout: Duration) -> Self {
+        let key = mac(secret.as_bytes(), b"ql-control dashboard sessions");
+        Self { key: Zeroizing::new(key), session_ttl, body_timeout }
     }
 
     fn cookie_text(operator: &Operator, expiry: u64) -> String {
@@ -83,6 +86,13 @@ impl Web {
     /// The CSRF token of a session cookie.
     fn csrf(&self, cookie: &str) -> String {
         hex(&mac(&self.key, format!("csrf\n{cookie}").as_bytes()))
+    }
+
+    /// Whether `given` is the CSRF token of `cookie`, checked in constant time.
+    fn csrf_valid(&self, cookie: &str, given: Option<&String>) -> bool {
+        let Some(tag) = given.and_then(|g| unhex(g)) else { return false };
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &self.key);
+        ring::hmac::verify(&key, format!("csrf\n{cookie}").as_bytes(), &tag).is_ok()
     }
 }
 
@@ -180,8 +190,9 @@ async fn session<S: Store, B: BlobStore>(
     request: &Request<Incoming>,
 ) -> Option<Session> {
     let cookie = cookie_of(request)?;
-    let mut parts = cookie.splitn(3, '.');
-    let (name, expiry, given) = (parts.next()?, parts.next()?.parse::<u64>().ok()?, parts.next()?);
+    // `<name>.<expiry>.<mac>`, and a name may hold dots.
+    let mut parts = cookie.rsplitn(3, '.');
+    let (given, expiry, name) = (parts.next()?, parts.next()?.parse::<u64>().ok()?, parts.next()?);
     if expiry <= now_secs() {
         return None;
     }
@@ -194,10 +205,11 @@ async fn session<S: Store, B: BlobStore>(
     })
 }
 
-async fn form(request: Request<Incoming>) -> Result<BTreeMap<String, String>, OpError> {
-    let bytes = Limited::new(request.into_body(), 16 * 1024)
-        .collect()
+async fn form(request: Request<Incoming>, timeout: Duration) -> Result<BTreeMap<String, String>, OpError> {
+    let collected = tokio::time::timeout(timeout, Limited::new(request.into_body(), 16 * 1024).collect())
         .await
+        .map_err(|_| OpError::invalid(format!("the form did not arrive within {} s", timeout.as_secs())))?;
+    let bytes = collected
         .map_err(|_| OpError::new(ql_wire::ErrorCode::PayloadTooLarge, "a form of at most 16 KiB"))?
         .to_bytes();
     Ok(pairs(&String::from_utf8_lossy(&bytes)))
@@ -255,7 +267,7 @@ pub(crate) async fn handle<S: Store, B: BlobStore>(
                 Ok(v) => v,
                 Err(e) => return error_page(&e),
             };
-            let window = local.log(&run, &LogRequest { limit: 4 * 1024 * 1024, ..LogRequest::default() }).await;
+            let window = local.log(&run, &LogRequest { limit: 1024 * 1024, ..LogRequest::default() }).await;
             page(StatusCode::OK, pages::run(&view, &view_run, window.ok().as_ref()))
         }
         (&Method::GET, ["runs", id, "log"]) => {
@@ -281,11 +293,10 @@ pub(crate) async fn handle<S: Store, B: BlobStore>(
             Ok(list) => page(StatusCode::OK, pages::schedules(&view, &list, &last_outcomes(local, &list).await, None)),
             Err(e) => error_page(&e),
         },
-        (&Method::POST, ["logout"]) => match form(request).await {
-            Ok(f) if f.get("csrf") == Some(&csrf) => redirect(
-                "/ui/login",
-                Some(format!("{COOKIE}=; HttpOnly; Secure; SameSite=Strict; Path=/ui; Max-Age=0")),
-            ),
+        (&Method::POST, ["logout"]) => match form(request, web.body_timeout).await {
+            Ok(f) if web.csrf_valid(&who.cookie, f.get("csrf")) => {
+                redirect("/ui/login", Some(format!("{COOKIE}=; HttpOnly; Secure; SameSite=Strict; Path=/; Max-Age=0")))
+            }
             _ => error_page(&OpError::new(ql_wire::ErrorCode::Forbidden, "a form from this dashboard, please")),
         },
         (&Method::POST, ["schedules", name, action]) => {
@@ -298,11 +309,11 @@ pub(crate) async fn handle<S: Store, B: BlobStore>(
             let name = (*name).to_owned();
             // The form's CSRF token first, then the role: nothing is done for a forged
             // or a read-only request.
-            let fields = match form(request).await {
+            let fields = match form(request, web.body_timeout).await {
                 Ok(f) => f,
                 Err(e) => return error_page(&e),
             };
-            if fields.get("csrf") != Some(&csrf) {
+            if !web.csrf_valid(&who.cookie, fields.get("csrf")) {
                 return error_page(&OpError::new(ql_wire::ErrorCode::Forbidden, "a form from this dashboard, please"));
             }
             if who.role != Role::Admin {
@@ -338,7 +349,7 @@ async fn last_outcomes<S: Store, B: BlobStore>(
 }
 
 async fn login<S: Store, B: BlobStore>(web: &Web, local: &Local<S, B>, request: Request<Incoming>) -> Answer {
-    let fields = match form(request).await {
+    let fields = match form(request, web.body_timeout).await {
         Ok(f) => f,
         Err(e) => return error_page(&e),
     };
@@ -359,7 +370,7 @@ async fn login<S: Store, B: BlobStore>(web: &Web, local: &Local<S, B>, request: 
     let max_age = web.session_ttl.as_secs();
     redirect(
         "/ui/runs",
-        Some(format!("{COOKIE}={value}; HttpOnly; Secure; SameSite=Strict; Path=/ui; Max-Age={max_age}")),
+        Some(format!("{COOKIE}={value}; HttpOnly; Secure; SameSite=Strict; Path=/; Max-Age={max_age}")),
     )
 }
 
@@ -392,7 +403,7 @@ mod tests {
 
     #[test]
     fn a_session_cookie_is_bound_to_its_operator_its_expiry_and_its_token() {
-        let web = Web::new("a server key of some length", Duration::from_secs(60));
+        let web = Web::new("a server key of some length", Duration::from_secs(60), Duration::from_secs(1));
         let token = Token::generate().unwrap();
         let ops = operator(&token);
         let mac = web.cookie_mac(&ops, 100);
@@ -400,12 +411,15 @@ mod tests {
         assert!(!web.cookie_valid(&ops, 101, &mac), "another expiry");
         let replaced = operator(&Token::generate().unwrap());
         assert!(!web.cookie_valid(&replaced, 100, &mac), "the operator's token was replaced");
-        let other = Web::new("another server key entirely", Duration::from_secs(60));
+        let other = Web::new("another server key entirely", Duration::from_secs(60), Duration::from_secs(1));
         assert!(!other.cookie_valid(&ops, 100, &mac), "another server key");
         for bad in ["", "zz", &mac[1..]] {
             assert!(!web.cookie_valid(&ops, 100, bad), "{bad:?}");
         }
         assert_ne!(web.csrf("a.1.x"), web.csrf("a.1.y"), "a CSRF token per session");
+        assert!(web.csrf_valid("a.1.x", Some(&web.csrf("a.1.x"))));
+        assert!(!web.csrf_valid("a.1.y", Some(&web.csrf("a.1.x"))));
+        assert!(!web.csrf_valid("a.1.x", None));
     }
 
     #[test]
