@@ -20,6 +20,7 @@ pub mod core;
 pub mod fault;
 pub mod http;
 pub mod identity;
+pub mod keys;
 pub mod logs;
 pub mod metrics;
 pub mod model;

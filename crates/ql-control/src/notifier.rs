@@ -8,7 +8,7 @@
 //! receiver deduplicates on, since a replica that dies mid-send leaves the delivery to be
 //! sent again — `QL-Delivery-Attempt` counts the sends, and `QL-Signature` is
 //! `sha256=` and the hex HMAC-SHA256 of the body under the webhook key (the text of
-//! `webhook_secret_file`, made at the first `serve` if absent; replicas share it).
+//! `webhook_secret_file`, [`crate::keys::key_file`]; replicas share it).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -34,38 +34,6 @@ impl std::fmt::Debug for Notifier {
     }
 }
 
-/// The webhook key in `path`, made (32 random bytes, base64url, mode 0600) when absent.
-pub fn webhook_key(path: &Path) -> Result<Zeroizing<String>, String> {
-    if !path.exists() {
-        use std::io::Write as _;
-        use std::os::unix::fs::OpenOptionsExt as _;
-        // 32 random bytes, base64url: a token's text.
-        let token = ql_wire::capability::Token::generate().map_err(|e| format!("no randomness: {e}"))?;
-        let hex = Zeroizing::new(token.expose().to_owned());
-        let created = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path);
-        match created {
-            Ok(mut f) => f
-                .write_all(hex.as_bytes())
-                .and_then(|()| f.sync_all())
-                .map_err(|e| format!("{}: {e}", path.display()))?,
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(format!("{}: {e}", path.display())),
-        }
-    }
-    let key = crate::pki::read_secret(path).map_err(|e| e.to_string())?;
-    let key = Zeroizing::new(key.trim().to_owned());
-    if key.len() < 16 {
-        return Err(format!("{}: a webhook key of at least 16 characters", path.display()));
-    }
-    Ok(key)
-}
-
-/// The hex HMAC-SHA256 of `body` under `key`: what `QL-Signature` carries after `sha256=`.
-pub fn signature(key: &[u8], body: &[u8]) -> String {
-    let tag = ring::hmac::sign(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key), body);
-    tag.as_ref().iter().map(|b| format!("{b:02x}")).collect()
-}
-
 impl Notifier {
     /// A notifier signing with `key`, trusting the CA certificates in `ca_file` (if it
     /// exists) for `https://` receivers, each send within `timeout`.
@@ -78,7 +46,7 @@ impl Notifier {
     /// Sends one delivery (blocking): `Ok` for a 2xx answer.
     fn send(&self, d: &Delivery, run: &Run) -> Result<(), String> {
         let body = body(d, run);
-        let signature = signature(&self.key, &body);
+        let signature = crate::keys::hmac_hex(&self.key, &body);
         let answer = self
             .agent
             .post(&d.url)

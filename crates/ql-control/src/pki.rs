@@ -36,6 +36,8 @@ use rcgen::{
 use x509_parser::time::ASN1Time;
 use zeroize::Zeroizing;
 
+use crate::keys::hex;
+
 use ql_wire::ids::WorkerId;
 
 /// The scheme and namespace of a worker principal URI; the worker id follows.
@@ -503,10 +505,6 @@ fn serial() -> SerialNumber {
 pub fn serial_hex(raw: &[u8]) -> String {
     let start = raw.iter().position(|&b| b != 0).unwrap_or(raw.len());
     hex(&raw[start..])
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn create_dir(path: &Path) -> Result<(), PkiError> {

@@ -262,7 +262,7 @@ async fn serve_on<S: Store>(
     ingress_cfg.identity = Some(Arc::new(identity(layout, config)?));
     ingress_cfg.metrics = Some(metrics.clone());
     // What replicas must agree on: the webhook key (and, below, the dashboard's).
-    let server_key = crate::notifier::webhook_key(&layout.dir.join(&config.webhook_secret_file))?;
+    let server_key = crate::keys::key_file(&layout.dir.join(&config.webhook_secret_file))?;
     // The operator API binds before anything is served, so a taken port stops serve
     // instead of leaving it without its operators' door.
     let operators = match config.operator_listen.as_str() {
@@ -280,7 +280,7 @@ async fn serve_on<S: Store>(
         Some(listener) => {
             let tls = http::tls::operator_config_from_dir(&layout.dir).map_err(|e| e.to_string())?;
             let local = crate::ops::Local { store: store.clone(), blobs };
-            let dashboard_key = crate::notifier::webhook_key(&layout.dir.join(&config.dashboard_secret_file))?;
+            let dashboard_key = crate::keys::key_file(&layout.dir.join(&config.dashboard_secret_file))?;
             let web = crate::web::Web::new(
                 &dashboard_key,
                 Duration::from_millis(config.dashboard_session_ms),

@@ -12,6 +12,8 @@
 
 mod routes;
 
+pub(crate) use routes::log_answer;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

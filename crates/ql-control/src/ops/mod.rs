@@ -103,6 +103,16 @@ pub enum ScheduleAction {
 }
 
 impl ScheduleAction {
+    /// The action a POST names (`pause`, `resume`, `run-now`; removing is a DELETE).
+    pub fn posted(word: &str) -> Option<Self> {
+        match word {
+            "pause" => Some(Self::Pause),
+            "resume" => Some(Self::Resume),
+            "run-now" => Some(Self::RunNow),
+            _ => None,
+        }
+    }
+
     /// The word in the API's path (`:pause`) and the CLI.
     pub fn as_str(self) -> &'static str {
         match self {

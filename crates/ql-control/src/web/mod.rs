@@ -27,6 +27,7 @@ use ql_wire::capability::Token;
 use ql_wire::ids::RunId;
 
 use crate::blob::BlobStore;
+use crate::keys::{hmac, hmac_hex, hmac_valid};
 use crate::model::{Operator, Role};
 use crate::ops::{Local, LogRequest, OpError, RunFilter, ScheduleAction};
 use crate::store::Store;
@@ -63,7 +64,7 @@ impl Web {
     /// The dashboard keyed from `secret` (the text of `dashboard_secret_file`), sessions
     /// lasting `session_ttl`, forms arriving within `body_timeout`.
     pub fn new(secret: &str, session_ttl: Duration, body_timeout: Duration) -> Self {
-        let key = mac(secret.as_bytes(), b"ql-control dashboard sessions");
+        let key = hmac(secret.as_bytes(), b"ql-control dashboard sessions");
         Self { key: Zeroizing::new(key), session_ttl, body_timeout }
     }
 
@@ -72,43 +73,24 @@ impl Web {
     }
 
     fn cookie_mac(&self, operator: &Operator, expiry: u64) -> String {
-        hex(&mac(&self.key, Self::cookie_text(operator, expiry).as_bytes()))
+        hmac_hex(&self.key, Self::cookie_text(operator, expiry).as_bytes())
     }
 
     /// Whether `given` (hex) is the MAC of a cookie for `operator` until `expiry`, checked
     /// in constant time.
     fn cookie_valid(&self, operator: &Operator, expiry: u64, given: &str) -> bool {
-        let Some(tag) = unhex(given) else { return false };
-        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &self.key);
-        ring::hmac::verify(&key, Self::cookie_text(operator, expiry).as_bytes(), &tag).is_ok()
+        hmac_valid(&self.key, Self::cookie_text(operator, expiry).as_bytes(), given)
     }
 
     /// The CSRF token of a session cookie.
     fn csrf(&self, cookie: &str) -> String {
-        hex(&mac(&self.key, format!("csrf\n{cookie}").as_bytes()))
+        hmac_hex(&self.key, format!("csrf\n{cookie}").as_bytes())
     }
 
     /// Whether `given` is the CSRF token of `cookie`, checked in constant time.
     fn csrf_valid(&self, cookie: &str, given: Option<&String>) -> bool {
-        let Some(tag) = given.and_then(|g| unhex(g)) else { return false };
-        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &self.key);
-        ring::hmac::verify(&key, format!("csrf\n{cookie}").as_bytes(), &tag).is_ok()
+        given.is_some_and(|g| hmac_valid(&self.key, format!("csrf\n{cookie}").as_bytes(), g))
     }
-}
-
-fn mac(key: &[u8], text: &[u8]) -> Vec<u8> {
-    ring::hmac::sign(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key), text).as_ref().to_vec()
-}
-
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) || !text.is_ascii() {
-        return None;
-    }
-    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok()).collect()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn now_secs() -> u64 {
@@ -281,7 +263,11 @@ pub(crate) async fn handle<S: Store, B: BlobStore>(
                 wait_ms: number("waitMs").min(20_000),
             };
             match local.log(&run, &request).await {
-                Ok(w) => log_answer(w),
+                Ok(w) => {
+                    let mut answer = crate::api::log_answer(w);
+                    secure_headers(answer.headers_mut());
+                    answer
+                }
                 Err(e) => error_page(&e),
             }
         }
@@ -300,11 +286,8 @@ pub(crate) async fn handle<S: Store, B: BlobStore>(
             _ => error_page(&OpError::new(ql_wire::ErrorCode::Forbidden, "a form from this dashboard, please")),
         },
         (&Method::POST, ["schedules", name, action]) => {
-            let action = match *action {
-                "pause" => ScheduleAction::Pause,
-                "resume" => ScheduleAction::Resume,
-                "run-now" => ScheduleAction::RunNow,
-                _ => return error_page(&OpError::not_found("no such action")),
+            let Some(action) = ScheduleAction::posted(action) else {
+                return error_page(&OpError::not_found("no such action"));
             };
             let name = (*name).to_owned();
             // The form's CSRF token first, then the role: nothing is done for a forged
@@ -372,25 +355,6 @@ async fn login<S: Store, B: BlobStore>(web: &Web, local: &Local<S, B>, request: 
         "/ui/runs",
         Some(format!("{COOKIE}={value}; HttpOnly; Secure; SameSite=Strict; Path=/; Max-Age={max_age}")),
     )
-}
-
-/// A log window for the live tail: the bytes, what they are in headers.
-fn log_answer(w: crate::ops::view::LogWindow) -> Answer {
-    let mut answer = Response::new(Full::new(Bytes::from(w.bytes)));
-    let h = answer.headers_mut();
-    let mut set = |name: &'static str, value: String| {
-        if let Ok(v) = value.parse() {
-            h.insert(name, v);
-        }
-    };
-    set("content-type", "application/octet-stream".into());
-    set("ql-run-terminal", w.terminal.to_string());
-    set("ql-log-offset", w.offset.to_string());
-    if let Some(a) = w.attempt {
-        set("ql-log-attempt", a);
-    }
-    secure_headers(answer.headers_mut());
-    answer
 }
 
 #[cfg(test)]
