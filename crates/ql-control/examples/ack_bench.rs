@@ -17,7 +17,7 @@
 //! `--frame-out FILE` (with `--upload-mib M`, `--uploads U`, `--clients 0`) only prepares
 //! uploads for another client: it holds one attempt at `running`, writes a valid artifact
 //! frame of M MiB to FILE and prints `cert`, `key` and `ca` lines (the worker's PEM files)
-//! and U `url` lines (distinct artifacts). `bench/agent.sh` sends the file with `curl` to
+//! and U `url` lines (one artifact: the first upload stores it, the others are replays). `bench/agent.sh` sends the file with `curl` to
 //! compare the agent's upload throughput with curl's.
 
 #[path = "../tests/common/worker_client.rs"]
@@ -197,18 +197,21 @@ fn frame_out(a: &Args, out: &std::path::Path) {
     println!("cert {}", enrolled.cert.display());
     println!("key {}", enrolled.key.display());
     println!("ca {}", enrolled.ca.display());
-    for i in 0..a.uploads {
-        let route = Route::Artifact(path.clone(), ArtifactId::parse(format!("curl{i}")).unwrap());
+    // One attempt stores one content: the first upload stores it, each further one is a
+    // replay the server reads to its end and compares, the same work.
+    let route = Route::Artifact(path.clone(), ArtifactId::parse("curl").unwrap());
+    for _ in 0..a.uploads {
         println!("url {}{}", a.url, route.path());
     }
 }
 
-/// Uploads `count` artifacts of `mib` MiB through one attempt held at `running`.
+/// Uploads `count` artifacts of `mib` MiB, each through an attempt held at `running` (an
+/// attempt stores one content).
 fn uploads(a: &Args) {
-    let (agent, _, path, fence) = held_at_running(a, "upload");
     let url = a.url.as_str();
     let len = a.upload_mib * 1024 * 1024;
     for i in 0..a.uploads {
+        let (agent, _, path, fence) = held_at_running(a, &format!("upload{i}"));
         let header = ArtifactHeader::new(fence.clone(), ArtifactSchema, len, false);
         let prefix = ql_wire::frame::encode_prefix(&header).unwrap();
         let fill = std::io::Read::take(std::io::repeat(b'a' + i as u8), len);
@@ -242,7 +245,7 @@ fn main() {
     let a = args();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let (store, _) = rt.block_on(admin::open_authority(&a.dir, a.database.as_deref())).expect("the authority");
-    let ops = ql_control::ops::Local { store, blobs: admin::open_blobs(&a.dir) };
+    let ops = ql_control::ops::Local { store, blobs: admin::open_blobs(&a.dir, None).expect("the artifact store") };
     let queue = |args: &SubmitArgs| {
         let body = admin::body_of(args).expect("a valid run");
         rt.block_on(ops.submit(&body)).map(drop).map_err(String::from)
@@ -267,8 +270,8 @@ fn main() {
         frame_out(&a, out);
         return;
     }
-    if a.uploads > 0 {
-        let mut up = submit("bench=upload".into());
+    for i in 0..a.uploads {
+        let mut up = submit(format!("bench=upload{i}"));
         up.log_limit = 64 * 1024 * 1024;
         queue(&up).expect("submit upload run");
     }

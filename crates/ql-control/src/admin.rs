@@ -8,7 +8,7 @@ use std::path::Path;
 
 use ql_wire::ids::{RunId, WorkerId};
 
-use crate::blob::fs::FsBlobStore;
+use crate::blob::any::Blobs;
 use crate::config::{Config, Layout};
 use crate::core::{Command, Reply};
 use crate::ops::view::{NotifyBody, ScriptBody, SubmitBody};
@@ -216,7 +216,10 @@ pub async fn open_authority(dir: &Path, database: Option<&str>) -> Result<(Autho
     }
 }
 
-/// The state directory's artifact store, for reading logs.
-pub fn open_blobs(dir: &Path) -> FsBlobStore {
-    FsBlobStore::existing(Layout::new(dir).artifacts())
+/// The artifact store `chosen` names, else the one the state directory's settings name
+/// (or `$QL_CONTROL_ARTIFACTS`), for reading logs; nothing is created.
+pub fn open_blobs(dir: &Path, chosen: Option<&str>) -> Result<Blobs, String> {
+    let layout = Layout::new(dir);
+    let config = if layout.config().exists() { Config::load(&layout)? } else { Config::default() };
+    Blobs::open(&layout, &config, chosen, false)
 }

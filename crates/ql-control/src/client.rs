@@ -1,4 +1,4 @@
-//! ql-control's own HTTP client (the CLI's `--server`, webhooks): ureq over rustls with
+//! ql-control's own HTTP client (the CLI's `--server`, webhooks, the S3 store): ureq over rustls with
 //! ring, trusting only the CA certificates given, never following a redirect, and
 //! answering every status (the caller reads refusals).
 
@@ -17,16 +17,35 @@ pub fn certificates(pem: &[u8]) -> Vec<Certificate<'static>> {
         .collect()
 }
 
-/// An agent trusting `roots` alone; `https_only` refuses plain `http://`; every call
-/// within `timeout`, if given.
-pub fn agent(roots: &[Certificate<'static>], https_only: bool, timeout: Option<Duration>) -> ureq::Agent {
-    let tls = TlsConfig::builder()
+/// An agent for requests whose body takes as long as its source does (a streamed
+/// upload): connecting and the answer after the body are bounded by `timeout`, the
+/// body's pace by its source.
+pub fn streaming_agent(roots: &[Certificate<'static>], https_only: bool, timeout: Duration) -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .tls_config(tls_config(roots))
+        .https_only(https_only)
+        .http_status_as_error(false)
+        .max_redirects(0)
+        .timeout_connect(Some(timeout))
+        .timeout_recv_response(Some(timeout))
+        .user_agent(format!("ql-control/{}", env!("CARGO_PKG_VERSION")))
+        .build()
+        .into()
+}
+
+fn tls_config(roots: &[Certificate<'static>]) -> TlsConfig {
+    TlsConfig::builder()
         .provider(TlsProvider::Rustls)
         .unversioned_rustls_crypto_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .root_certs(RootCerts::new_with_certs(roots))
-        .build();
+        .build()
+}
+
+/// An agent trusting `roots` alone; `https_only` refuses plain `http://`; every call
+/// within `timeout`, if given.
+pub fn agent(roots: &[Certificate<'static>], https_only: bool, timeout: Option<Duration>) -> ureq::Agent {
     ureq::Agent::config_builder()
-        .tls_config(tls)
+        .tls_config(tls_config(roots))
         .https_only(https_only)
         .http_status_as_error(false)
         .max_redirects(0)

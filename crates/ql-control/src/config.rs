@@ -13,6 +13,24 @@ use crate::core::Timings;
 pub struct Config {
     /// Address the HTTPS ingress binds (`--listen` overrides it).
     pub listen: String,
+    /// Where artifacts live: empty for `<dir>/artifacts`, or `s3://bucket/prefix` for a
+    /// bucket every replica shares (`--artifacts` and `$QL_CONTROL_ARTIFACTS` override it).
+    pub artifacts: String,
+    /// The S3 endpoint, `http(s)://host[:port]` (`$AWS_ENDPOINT_URL_S3` and
+    /// `$AWS_ENDPOINT_URL` override it; empty: AWS's own for `s3_region`).
+    pub s3_endpoint: String,
+    /// The S3 signing region (`$AWS_REGION` and `$AWS_DEFAULT_REGION` override it).
+    pub s3_region: String,
+    /// `path`, `virtual` (bucket in the host name) or `auto`: path-style for an
+    /// endpoint of your own (MinIO, Garage, s3s), virtual-hosted for AWS.
+    pub s3_addressing: String,
+    /// The AWS credentials file read when `$AWS_ACCESS_KEY_ID` is not set (empty:
+    /// `$AWS_SHARED_CREDENTIALS_FILE`, else `~/.aws/credentials`); it must be 0600.
+    pub s3_credentials_file: String,
+    /// CA certificates trusted for an `https://` S3 endpoint.
+    pub s3_ca_file: String,
+    /// One S3 request (or the next piece of a streamed upload) within this.
+    pub s3_timeout_ms: u64,
     /// Address the operator API binds (`--operator-listen` overrides it; empty: none).
     pub operator_listen: String,
     /// Operator API connections served at once.
@@ -107,6 +125,13 @@ impl Default for Config {
         let t = Timings::default();
         Self {
             listen: "0.0.0.0:8443".into(),
+            artifacts: String::new(),
+            s3_endpoint: String::new(),
+            s3_region: String::new(),
+            s3_addressing: "auto".into(),
+            s3_credentials_file: String::new(),
+            s3_ca_file: "/etc/ssl/certs/ca-certificates.crt".into(),
+            s3_timeout_ms: 30_000,
             operator_listen: "127.0.0.1:8444".into(),
             operator_max_connections: 64,
             operator_log_wait_ms: 25_000,
@@ -281,9 +306,16 @@ impl Config {
             ("dashboard_session_ms", self.dashboard_session_ms),
             ("webhook_poll_ms", self.webhook_poll_ms),
             ("webhook_max_attempts", self.webhook_max_attempts),
+            ("s3_timeout_ms", self.s3_timeout_ms),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be greater than 0"));
+        }
+        if !["auto", "path", "virtual"].contains(&self.s3_addressing.as_str()) {
+            return Err(format!("s3_addressing is {:?}: it is auto, path or virtual", self.s3_addressing));
+        }
+        if !self.artifacts.is_empty() {
+            crate::blob::s3::parse_url(&self.artifacts).map_err(|e| format!("artifacts: {e}"))?;
         }
         if self.max_header_bytes < 1024 {
             return Err("max_header_bytes must be at least 1024".into());

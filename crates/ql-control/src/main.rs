@@ -2,7 +2,7 @@
 //! and the operator's tool to enrol workers, submit and cancel runs, and read results.
 
 use argh::FromArgs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use ql_control::admin::{self, SubmitArgs};
@@ -77,6 +77,14 @@ struct Init {
     /// (for --host names, default the current ones); workers keep their certificates
     #[argh(switch)]
     renew_server_cert: bool,
+    /// make --dir the state directory of another replica of this initialised one: the
+    /// same CA and settings, a server certificate of its own for --host, no CA key
+    /// (unless --with-ca-key) and no database (replicas share PostgreSQL)
+    #[argh(option)]
+    replica_of: Option<PathBuf>,
+    /// with --replica-of: give the replica the CA key too, so it enrols and renews workers
+    #[argh(switch)]
+    with_ca_key: bool,
 }
 
 /// Enrol a worker: with --token, print a one-time token for `ql-agent enroll` on the
@@ -157,6 +165,11 @@ struct Serve {
     /// none); port 0 picks a free port
     #[argh(option)]
     operator_listen: Option<String>,
+    /// where artifacts live: s3://bucket/prefix for a bucket the replicas share
+    /// (overrides control.json's artifacts; or $QL_CONTROL_ARTIFACTS; default: the state
+    /// directory's artifacts/)
+    #[argh(option)]
+    artifacts: Option<String>,
 }
 
 /// Operator API credentials: bearer tokens for `--server` and the API, stored as digests.
@@ -356,6 +369,10 @@ struct Logs {
     /// directory's SQLite file; or $QL_CONTROL_DATABASE)
     #[argh(option)]
     database: Option<String>,
+    /// where stored logs live, as for serve: s3://bucket/prefix (default: control.json's
+    /// artifacts; or $QL_CONTROL_ARTIFACTS)
+    #[argh(option)]
+    artifacts: Option<String>,
 }
 
 /// List worker sessions (generation, status, capacity, last heartbeat, access, the
@@ -723,6 +740,18 @@ fn with_target<T>(
     db: Option<String>,
     f: impl AsyncFnOnce(&ql_control::ops::Target) -> Result<T, ql_control::ops::OpError>,
 ) -> Result<T, String> {
+    with_target_reading(reach, dir, db, None, f)
+}
+
+/// [`with_target`] for a command that reads stored logs: `artifacts` names their store
+/// when the state directory's settings do not.
+fn with_target_reading<T>(
+    reach: &Reach,
+    dir: Option<PathBuf>,
+    db: Option<String>,
+    artifacts: Option<String>,
+    f: impl AsyncFnOnce(&ql_control::ops::Target) -> Result<T, ql_control::ops::OpError>,
+) -> Result<T, String> {
     use ql_control::ops::{Local, Target};
     let remote = reach.remote(dir.clone())?;
     runtime().block_on(async move {
@@ -731,7 +760,7 @@ fn with_target<T>(
             None => {
                 let dir = state_dir(dir);
                 let (store, _) = admin::open_authority(&dir, database(db).as_deref()).await?;
-                Target::Local(Local { store, blobs: admin::open_blobs(&dir) })
+                Target::Local(Local { store, blobs: admin::open_blobs(&dir, artifacts.as_deref())? })
             }
         };
         f(&target).await.map_err(String::from)
@@ -788,6 +817,59 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a tokio runtime starts")
 }
 
+/// Creates `path` (and its parents) owner-only, whatever the umask.
+fn private_dir(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::create_dir_all(path)
+        .and_then(|()| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)))
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// `init --replica-of FROM --dir TO`: the directory to copy to another replica's machine.
+fn init_replica(from: &Path, to: &Path, hosts: &[String], with_ca_key: bool) -> Result<(), String> {
+    let source = Layout::new(from);
+    let config = Config::load(&source)?;
+    if hosts.is_empty() {
+        return Err("--replica-of needs --host: the names agents reach the replica by".into());
+    }
+    // What every replica must agree on besides the database and the bucket: the settings,
+    // and the keys webhooks and dashboard sessions are signed with (made now if absent).
+    let keys = [&config.webhook_secret_file, &config.dashboard_secret_file];
+    let keys: Vec<_> = keys
+        .iter()
+        .map(|name| ql_control::keys::key_file(&from.join(name)).map(|key| (name.to_string(), key)))
+        .collect::<Result<_, _>>()?;
+    private_dir(to)?;
+    let layout = Layout::new(to);
+    layout.check_private()?;
+    ql_control::pki::init_replica(from, to, hosts, with_ca_key).map_err(|e| e.to_string())?;
+    config.save(&layout)?;
+    for (name, key) in keys {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let path = to.join(&name);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .and_then(|mut f| f.write_all(key.as_bytes()).and_then(|()| f.sync_all()))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    println!(
+        "initialised {} as a replica of {} for {}{}",
+        to.display(),
+        from.display(),
+        hosts.join(", "),
+        if with_ca_key { ", with the CA key" } else { "" }
+    );
+    println!(
+        "next: copy it to the replica's machine (scp -rp keeps its modes), then ql-control serve --dir DIR \
+         --database postgres://... --artifacts s3://bucket/prefix"
+    );
+    Ok(())
+}
+
 fn init(cmd: Init) -> Result<(), String> {
     let dir = state_dir(cmd.dir);
     let layout = Layout::new(&dir);
@@ -805,13 +887,13 @@ fn init(cmd: Init) -> Result<(), String> {
     if layout.config().exists() {
         return Err(format!("{} is already initialised (found {})", dir.display(), layout.config().display()));
     }
+    if let Some(from) = cmd.replica_of {
+        return init_replica(&from, &dir, &cmd.host, cmd.with_ca_key);
+    }
+    if cmd.with_ca_key {
+        return Err("--with-ca-key goes with --replica-of (a new state directory has its CA key)".into());
+    }
     // Owner only, whatever the umask: the directory holds the CA key and the database.
-    let private_dir = |path: &std::path::Path| {
-        use std::os::unix::fs::PermissionsExt as _;
-        std::fs::create_dir_all(path)
-            .and_then(|()| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)))
-            .map_err(|e| format!("{}: {e}", path.display()))
-    };
     private_dir(&dir)?;
     layout.check_private()?;
     let hosts = if cmd.host.is_empty() { vec!["localhost".into(), "127.0.0.1".into()] } else { cmd.host };
@@ -846,7 +928,7 @@ fn enroll(cmd: Enroll, worker: WorkerId) -> Result<(), String> {
             println!("{done}");
         }
         if !cmd.label.is_empty() {
-            let local = ql_control::ops::Local { store: store.clone(), blobs: admin::open_blobs(&dir) };
+            let local = ql_control::ops::Local { store: store.clone(), blobs: admin::open_blobs(&dir, None)? };
             println!("{}", local.label(&worker, &cmd.label).await?.message);
         }
         match (&cmd.out, ca) {
@@ -936,7 +1018,7 @@ fn main() -> ExitCode {
         }),
         Cmd::Serve(cmd) => ql_control::serve::run(
             &state_dir(cmd.dir),
-            ql_control::serve::Listen { workers: cmd.listen, operators: cmd.operator_listen },
+            ql_control::serve::Listen { workers: cmd.listen, operators: cmd.operator_listen, artifacts: cmd.artifacts },
             database(cmd.database),
         ),
         Cmd::Migrate(cmd) => match database(cmd.database) {
@@ -996,7 +1078,7 @@ fn main() -> ExitCode {
         }),
         Cmd::Logs(cmd) => run_id(&cmd.run).and_then(|run| {
             let follow = cmd.follow.then(|| std::time::Duration::from_millis(cmd.poll_ms.max(1)));
-            with_target(&reach, cmd.dir, cmd.database, async |t| {
+            with_target_reading(&reach, cmd.dir, cmd.database, cmd.artifacts, async |t| {
                 ql_control::logs::logs(t, &run, follow, &mut std::io::stdout().lock())
                     .await
                     .map_err(|e| ql_control::ops::OpError::new(ql_wire::ErrorCode::Unavailable, e))

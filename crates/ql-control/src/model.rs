@@ -438,6 +438,9 @@ pub struct Attempt {
     pub worker_finished_at: Option<Millis>,
     /// The stored log's receipt.
     pub artifact: Option<Receipt>,
+    /// The receipt of the first upload confirmed for the attempt: what its artifact is,
+    /// decided here rather than by the artifact store.
+    pub claimed_artifact: Option<Receipt>,
     /// Bytes of the live log acknowledged so far (PROTOCOL §13), from offset 0.
     pub log_acked: u64,
     /// Whether the live log was sealed into the artifact: no chunk is accepted after.

@@ -200,14 +200,7 @@ pub fn renew_server_cert(dir: &Path, hosts: &[String]) -> Result<PkiPaths, PkiEr
         return Err(PkiError::NoHosts);
     }
     let ca = Ca::load(dir)?;
-    let issuer = Issuer::new(ca_params(&ca.common_name), &ca.key);
-    let key = KeyPair::generate()?;
-    let mut server = leaf_params(&hosts[0], SERVER_VALIDITY);
-    for host in &hosts {
-        server.subject_alt_names.push(host_san(host)?);
-    }
-    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    let cert = server.signed_by(&key, &issuer)?;
+    let (key, cert) = ca.server_pair(&hosts)?;
     let staged = |p: &Path| {
         let mut name = p.as_os_str().to_owned();
         name.push(".new");
@@ -224,6 +217,36 @@ pub fn renew_server_cert(dir: &Path, hosts: &[String]) -> Result<PkiPaths, PkiEr
         fs::rename(staged(path), path).map_err(|e| PkiError::Io(path.clone(), e))?;
         sync_dir(&paths.dir)?;
     }
+    Ok(paths)
+}
+
+/// Makes the state directory `to` of another replica from the initialised `from`: the
+/// same CA certificate, a server certificate of its own for `hosts` (its machine's names),
+/// signed by `from`'s CA, and with `with_ca_key` the CA key too (only for replicas that
+/// enrol or renew workers; the others answer those requests `503`, which agents retry
+/// elsewhere). `to` must not hold a PKI yet.
+pub fn init_replica(from: &Path, to: &Path, hosts: &[String], with_ca_key: bool) -> Result<PkiPaths, PkiError> {
+    let source = PkiPaths::new(from);
+    let paths = PkiPaths::new(to);
+    if hosts.is_empty() {
+        return Err(PkiError::NoHosts);
+    }
+    for path in [&paths.ca_cert, &paths.ca_key, &paths.server_cert, &paths.server_key] {
+        if fs::symlink_metadata(path).is_ok() {
+            return Err(PkiError::Exists(path.clone()));
+        }
+    }
+    let ca = Ca::load(from)?;
+    let (key, cert) = ca.server_pair(hosts)?;
+    create_dir(&paths.dir)?;
+    if with_ca_key {
+        let ca_key = read_secret(&source.ca_key)?;
+        write_new(&paths.ca_key, ca_key.as_bytes(), 0o600)?;
+    }
+    write_new(&paths.ca_cert, ca.cert_pem.as_bytes(), 0o644)?;
+    write_new(&paths.server_key, Zeroizing::new(key.serialize_pem()).as_bytes(), 0o600)?;
+    write_new(&paths.server_cert, cert.pem().as_bytes(), 0o644)?;
+    sync_dir(&paths.dir)?;
     Ok(paths)
 }
 
@@ -289,6 +312,20 @@ impl Ca {
         let key = KeyPair::from_pem(&key_pem).map_err(|_| PkiError::BadCa("ca.key is not a PEM key".into()))?;
         let common_name = ca_common_name(&cert_pem, &key)?;
         Ok(Self { cert_pem, key, common_name })
+    }
+
+    /// A new server key and its certificate for `hosts` (an IP address becomes an IP
+    /// SAN, anything else a DNS SAN).
+    fn server_pair(&self, hosts: &[String]) -> Result<(KeyPair, rcgen::Certificate), PkiError> {
+        let issuer = Issuer::new(ca_params(&self.common_name), &self.key);
+        let key = KeyPair::generate()?;
+        let mut server = leaf_params(&hosts[0], SERVER_VALIDITY);
+        for host in hosts {
+            server.subject_alt_names.push(host_san(host)?);
+        }
+        server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let cert = server.signed_by(&key, &issuer)?;
+        Ok((key, cert))
     }
 
     /// The CA certificate's SHA-256 fingerprint (of its DER), lowercase hex: what an

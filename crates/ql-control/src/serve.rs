@@ -22,6 +22,7 @@ use ql_notify::Notify;
 use ql_wire::ids::RunId;
 
 use crate::api::{self, ApiConfig};
+use crate::blob::any::Blobs;
 use crate::config::{Config, Layout};
 use crate::core::{Command, Reply};
 use crate::http::{self, IngressConfig};
@@ -165,6 +166,8 @@ pub struct Listen {
     pub workers: Option<String>,
     /// The operator API (`--operator-listen`; empty: none).
     pub operators: Option<String>,
+    /// The artifact store (`--artifacts`).
+    pub artifacts: Option<String>,
 }
 
 /// The operator API's settings a [`Config`] implies.
@@ -189,6 +192,8 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
     if let Some(operators) = listen.operators {
         config.operator_listen = operators;
     }
+    // Refused here, before anything listens, when the bucket's settings are unusable.
+    let blobs = Blobs::open(&layout, &config, listen.artifacts.as_deref(), true)?;
     let tls = http::tls::server_config_from_dir(dir).map_err(|e| e.to_string())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -203,7 +208,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                 }
                 let options = PgOptions { timings: config.timings(), ..PgOptions::default() };
                 let store = PgStore::open(&url, options).await.map_err(|e| e.to_string())?;
-                serve_on(store, &layout, &config, tls, &addr).await
+                serve_on(store, blobs, &layout, &config, tls, &addr).await
             }
             None => {
                 let options = SqliteOptions {
@@ -213,7 +218,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                     ..SqliteOptions::default()
                 };
                 let store = SqliteStore::open_with_options(layout.database(), options).map_err(|e| e.to_string())?;
-                serve_on(store, &layout, &config, tls, &addr).await
+                serve_on(store, blobs, &layout, &config, tls, &addr).await
             }
         }
     })
@@ -237,6 +242,7 @@ fn identity(layout: &Layout, config: &Config) -> Result<http::identity::Identity
 /// The server over any store: ingress, sweeper, and a clean stop on a signal.
 async fn serve_on<S: Store>(
     store: S,
+    blobs: Blobs,
     layout: &Layout,
     config: &Config,
     tls: Arc<rustls::ServerConfig>,
@@ -252,7 +258,6 @@ async fn serve_on<S: Store>(
     // Every command of every part of the server is timed and counted.
     let metrics = Arc::new(crate::metrics::Metrics::new());
     let store = crate::metrics::Measured::new(store, metrics.clone());
-    let blobs = crate::blob::fs::FsBlobStore::open(layout.artifacts()).map_err(|e| e.to_string())?;
     // Before the first request: after an outage, the time no replica served is given back
     // to live leases and sessions, so no agent's request meets a lapse that was the
     // authority's own absence.
@@ -273,6 +278,9 @@ async fn serve_on<S: Store>(
                 .map_err(|e| format!("operator API: listening on {addr}: {e} (operator_listen, --operator-listen)"))?,
         ),
     };
+    // Which store this replica writes to is the first thing to check when replicas
+    // disagree about a log.
+    eprintln!("ql-control: artifacts in {}", blobs.describe());
     let ingress = http::spawn(listener, tls, store.clone(), blobs.clone(), ingress_cfg)
         .map_err(|e| format!("starting the ingress: {e}"))?;
     let api = match operators {

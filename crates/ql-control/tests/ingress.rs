@@ -1343,13 +1343,16 @@ fn a_replayed_artifact_is_already_stored_and_other_content_conflicts() {
     let log = content(50_000, 5);
     let first: ArtifactReply = case.client.put_artifact(&route, &case.job.frame(&log)).json(200);
     assert_eq!(first.result, Outcome::Stored);
+    // The one row an upload writes: its receipt, claimed for the attempt.
+    let claimed = case.server.snapshot();
+    assert_eq!(claimed.attempts[0].claimed_artifact.as_ref(), Some(&first.receipt));
     let again: ArtifactReply = case.client.put_artifact(&route, &case.job.frame(&log)).json(200);
     assert_eq!(again.result, Outcome::AlreadyStored);
     assert_eq!(again.receipt, first.receipt);
     let other = case.client.put_artifact(&route, &case.job.frame(&content(50_000, 6)));
     assert_eq!(other.error(), ErrorCode::ArtifactConflict);
     assert_eq!(case.server.inspect(&case.job.key(&log_id())), Some(first.receipt));
-    assert_eq!(case.server.snapshot(), case.before, "uploads write no rows");
+    assert_eq!(case.server.snapshot(), claimed, "a replay and a conflict write nothing");
     // All three read their bodies to the end: one connection.
     assert_eq!(case.server.stats().connections(), 1);
 }
@@ -1431,10 +1434,11 @@ fn a_completion_whose_receipt_is_not_what_the_store_holds_is_refused() {
         case.client.put_artifact(&case.job.artifact_route(&log_id()), &case.job.frame(&log)).json(200);
     let mut forged = stored.receipt.clone();
     forged.length += 1;
+    let uploaded = case.server.snapshot();
     let route = case.job.route(AttemptCommand::Completion);
     let answer = case.client.post(&route, &case.job.completion(0, Some(forged)));
     assert_eq!(answer.error(), ErrorCode::ArtifactConflict);
-    assert_eq!(case.server.snapshot(), case.before);
+    assert_eq!(case.server.snapshot(), uploaded);
     let done: CompletionReply = case.client.post(&route, &case.job.completion(0, Some(stored.receipt))).json(200);
     assert_eq!(done.result, Outcome::Completed);
 }

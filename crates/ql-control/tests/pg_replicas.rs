@@ -13,6 +13,10 @@
 //! says is safe.
 
 mod contract;
+#[path = "common/proxy.rs"]
+mod proxy;
+#[path = "common/s3.rs"]
+mod s3;
 #[path = "common/worker_client.rs"]
 mod worker_client;
 
@@ -30,17 +34,19 @@ use ql_control::model::RunStatus;
 use ql_control::store::postgres::{PgOptions, PgStore};
 use ql_control::store::Store;
 use ql_wire::ack::{AckReply, Running, StartFailure};
-use ql_wire::capability::Token;
+use ql_wire::artifact::{ArtifactHeader, ArtifactReply, ArtifactSchema, Receipt};
+use ql_wire::capability::{Digest, Token};
 use ql_wire::completion::{Completion, CompletionReply, CompletionSchema, TerminalStatus};
 use ql_wire::error::ErrorBody;
-use ql_wire::ids::{Counter, RunId, WorkerId};
+use ql_wire::frame::encode_prefix;
+use ql_wire::ids::{ArtifactId, Counter, RunId, WorkerId};
 use ql_wire::lease::Renewed;
 use ql_wire::offer::{Claimed, Offers, PollOffers};
-use ql_wire::route::{AttemptCommand, Route};
+use ql_wire::route::{AttemptCommand, AttemptPath, Route, ARTIFACT_MEDIA_TYPE};
 use ql_wire::session::{OpenSession, SessionOpened};
 use ql_wire::text::Reason;
 use ql_wire::time::Timestamp;
-use ql_wire::{decode, encode, Body, ErrorCode, Outcome};
+use ql_wire::{decode, encode, Body, ErrorCode, Fence, Outcome};
 
 use contract::pg::TestDb;
 use contract::{check_invariants, spec, TempDir};
@@ -51,6 +57,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_ql-control");
 struct Server {
     child: Child,
     url: String,
+    /// The operator API's, when it has one.
+    operator_url: Option<String>,
 }
 
 impl Server {
@@ -60,17 +68,39 @@ impl Server {
 
     /// The same, its stderr to `stderr`.
     fn start_logged(dir: &Path, database: &str, stderr: impl Into<Stdio>) -> Self {
+        Self::start_with(dir, database, stderr, &["--operator-listen", ""], &[])
+    }
+
+    /// The same with more arguments and environment.
+    fn start_with(dir: &Path, database: &str, stderr: impl Into<Stdio>, args: &[&str], env: &[(&str, String)]) -> Self {
         let mut child = Command::new(BIN)
-            .args(["serve", "--listen", "127.0.0.1:0", "--operator-listen", "", "--database", database, "--dir"])
+            .args(["serve", "--listen", "127.0.0.1:0", "--database", database])
+            .args(args)
+            .arg("--dir")
             .arg(dir)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped())
             .stderr(stderr)
             .spawn()
             .expect("ql-control serve starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let url = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("serve said {line:?}")).to_owned();
-        Self { child, url }
+        // The operator API's line, when there is one, comes first; "listening on" last.
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut operator_url = None;
+        loop {
+            let mut line = String::new();
+            stdout.read_line(&mut line).unwrap();
+            if let Some(url) = line.trim().strip_prefix("operator API on ") {
+                operator_url = Some(url.to_owned());
+                continue;
+            }
+            let url = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("serve said {line:?}"));
+            return Self { child, url: url.to_owned(), operator_url };
+        }
+    }
+
+    /// `host:port` of the worker ingress.
+    fn addr(&self) -> std::net::SocketAddr {
+        self.url.trim_start_matches("https://").parse().unwrap()
     }
 }
 
@@ -122,10 +152,15 @@ struct Tally {
     told: HashMap<RunId, TerminalStatus>,
     /// Attempts deliberately abandoned.
     abandoned: usize,
+    /// The receipt of each log stored and completed with, by run.
+    logs: HashMap<RunId, Receipt>,
 }
 
 struct Agent {
     http: ureq::Agent,
+    /// With logs: uploads go on a connection of their own (behind a balancer, often to
+    /// another replica than the completion).
+    uploads: Option<ureq::Agent>,
     urls: Vec<String>,
     next: usize,
     tally: Arc<Mutex<Tally>>,
@@ -138,7 +173,46 @@ impl Agent {
             ql_control::pki::enroll(dir, worker, &dir.join("workers"), ql_control::pki::WORKER_VALIDITY)
                 .expect("enroll");
         let http = worker_client::client(&enrolled, Duration::from_secs(30));
-        Self { http, urls, next: 0, tally, deadline }
+        let uploads = Some(worker_client::client(&enrolled, Duration::from_secs(30)));
+        Self { http, uploads, urls, next: 0, tally, deadline }
+    }
+
+    /// An agent that completes without a log.
+    fn without_logs(mut self) -> Self {
+        self.uploads = None;
+        self
+    }
+
+    /// Uploads `content` as the attempt's log, repeating on `unavailable` or a cut
+    /// connection; `Err` with the code of any other refusal.
+    fn upload(&mut self, path: &AttemptPath, fence: &Fence, content: &[u8]) -> Result<Receipt, ErrorCode> {
+        let route = Route::Artifact(path.clone(), ArtifactId::parse("log").unwrap());
+        let header = ArtifactHeader::new(fence.clone(), ArtifactSchema, content.len() as u64, false);
+        let mut frame = encode_prefix(&header).unwrap().to_vec();
+        frame.extend_from_slice(content);
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            let url = &self.urls[self.next % self.urls.len()];
+            self.next += 1;
+            let http = self.uploads.as_ref().expect("an agent with logs");
+            let sent =
+                http.put(format!("{url}{}", route.path())).header("content-type", ARTIFACT_MEDIA_TYPE).send(&frame[..]);
+            let answer = sent.ok().and_then(|mut r| Some((r.status().as_u16(), r.body_mut().read_to_vec().ok()?)));
+            let code = match answer {
+                Some((200, bytes)) => {
+                    self.note("upload ok");
+                    return Ok(decode::<ArtifactReply>(&bytes).expect("an artifact reply").receipt);
+                }
+                Some((_, bytes)) => decode::<ErrorBody>(&bytes).map(|b| b.error).unwrap_or(ErrorCode::Unavailable),
+                None => ErrorCode::Unavailable,
+            };
+            self.note(&format!("upload {}", code.as_str()));
+            if code != ErrorCode::Unavailable || Instant::now() >= self.deadline {
+                return Err(code);
+            }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(300));
+        }
     }
 
     fn note(&self, what: &str) {
@@ -287,8 +361,9 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
             continue;
         }
         let callback = Token::generate().unwrap();
+        let log_id = a.uploads.is_some().then(|| ArtifactId::parse("log").unwrap());
         let running =
-            Running::new(fence.clone(), "pid:1 start:1".parse().unwrap(), None, Counter::ONE, callback.digest());
+            Running::new(fence.clone(), "pid:1 start:1".parse().unwrap(), log_id, Counter::ONE, callback.digest());
         match a.call::<_, AckReply>(&at(AttemptCommand::Running), &running) {
             Ok(r) if matches!(r.result, Outcome::Running | Outcome::AlreadyRunning) => {}
             Ok(r) => a.violation(format!("running answered {:?}", r.result)),
@@ -328,6 +403,22 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
         if lost {
             continue;
         }
+        let receipt = if a.uploads.is_some() {
+            // A log of its own for every attempt, from a line to the spec's 64 KiB limit.
+            let line = format!("{} of {} says {}\n", offer.attempt_id, offer.run_id, rng.below(1_000_000));
+            let mut content = line.repeat(1 + rng.below(1_000) as usize).into_bytes();
+            content.truncate(65_536);
+            match a.upload(&path, &fence, &content) {
+                Ok(receipt) => Some(receipt),
+                Err(code) if gone(code) => continue,
+                Err(code) => {
+                    a.violation(format!("upload: {code}"));
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
         let exit = if fate.is_multiple_of(5) { 1 } else { 0 };
         let done = Completion::new(
             fence.clone(),
@@ -337,7 +428,7 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
             Some(exit),
             None,
             Timestamp::from_millis(1_700_000_000_000).unwrap(),
-            None,
+            receipt.clone(),
         );
         let first = match a.call::<_, CompletionReply>(&at(AttemptCommand::Completion), &done) {
             Ok(r) => r,
@@ -347,7 +438,12 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
                 continue;
             }
         };
-        a.tally.lock().unwrap().told.insert(offer.run_id.clone(), first.status);
+        let mut tally = a.tally.lock().unwrap();
+        tally.told.insert(offer.run_id.clone(), first.status);
+        if let Some(receipt) = receipt {
+            tally.logs.insert(offer.run_id.clone(), receipt);
+        }
+        drop(tally);
         if fate.is_multiple_of(2) {
             match a.call::<_, CompletionReply>(&at(AttemptCommand::Completion), &done) {
                 Ok(r) if r.result == Outcome::AlreadyCompleted && r.status == first.status => {}
@@ -364,6 +460,22 @@ async fn stress(db_url: &str, replicas: usize, agents: usize, runs: usize, resta
     let dir = state_dir(&tmp);
     let servers: Vec<Server> = (0..replicas).map(|_| Server::start(&dir, db_url)).collect();
     let urls: Vec<String> = servers.iter().map(|s| s.url.clone()).collect();
+    let logs = false;
+    stress_on(db_url, &dir, urls, logs, agents, runs, restart).await;
+    drop(servers);
+}
+
+/// The stress of [`stress`] against servers already running at `urls`, agents enrolled
+/// with the CA of `dir`, completing with a log each when `logs`; what the agents saw.
+async fn stress_on(
+    db_url: &str,
+    dir: &Path,
+    urls: Vec<String>,
+    logs: bool,
+    agents: usize,
+    runs: usize,
+    restart: Option<Box<dyn FnOnce() + Send>>,
+) -> Tally {
     let store = PgStore::open(db_url, PgOptions { pool_size: 2, ..PgOptions::default() }).await.unwrap();
 
     let mut ids = Vec::with_capacity(runs);
@@ -388,13 +500,9 @@ async fn stress(db_url: &str, replicas: usize, agents: usize, runs: usize, resta
     let stop = Arc::new(AtomicBool::new(false));
     let threads: Vec<_> = (0..agents)
         .map(|i| {
-            let a = Agent::new(
-                &dir,
-                &WorkerId::parse(format!("agent-{i}")).unwrap(),
-                urls.clone(),
-                tally.clone(),
-                deadline,
-            );
+            let a =
+                Agent::new(dir, &WorkerId::parse(format!("agent-{i}")).unwrap(), urls.clone(), tally.clone(), deadline);
+            let a = if logs { a } else { a.without_logs() };
             let stop = stop.clone();
             std::thread::spawn(move || agent_loop(i, a, stop))
         })
@@ -432,9 +540,11 @@ async fn stress(db_url: &str, replicas: usize, agents: usize, runs: usize, resta
     let elapsed = started.elapsed();
     let tally = std::mem::take(&mut *tally.lock().unwrap());
     eprintln!(
-        "{runs} runs, {replicas} replicas, {agents} agents, {cancels} cancels, {} abandoned: {done} ended in \
+        "{runs} runs through {} address(es), {agents} agents, {cancels} cancels, {} abandoned: {done} ended in \
          {elapsed:.1?}; answers {:?}",
-        tally.abandoned, tally.answers
+        urls.len(),
+        tally.abandoned,
+        tally.answers
     );
     assert!(tally.violations.is_empty(), "protocol violations: {:#?}", tally.violations);
     assert_eq!(done, runs, "every run ended before the deadline");
@@ -451,13 +561,119 @@ async fn stress(db_url: &str, replicas: usize, agents: usize, runs: usize, resta
         };
         assert_eq!(status[run], want, "run {run}: the agent was told {told:?}");
     }
-    drop(servers);
+    for (run, receipt) in &tally.logs {
+        let attempt = snap.attempts.iter().find(|a| &a.run == run && a.artifact.is_some());
+        assert_eq!(attempt.and_then(|a| a.artifact.as_ref()), Some(receipt), "run {run}: the log completed with");
+    }
+    tally
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_a_thousand_runs_racing_end_each_run_once() {
     let db = TestDb::new("replicas").await;
     stress(&db.runtime_url(), 2, 8, 1_000, None).await;
+}
+
+/// The replicas the design records draw: separate state directories (the second made by
+/// `init --replica-of`, without the CA key), one PostgreSQL database, one S3 bucket,
+/// agents behind a round-robin TCP proxy that cuts some connections mid-answer. Uploads
+/// and completions land on either replica; the bucket is stopped for a while a third of
+/// the way through. Every run ends once, and every log is read back through each
+/// replica's operator API with its SHA-256 checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_only_postgres_and_a_bucket_serve_every_log_from_either() {
+    let db = TestDb::new("bucket").await;
+    let url = db.runtime_url();
+    let tmp = TempDir::new("pg-bucket");
+    let a_dir = state_dir(&tmp);
+    let b_dir = tmp.path().join("replica-b");
+    let made = Command::new(BIN)
+        .args(["init", "--host", "127.0.0.1", "--replica-of"])
+        .arg(&a_dir)
+        .arg("--dir")
+        .arg(&b_dir)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "init --replica-of: {}", String::from_utf8_lossy(&made.stderr));
+    assert!(!b_dir.join("pki/ca.key").exists(), "only the replicas that enrol get the CA key");
+    assert!(!b_dir.join("control.db").exists() && !b_dir.join("artifacts").exists(), "nothing shared on a disk");
+
+    let bucket = Arc::new(Mutex::new(s3::S3Server::start("replicas")));
+    let env = bucket.lock().unwrap().env();
+    let artifacts = format!("s3://{}/replicas", s3::BUCKET);
+    let log = |name: &str| std::fs::File::create(tmp.path().join(name)).unwrap();
+    let args = ["--artifacts", artifacts.as_str(), "--operator-listen", "127.0.0.1:0"];
+    let servers = [
+        Server::start_with(&a_dir, &url, log("a.err"), &args, &env),
+        Server::start_with(&b_dir, &url, log("b.err"), &args, &env),
+    ];
+    for name in ["a.err", "b.err"] {
+        let said = std::fs::read_to_string(tmp.path().join(name)).unwrap();
+        assert!(said.contains(&format!("artifacts in {artifacts} at ")), "{name}: {said}");
+        assert!(!said.contains(s3::SECRET_KEY), "{name}: {said}");
+    }
+    let proxy = proxy::Proxy::start(servers.iter().map(Server::addr).collect(), 3);
+    let outage = {
+        let bucket = bucket.clone();
+        move || {
+            bucket.lock().unwrap().stop();
+            // The outage itself, not a wait for anything: uploads and completions meet a
+            // bucket that is down, and repeat.
+            std::thread::sleep(Duration::from_secs(2));
+            bucket.lock().unwrap().restart();
+        }
+    };
+    let tally = stress_on(&url, &a_dir, vec![proxy.url()], true, 8, 500, Some(Box::new(outage))).await;
+    let connections = proxy.connections();
+    eprintln!("connections per replica {connections:?}, {} cut", proxy.cuts());
+    assert!(connections.iter().all(|&n| n >= 8), "both replicas served agents: {connections:?}");
+    assert!(proxy.cuts() > 0, "some answers were lost on the way");
+    assert!(
+        tally.answers.get("upload unavailable").is_some_and(|&n| n > 0),
+        "the bucket outage was met: {:?}",
+        tally.answers
+    );
+    assert!(tally.logs.len() >= 300, "most runs stored a log: {}", tally.logs.len());
+
+    // Every log, from either replica: the bytes' SHA-256 is the receipt's.
+    let token = {
+        let out = Command::new(BIN)
+            .args(["operator", "add", "reader", "--role", "read", "--database", &url, "--dir"])
+            .arg(&a_dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "operator add: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap().lines().nth(1).unwrap().trim().to_owned()
+    };
+    let roots = ql_control::client::certificates(&std::fs::read(a_dir.join("pki/ca.crt")).unwrap());
+    let http = ql_control::client::agent(&roots, true, Some(Duration::from_secs(30)));
+    for (run, receipt) in &tally.logs {
+        for server in &servers {
+            let base = server.operator_url.as_deref().unwrap();
+            let mut resp = http
+                .get(format!("{base}/v1/runs/{run}/log?limit={}", 4 * 1024 * 1024))
+                .header("authorization", format!("Bearer {token}"))
+                .call()
+                .unwrap();
+            let bytes = resp.body_mut().with_config().limit(u64::MAX).read_to_vec().unwrap();
+            assert_eq!(resp.status(), 200, "{run} from {base}: {}", String::from_utf8_lossy(&bytes));
+            assert_eq!(bytes.len() as u64, receipt.length, "{run} from {base}");
+            assert_eq!(Digest::of(&bytes), receipt.sha256, "{run} from {base}");
+        }
+    }
+    // And by the operator command on replica B's machine, which has no artifacts directory:
+    // the store is the bucket its flag names.
+    for (run, receipt) in tally.logs.iter().take(3) {
+        let out = Command::new(BIN)
+            .args(["logs", &run.to_string(), "--database", &url, "--artifacts", &artifacts, "--dir"])
+            .arg(&b_dir)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "logs {run}: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(Digest::of(&out.stdout), receipt.sha256, "logs {run} --artifacts");
+    }
+    drop(servers);
 }
 
 /// A throwaway cluster of this test's own (it restarts it), removed when dropped.

@@ -11,7 +11,9 @@
 //! is the database's word (its `log_chunks` rows); a chunk the database never
 //! acknowledged (a crash between the put and the commit) is unreferenced garbage.
 
+pub mod any;
 pub mod fs;
+pub mod s3;
 
 use std::future::Future;
 
@@ -66,6 +68,10 @@ pub trait Upload: Send {
     /// Appends content.
     fn write(&mut self, bytes: &[u8]) -> impl Future<Output = Result<(), BlobError>> + Send;
 
+    /// The receipt of everything written, once it is all the declared length: what the
+    /// database claims for the artifact before [`Upload::finish`] publishes it.
+    fn receipt(&self) -> Result<Receipt, BlobError>;
+
     /// Makes the content durable and visible, unless other content holds the key.
     fn finish(self) -> impl Future<Output = Result<PutOutcome, BlobError>> + Send;
 }
@@ -86,8 +92,14 @@ pub trait BlobStore: Clone + Send + Sync + 'static {
     /// The receipt of what is stored under `key`, re-read from the store.
     fn inspect(&self, key: &ArtifactKey) -> impl Future<Output = Result<Option<Receipt>, BlobError>> + Send;
 
-    /// The stored content (operators read logs with it).
-    fn read(&self, key: &ArtifactKey) -> impl Future<Output = Result<Option<Vec<u8>>, BlobError>> + Send;
+    /// At most `limit` bytes of the stored content from `offset` (operators read logs
+    /// with it, a window at a time); `None` when nothing is stored under `key`.
+    fn read(
+        &self,
+        key: &ArtifactKey,
+        offset: u64,
+        limit: u64,
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, BlobError>> + Send;
 
     /// Stores one live-log chunk of the artifact `key` at `offset`, durably, and returns
     /// its SHA-256. The same bytes again are stored once.

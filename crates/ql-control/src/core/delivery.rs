@@ -127,6 +127,7 @@ fn place(run: &Run, session: &Session, now: Millis, timings: &Timings, ids: &mut
         artifact: None,
         log_acked: 0,
         log_sealed: false,
+        claimed_artifact: None,
         end: None,
         created_at: now,
         started_at: None,

@@ -12,7 +12,7 @@ use ql_wire::{ErrorCode, Outcome};
 
 use super::fence::{effective_stop, identify, live, Held, SessionNeed};
 use super::start::{terminate, Ending, EXECUTION_CANCELLED, EXECUTION_TIMED_OUT};
-use super::{Decision, IdGen, Reply, Rows};
+use super::{Decision, IdGen, Reply, Rows, Write};
 use crate::model::{Attempt, AttemptStatus, EndKind, LeaseState, Millis, Run, RunStatus};
 
 /// Error code of a run whose process exited non-zero or by a signal.
@@ -25,14 +25,15 @@ pub const COMPLETION_EVENT: &str = "attempt.completed";
 /// the `running` ACK declared (once declared, no other id), no longer than the spec's
 /// log limit. With `confirm`, the same once the content has arrived, except that a lease
 /// that lapsed meanwhile still counts until it is swept (as for the completion): an upload
-/// that outlived its lease's sweep is not stored.
+/// that outlived its lease's sweep is not stored; and the receipt the content makes is
+/// claimed for the attempt, or refused when other content was claimed before.
 pub(super) fn admit_artifact(
     path: &AttemptPath,
     artifact: &ArtifactId,
     header: &ArtifactHeader,
+    confirm: Option<&Receipt>,
     rows: &Rows,
     now: Millis,
-    confirm: bool,
 ) -> Result<Decision, ErrorCode> {
     let fence = header.fence();
     let held = identify(path, &fence, rows, now, SessionNeed::SameGeneration)?;
@@ -42,14 +43,33 @@ pub(super) fn admit_artifact(
     if !matches!(held.attempt.status, AttemptStatus::Starting | AttemptStatus::Running) {
         return Err(ErrorCode::StateConflict);
     }
-    live(&held, &fence, now, !confirm)?;
+    live(&held, &fence, now, confirm.is_none())?;
     if held.attempt.log_artifact.as_ref().is_some_and(|declared| declared != artifact) {
         return Err(ErrorCode::ArtifactConflict);
     }
     if header.content_length > held.run.spec.log_limit_bytes {
         return Err(ErrorCode::PayloadTooLarge);
     }
-    Ok(Decision::answer(Reply::ArtifactAdmitted(held.run.project.clone())))
+    let reply = Reply::ArtifactAdmitted(held.run.project.clone());
+    let Some(receipt) = confirm else {
+        return Ok(Decision::answer(reply));
+    };
+    if &receipt.artifact_id != artifact
+        || receipt.length != header.content_length
+        || receipt.truncated != header.truncated
+    {
+        return Err(ErrorCode::InvalidRequest);
+    }
+    // One content per attempt's artifact: the first confirmed upload's. A repeat of it
+    // goes on (to a replay answer from the store); other content never reaches the store.
+    match &held.attempt.claimed_artifact {
+        Some(claimed) if claimed == receipt => Ok(Decision::answer(reply)),
+        Some(_) => Err(ErrorCode::ArtifactConflict),
+        None => {
+            let next = Attempt { claimed_artifact: Some(receipt.clone()), ..held.attempt.clone() };
+            Ok(Decision::apply(reply, vec![Write::Attempt(next)]))
+        }
+    }
 }
 
 fn statuses(status: TerminalStatus) -> (AttemptStatus, RunStatus) {

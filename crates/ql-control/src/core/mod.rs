@@ -123,8 +123,10 @@ pub enum Command {
     Abandon(AttemptPath, Abandon),
     /// The fence check before an artifact's content is read.
     AdmitArtifact(AttemptPath, ArtifactId, ArtifactHeader),
-    /// The same check once the content has arrived, before it is stored.
-    ConfirmArtifact(AttemptPath, ArtifactId, ArtifactHeader),
+    /// The same check once the content has arrived, before it is stored, with the
+    /// receipt it makes: claimed for the attempt, so other content for it is refused
+    /// (the database arbitrates, whatever the artifact store's own conditional writes).
+    ConfirmArtifact(AttemptPath, ArtifactId, ArtifactHeader, Receipt),
     /// The checks before a live-log chunk's content is read.
     AdmitLogChunk(AttemptPath, LogChunkHeader),
     /// A live-log chunk whose content (with this digest) is durable in the artifact store.
@@ -639,10 +641,10 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::Renew(p, fence) => start::renew(p, fence, rows, now).unwrap_or_else(Decision::refuse),
         Command::Abandon(p, body) => abandon::abandon(p, body, rows, now, ids).unwrap_or_else(Decision::refuse),
         Command::AdmitArtifact(p, artifact, header) => {
-            finish::admit_artifact(p, artifact, header, rows, now, false).unwrap_or_else(Decision::refuse)
+            finish::admit_artifact(p, artifact, header, None, rows, now).unwrap_or_else(Decision::refuse)
         }
-        Command::ConfirmArtifact(p, artifact, header) => {
-            finish::admit_artifact(p, artifact, header, rows, now, true).unwrap_or_else(Decision::refuse)
+        Command::ConfirmArtifact(p, artifact, header, receipt) => {
+            finish::admit_artifact(p, artifact, header, Some(receipt), rows, now).unwrap_or_else(Decision::refuse)
         }
         Command::AdmitLogChunk(p, header) => log::admit_chunk(p, header, rows, now),
         Command::AppendLog(p, header, sha256) => log::append(p, header, sha256, rows, now),

@@ -178,6 +178,7 @@ pub(crate) fn world(status: AttemptStatus) -> Rows {
         artifact: None,
         log_acked: 0,
         log_sealed: false,
+        claimed_artifact: None,
         end: None,
         created_at: NOW - 2_000,
         started_at: run.started_at,

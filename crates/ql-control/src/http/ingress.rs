@@ -17,7 +17,8 @@
 //! through the [`FrameDecoder`](ql_wire::frame::FrameDecoder) into the artifact store;
 //! memory stays bounded by one frame, whatever the artifact's size. Before the upload is made visible the fence is
 //! checked once more ([`Command::ConfirmArtifact`]): content that trickled in until after
-//! its lease was swept, or its run ended, is discarded. The live-log routes (PROTOCOL §13) are in
+//! its lease was swept, or its run ended, is discarded, and other content than the first
+//! confirmed for the attempt is refused before it reaches the store. The live-log routes (PROTOCOL §13) are in
 //! [`super::log`]: a chunk is framed the same way and admitted the same way.
 
 use std::convert::Infallible;
@@ -577,14 +578,13 @@ async fn put_artifact<S: Store, B: BlobStore>(
     // 2. The fence, re-checked under the store's transaction; the database is released
     //    before any content moves.
     let (content_length, truncated) = (header.content_length, header.truncated);
-    let confirm = Command::ConfirmArtifact(path.clone(), artifact.clone(), header.clone());
-    let admitted = shared.store.execute(Command::AdmitArtifact(path.clone(), artifact.clone(), header)).await;
+    let admitted = shared.store.execute(Command::AdmitArtifact(path.clone(), artifact.clone(), header.clone())).await;
     let project = match admitted {
         Ok(Ok(Reply::ArtifactAdmitted(project))) => project,
         Ok(Ok(_)) | Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
         Ok(Err(code)) => return Answer::refuse_and_close(code),
     };
-    let key = ArtifactKey { project, run: path.run, attempt: path.attempt, artifact };
+    let key = ArtifactKey { project, run: path.run.clone(), attempt: path.attempt.clone(), artifact: artifact.clone() };
     let mut upload = match shared.blobs.begin(&key, content_length, truncated).await {
         Ok(upload) => upload,
         Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
@@ -621,8 +621,11 @@ async fn put_artifact<S: Store, B: BlobStore>(
 
     // The body was read to its end, so the connection stays usable whatever the outcome.
     // The lease may have been swept (or the run ended) while the content crawled in: then
-    // it is not stored.
-    match shared.store.execute(confirm).await {
+    // it is not stored. Its receipt is claimed for the attempt under the same check.
+    let Ok(receipt) = upload.receipt() else {
+        return Answer::refuse(ErrorCode::InvalidRequest);
+    };
+    match shared.store.execute(Command::ConfirmArtifact(path, artifact, header, receipt)).await {
         Ok(Ok(Reply::ArtifactAdmitted(_))) => {}
         Ok(Err(code)) => return Answer::refuse(code),
         Ok(Ok(_)) | Err(_) => return Answer::refuse(ErrorCode::Unavailable),

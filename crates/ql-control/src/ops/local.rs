@@ -91,8 +91,11 @@ pub fn schedule_of(body: &ScheduleBody) -> Result<ScheduleSpec, OpError> {
     })
 }
 
-/// Stored logs read at once (each up to the largest log, 64 MiB).
-static STORED_READS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
+/// Windows of stored logs read at once.
+static STORED_READS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(16);
+
+/// The largest window of a stored log read at once.
+const LOG_WINDOW_MAX: u64 = 4 * 1024 * 1024;
 
 /// `key=value` words of a label map, refusing a key with a `=` (it would split apart).
 pub fn label_words(labels: &BTreeMap<String, String>) -> Result<Vec<String>, OpError> {
@@ -360,28 +363,30 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         // While following, the live chunks are read until the run ends; the stored log
         // then checks all of them.
         if let Some(receipt) = attempt.artifact.as_ref().filter(|_| terminal || !request.follow) {
-            // A stored log is read whole to check it against its receipt: a few at a time,
-            // so no number of readers can hold more than a few logs in memory.
+            // A window at a time, as a ranged read: `logs` checks the SHA-256 of all it
+            // read against the receipt the last window carries; a window that is the whole
+            // log is checked here too, so a short log is never shown unchecked. A few at a
+            // time, so no number of readers holds many windows in memory.
             let _reading = STORED_READS.acquire().await.map_err(|_| unavailable("shutting down".into()))?;
-            let content = self
+            let limit = limit.min(LOG_WINDOW_MAX);
+            let bytes = self
                 .blobs
-                .read(&key(receipt.artifact_id.clone()))
+                .read(&key(receipt.artifact_id.clone()), offset, limit)
                 .await
                 .map_err(|e| OpError::new(ErrorCode::Unavailable, e.to_string()))?
                 .ok_or_else(|| {
                     unavailable(format!("the log of {run} is recorded but missing from the artifact store"))
                 })?;
-            if content.len() as u64 != receipt.length || !Digest::of(&content).ct_eq(&receipt.sha256) {
+            let whole = offset == 0 && bytes.len() as u64 == receipt.length;
+            if whole && !Digest::of(&bytes).ct_eq(&receipt.sha256) {
                 return Err(unavailable(format!(
                     "the stored log of {run} does not match its receipt (SHA-256 or length differs)"
                 )));
             }
-            let from = usize::try_from(offset).unwrap_or(usize::MAX).min(content.len());
-            let to = from.saturating_add(usize::try_from(limit).unwrap_or(usize::MAX)).min(content.len());
-            window.bytes = content[from..to].to_vec();
-            if to == content.len() {
+            if offset.saturating_add(bytes.len() as u64) >= receipt.length {
                 window.sealed = Some(receipt.clone());
             }
+            window.bytes = bytes;
             return Ok(window);
         }
         let Some(artifact) = attempt.log_artifact.clone() else {

@@ -19,7 +19,7 @@ use ql_wire::ids::{RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use crate::admin::Authority;
-use crate::blob::fs::FsBlobStore;
+use crate::blob::any::Blobs;
 use crate::core::Access;
 use crate::store::StoreError;
 use view::{
@@ -145,7 +145,7 @@ pub struct LogRequest {
 #[allow(clippy::large_enum_variant)]
 pub enum Target {
     /// `--dir` / `--database`.
-    Local(Local<Authority, FsBlobStore>),
+    Local(Local<Authority, Blobs>),
     /// `--server`.
     Remote(Remote),
 }

@@ -46,7 +46,7 @@ pub(super) const ATTEMPT_COLS: &str = "id, run_id, number, executor_type, status
      lease_worker, lease_session_id, lease_session_generation, lease_offer_id, lease_generation, lease_token_digest, \
      lease_version, lease_expires_at, executor_handle, log_artifact_id, callback_sequence, callback_digest, \
      exit_code, signal, worker_finished_at, artifact, end_kind, created_at, started_at, ended_at, error_code, summary, \
-     log_acked, log_sealed";
+     log_acked, log_sealed, claimed_artifact";
 /// Columns of `offers`, in select order.
 pub(super) const OFFER_COLS: &str = "id, run_id, attempt_id, worker, session_id, session_generation, state, \
      expires_at, claim_token_digest, claim_lease_generation, claim_lease_expires_at, claim_lease_ttl_ms";
@@ -366,6 +366,7 @@ impl Stored for Attempt {
             summary: c.opt_text("summary")?,
             log_acked: c.num("log_acked")?,
             log_sealed: c.int("log_sealed")? != 0,
+            claimed_artifact: c.opt_json("claimed_artifact")?,
         })
     }
 
@@ -404,6 +405,7 @@ impl Stored for Attempt {
             V::opt_text(self.summary.as_deref()),
             V::big(self.log_acked)?,
             V::int(i64::from(self.log_sealed)),
+            V::opt_json(self.claimed_artifact.as_ref())?,
         ])
     }
 }

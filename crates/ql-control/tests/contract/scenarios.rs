@@ -251,8 +251,24 @@ pub async fn the_live_log_appends_at_the_acknowledged_offset_then_seals<B: Backe
     refused(&store, put(&other_id, 5), ErrorCode::ArtifactConflict, "an undeclared artifact").await;
     refused(&store, put(&log, limit + 1), ErrorCode::PayloadTooLarge, "an artifact past the log limit").await;
     replayed(&store, put(&log, limit), Reply::ArtifactAdmitted(project()), "the declared artifact").await;
-    let confirm = Command::ConfirmArtifact(h.path.clone(), log.clone(), frame(5));
-    replayed(&store, confirm.clone(), Reply::ArtifactAdmitted(project()), "confirmed, writing nothing").await;
+    // Confirming claims the content's receipt for the attempt: the database, not the
+    // artifact store, decides which content the artifact is.
+    let made = |content: &[u8]| Receipt {
+        artifact_id: log.clone(),
+        length: content.len() as u64,
+        sha256: Digest::of(content),
+        truncated: false,
+    };
+    let confirm_of = |content: &[u8]| {
+        Command::ConfirmArtifact(h.path.clone(), log.clone(), frame(content.len() as u64), made(content))
+    };
+    let confirm = confirm_of(b"hello");
+    assert_eq!(exec(&store, confirm.clone()).await, Ok(Reply::ArtifactAdmitted(project())));
+    assert_eq!(detail(&store, h.run()).await.attempts[0].claimed_artifact, Some(made(b"hello")));
+    replayed(&store, confirm.clone(), Reply::ArtifactAdmitted(project()), "the same content again").await;
+    refused(&store, confirm_of(b"world"), ErrorCode::ArtifactConflict, "other content for the artifact").await;
+    let mismatched = Command::ConfirmArtifact(h.path.clone(), log.clone(), frame(6), made(b"hello"));
+    refused(&store, mismatched, ErrorCode::InvalidRequest, "a receipt of another length than its header").await;
 
     // The seal: exactly the acknowledged length, once; no chunk after it.
     let seal = |len| Command::SealLog(h.path.clone(), log.clone(), Seal::new(h.fence(), len, false));

@@ -23,6 +23,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0008_schedules.sql"),
     include_str!("../../../migrations/postgres/0009_operators.sql"),
     include_str!("../../../migrations/postgres/0010_webhooks.sql"),
+    include_str!("../../../migrations/postgres/0011_artifact_claim.sql"),
 ];
 
 /// The schema version this build reads and writes.

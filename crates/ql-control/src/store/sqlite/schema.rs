@@ -25,6 +25,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0009_schedules.sql"),
     include_str!("../../../migrations/sqlite/0010_operators.sql"),
     include_str!("../../../migrations/sqlite/0011_webhooks.sql"),
+    include_str!("../../../migrations/sqlite/0012_artifact_claim.sql"),
 ];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.

@@ -144,6 +144,7 @@ fn full_attempt() -> Attempt {
         }),
         log_acked: 12,
         log_sealed: true,
+        claimed_artifact: None,
         end: Some(EndKind::Completion),
         created_at: 1_100,
         started_at: Some(1_500),
