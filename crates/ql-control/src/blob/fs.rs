@@ -281,13 +281,7 @@ impl Drop for FsUpload {
 
 impl Upload for FsUpload {
     async fn write(&mut self, bytes: &[u8]) -> Result<(), BlobError> {
-        if self.failed {
-            return Err(err("upload already failed"));
-        }
-        if self.written.saturating_add(bytes.len() as u64) > self.declared {
-            self.failed = true;
-            return Err(err(format!("more than the declared {} bytes", self.declared)));
-        }
+        super::admit_write(&mut self.failed, self.written, self.declared, bytes.len())?;
         let Some(file) = self.file.as_mut() else {
             return Err(err("upload already finished"));
         };

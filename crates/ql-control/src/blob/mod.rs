@@ -63,6 +63,19 @@ impl From<std::io::Error> for BlobError {
     }
 }
 
+/// Whether an upload takes `len` more bytes: not once it failed, and not past its declared
+/// length, which fails it (every store refuses the same way).
+fn admit_write(failed: &mut bool, written: u64, declared: u64, len: usize) -> Result<(), BlobError> {
+    if *failed {
+        return Err(BlobError("upload already failed".into()));
+    }
+    if written.saturating_add(len as u64) > declared {
+        *failed = true;
+        return Err(BlobError(format!("more than the declared {declared} bytes")));
+    }
+    Ok(())
+}
+
 /// An upload in progress. Dropping it without [`Upload::finish`] discards it.
 pub trait Upload: Send {
     /// Appends content.

@@ -441,13 +441,7 @@ impl S3Upload {
 
 impl Upload for S3Upload {
     async fn write(&mut self, bytes: &[u8]) -> Result<(), BlobError> {
-        if self.failed {
-            return Err(err("upload already failed"));
-        }
-        if self.written.saturating_add(bytes.len() as u64) > self.declared {
-            self.failed = true;
-            return Err(err(format!("more than the declared {} bytes", self.declared)));
-        }
+        super::admit_write(&mut self.failed, self.written, self.declared, bytes.len())?;
         let Some(tx) = self.tx.as_ref() else {
             return Err(err("upload already finished"));
         };
