@@ -170,7 +170,9 @@ fn every_page_shows_the_database_escaped_with_a_live_log_and_checked_forms() {
     let out = w.control.cli(&["enroll", "w2", "--out", creds2.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let config = format!(
-        "server = {}\nworker_id = w2\ncert = {}\nkey = {}\nca = {}\nstate_dir = {}\n",
+        // A poll keeps its session alive for its wait: a short one, so the session of the
+        // dead agent expires soon.
+        "server = {}\nworker_id = w2\ncert = {}\nkey = {}\nca = {}\nstate_dir = {}\npoll_wait_ms = 1000\n",
         w.control.url,
         creds2.join("w2.crt").display(),
         creds2.join("w2.key").display(),

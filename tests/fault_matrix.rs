@@ -1065,3 +1065,31 @@ fn a_clock_ten_minutes_ahead_still_reports_a_job_that_ended_while_the_agent_was_
     assert!(events(&shown).iter().any(|(_, kind)| kind == "attempt.completed"), "{shown}\n{}", context());
     assert!(second.terminate().success(), "{}", second.log());
 }
+
+/// A seal slower than the agent's call timeout, six times over (the server composing a
+/// big log on a loaded machine): the agent repeats it, and its heartbeats go between the
+/// repeats, so neither its session nor the run lapses while the seal keeps failing.
+#[test]
+fn a_seal_slower_than_the_call_timeout_again_and_again_keeps_the_session_and_the_run() {
+    let root = TempDir::new("slow-seal");
+    let dir = root.0.join("control");
+    let bin = build_control(&["faults"]);
+    init_control(&bin, &dir, &root.0.join("creds"), common::SHORT_TIMINGS);
+    let slow: Vec<String> = (1..=6).map(|n| format!("delay:artifact.seal@{n}")).collect();
+    let slow = slow.join(",");
+    let env = [("QL_CONTROL_FAULT", slow.as_str()), ("QL_CONTROL_FAULT_DELAY_MS", "3000")];
+    let control = Control::serve(&bin, &dir, "127.0.0.1:0", &root.0.join("control.err"), &env);
+    // The live log: the job's output streams while it runs, and the seal follows its end.
+    let mut agent = Agent::start(&root.0, &control, &[]);
+    let run = control.submit(&["--", "sh", "-c", "sleep 1; echo sealed late"]);
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    let shown = common::wait_for("the run to end", context, || {
+        let shown = control.show(&run);
+        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
+    });
+    assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
+    assert!(control.log().contains("fault delay:artifact.seal@6 fired"), "{}", context());
+    assert_eq!(control.logs(&run), b"sealed late\n");
+    assert!(!agent.log().contains("session_conflict"), "the session never lapsed:\n{}", context());
+    assert!(agent.terminate().success(), "{}", agent.log());
+}

@@ -5,7 +5,7 @@
 //! its spool, and on request stops its group). HTTP calls are blocking `ureq` calls made
 //! by the main loop itself, one at a time over the client's one connection; while a call
 //! is in flight nothing else runs, so long-polls are kept short while jobs run
-//! (`busy_poll_wait_ms`) and never outlast the next renewal or heartbeat.
+//! (`busy_poll_wait_ms`) and never outlast the next renewal.
 //!
 //! Each turn of the loop:
 //!
@@ -13,8 +13,9 @@
 //! 2. makes sure there is a session (resuming the journal's with a heartbeat, else opening a
 //!    new one), unless draining;
 //! 3. asks the core for each job's next step and performs it;
-//! 4. heartbeats when due (announcing a drain at once);
-//! 5. long-polls for offers when capacity is free and the agent is not draining;
+//! 4. long-polls for offers when capacity is free and the agent is not draining: a poll
+//!    keeps the session alive, so an idle agent sends one long-poll after another;
+//! 5. otherwise heartbeats when due (announcing a drain at once);
 //! 6. otherwise waits, racing a timer for the next due time against process ends and
 //!    signals.
 //!
@@ -111,10 +112,13 @@ struct Live {
     id: SessionId,
     generation: Counter,
     heartbeat: Duration,
-    /// When the last heartbeat or poll that succeeded was sent.
+    /// When the last heartbeat that succeeded was sent, or the last poll answered.
     contact: Instant,
     /// Whether the server was told the session drains.
     told_draining: bool,
+    /// Whether the last heartbeat failed: then the jobs' steps go first next time, since
+    /// their answers may say more (a revoked certificate stops a job through its renewal).
+    beat_failed: bool,
 }
 
 /// The shared call backoff: one server, one connection, so one failure blocks every call.
@@ -342,13 +346,18 @@ impl Agent {
                 self.renew_certificate(now);
                 continue;
             }
+            // Before the jobs' steps: a job whose call keeps failing (a seal the server is
+            // slow to compose, say) must not keep the session from its heartbeat.
+            if !blocked && self.heartbeat_due(now) && self.session.as_ref().is_some_and(|l| !l.beat_failed) {
+                self.heartbeat(now).await;
+                continue;
+            }
             let (moved, due) = self.work(blocked).await?;
             if moved {
                 // A heartbeat that is due goes out even while jobs keep moving: a long log
                 // streams for minutes, and the session must not lapse meanwhile.
                 let t = Instant::now();
-                let due = self.session.as_ref().is_some_and(|l| t >= l.contact + l.heartbeat);
-                if due && self.net.until.is_none_or(|u| t >= u) {
+                if self.heartbeat_due(t) && self.net.until.is_none_or(|u| t >= u) {
                     self.heartbeat(t).await;
                 }
                 continue;
@@ -367,13 +376,15 @@ impl Agent {
                 self.heartbeat(now).await;
                 continue;
             }
-            due = earliest(due, Some(heartbeat_at));
+            // A poll keeps the session alive for its whole wait and counts as contact
+            // once answered, so its wait is not cut at the next heartbeat: an idle agent
+            // sends one long-poll after another and no heartbeat between them.
             let free = (self.cfg.capacity as usize).saturating_sub(self.state.jobs.len());
             if free > 0 && self.drain_by.is_none() {
                 self.poll(now, free as u32, due).await?;
                 continue;
             }
-            self.idle(due).await?;
+            self.idle(earliest(due, Some(heartbeat_at))).await?;
         }
     }
 
@@ -617,6 +628,7 @@ impl Agent {
                             heartbeat: Duration::from_millis(heartbeat_ms),
                             contact: now,
                             told_draining: false,
+                            beat_failed: false,
                         });
                         return Ok(());
                     }
@@ -661,6 +673,7 @@ impl Agent {
                     // a repeated open replace a session never heard from (a lost answer's).
                     contact: now.checked_sub(heartbeat).unwrap_or(now),
                     told_draining: false,
+                    beat_failed: false,
                 });
             }
             Err(e) => match self.session_call_failed("opening a session", &e) {
@@ -708,6 +721,11 @@ impl Agent {
         self.commit(&Record::SessionClosed { session_id: live.id })
     }
 
+    /// Whether the session has had no contact for a heartbeat interval.
+    fn heartbeat_due(&self, now: Instant) -> bool {
+        self.session.as_ref().is_some_and(|l| now >= l.contact + l.heartbeat)
+    }
+
     async fn heartbeat(&mut self, now: Instant) {
         let live = self.session.as_ref().expect("a session");
         let draining = self.drain_by.is_some();
@@ -719,12 +737,16 @@ impl Agent {
                 debug!("heartbeat: {}", reply.status.as_str());
                 let live = self.session.as_mut().expect("a session");
                 live.contact = now;
+                live.beat_failed = false;
                 if draining && !live.told_draining {
                     live.told_draining = true;
                     info!("session {} is draining: no new work", live.id);
                 }
             }
             Err(e) => {
+                if let Some(live) = self.session.as_mut() {
+                    live.beat_failed = true;
+                }
                 if let Some(code) = self.session_call_failed("heartbeat", &e) {
                     let id = self.session.take().map(|l| l.id.to_string()).unwrap_or_default();
                     if draining {
@@ -751,8 +773,9 @@ impl Agent {
         match self.client.poll::<PollOffers, Offers>(&route, &body, wait) {
             Ok(offers) => {
                 self.call_ok();
+                // The server held the session alive until the answer, and a TTL after it.
                 if let Some(live) = self.session.as_mut() {
-                    live.contact = now;
+                    live.contact = Instant::now();
                 }
                 for offer in offers.offers {
                     let key = JobKey { session_id: session_id.clone(), attempt_id: offer.attempt_id.clone() };

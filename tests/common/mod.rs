@@ -52,7 +52,10 @@ pub fn build_control(features: &[&str]) -> PathBuf {
         return built;
     }
     let own = profile_dir.join(format!("ql-control-{}", features.join("-")));
-    let tmp = own.with_extension(format!("tmp{}", std::process::id()));
+    // Tests of one binary run at once, and more than one may ask for the same build.
+    static COPIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let copy = COPIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = own.with_extension(format!("tmp{}-{copy}", std::process::id()));
     fs::copy(&built, &tmp).expect("copy ql-control");
     fs::rename(&tmp, &own).expect("rename ql-control");
     own

@@ -40,7 +40,11 @@ fn fits(run: &Run, session: &Session, trusted: &BTreeMap<String, String>) -> boo
 }
 
 /// A poll is proof of life (the agent cannot heartbeat while it long-polls on its one
-/// connection), so it extends the session, then places queued runs up to free capacity.
+/// connection), so it extends the session for the whole wait and a TTL after it, then
+/// places queued runs up to free capacity. An agent may therefore poll instead of
+/// heartbeating, one long-poll after another. The same poll run again while it waits (a
+/// wake-up) writes the session only when that extends it by more than a heartbeat, so a
+/// wake-up that places nothing writes nothing.
 pub(super) fn poll(
     worker: &WorkerId,
     session_id: &SessionId,
@@ -56,8 +60,12 @@ pub(super) fn poll(
     if session.generation != body.generation || !is_live(session, worker, now) {
         return Decision::refuse(ErrorCode::SessionConflict);
     }
-    let seen = Session { seen_at: now, expires_at: now + timings.session_ttl_ms as i64, ..session.clone() };
-    let mut writes = vec![Write::Session(seen)];
+    let expires_at = now + body.wait_ms as i64 + timings.session_ttl_ms as i64;
+    let mut writes = Vec::new();
+    if expires_at - session.expires_at > timings.heartbeat_ms as i64 || session.seen_at <= session.created_at {
+        writes.push(Write::Session(Session { seen_at: now, expires_at, ..session.clone() }));
+    }
+    let placed_at = writes.len();
     let mut offers: Vec<WireOffer> =
         rows.open_offers.iter().filter(|o| o.state == OfferState::Open && o.expires_at > now).map(wire_offer).collect();
     let no_labels = BTreeMap::new();
@@ -87,7 +95,7 @@ pub(super) fn poll(
                 now,
             ));
             offers.push(wire_offer(&offer));
-            writes.splice(1..1, [Write::Run(next_run), Write::Attempt(attempt), Write::Offer(offer)]);
+            writes.splice(placed_at..placed_at, [Write::Run(next_run), Write::Attempt(attempt), Write::Offer(offer)]);
         }
     }
     offers.truncate(body.max as usize);
@@ -304,6 +312,41 @@ mod tests {
         assert_eq!(kinds.iter().filter(|k| *k == "run.dispatching").count(), 2);
         let seen = d.writes.iter().find_map(|w| if let Write::Session(s) = w { Some(s) } else { None }).unwrap();
         assert_eq!(seen.expires_at, NOW + timings().session_ttl_ms as i64, "a poll keeps the session alive");
+    }
+
+    #[test]
+    fn a_long_poll_keeps_its_session_alive_for_its_wait_and_a_wake_up_writes_nothing_new() {
+        let t = timings();
+        let wait = 25_000;
+        let body = PollOffers { generation: Counter::ONE, wait_ms: wait, max: 1 };
+        let mut rows = Rows { session: Some(session(1)), ..Rows::default() };
+        let poll = |rows: &Rows, now: Millis| {
+            decide(
+                &Command::PollOffers(worker(), SessionId::parse("ses_1").unwrap(), body.clone()),
+                rows,
+                now,
+                &t,
+                &mut ids(),
+            )
+        };
+        let first = poll(&rows, NOW);
+        let Some(Write::Session(seen)) = first.writes.first() else { panic!("{:?}", first.writes) };
+        assert_eq!(seen.expires_at, NOW + wait as i64 + t.session_ttl_ms as i64, "the wait and a TTL after it");
+        assert_eq!(seen.seen_at, NOW);
+        rows.session = Some(seen.clone());
+        // The same poll run again by a wake-up within a heartbeat: nothing to write.
+        let woken = poll(&rows, NOW + t.heartbeat_ms as i64);
+        assert_eq!(woken.reply, Ok(Reply::Offers(Offers { offers: vec![] })));
+        assert!(woken.writes.is_empty(), "{:?}", woken.writes);
+        // Later than a heartbeat, it extends the session again.
+        let later = poll(&rows, NOW + t.heartbeat_ms as i64 + 1);
+        assert!(matches!(later.writes.as_slice(), [Write::Session(s)] if s.seen_at == NOW + t.heartbeat_ms as i64 + 1));
+        // A queued run is still placed by a poll that needs no session write.
+        rows.queued = vec![queued_run()];
+        let placing = poll(&rows, NOW + 1);
+        assert_eq!(offers(&placing).len(), 1);
+        assert!(!placing.writes.iter().any(|w| matches!(w, Write::Session(_))));
+        assert!(matches!(placing.writes.first(), Some(Write::Run(r)) if r.status == RunStatus::Dispatching));
     }
 
     #[test]

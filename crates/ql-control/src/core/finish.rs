@@ -184,7 +184,9 @@ pub(super) fn complete(
         at: ended_at,
     };
     let reply = CompletionReply { result: Outcome::Completed, status };
-    Ok(Decision::apply(Reply::Completed(reply), terminate(&held, ending, ids)?).waking())
+    // No wake-up: the capacity freed is this session's, whose agent polls next on the
+    // connection it completed on; no other waiting poll could place anything more.
+    Ok(Decision::apply(Reply::Completed(reply), terminate(&held, ending, ids)?))
 }
 
 /// `already_completed` only for the exact same completion: lease completed at exactly
@@ -261,7 +263,7 @@ mod tests {
         assert_eq!(a.lease, Some(l.facts));
         assert_eq!((a.exit_code, a.end), (Some(0), Some(EndKind::Completion)));
         assert_eq!(r.finished_at, Some(NOW), "terminal time is DB time when the evidence is older");
-        assert!(d.wake, "a completion frees capacity");
+        assert!(!d.wake, "the capacity freed is the completing session's own: no other poll is woken");
     }
 
     #[test]

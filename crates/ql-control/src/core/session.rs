@@ -29,12 +29,18 @@ pub(super) fn open(
     // never heard from since it was opened: its agent polls or heartbeats at once, so a
     // session that stayed silent is one whose answer was lost, and the open that finds it
     // is that agent's repeat.
+    // A long-poll holds the session alive beyond its TTL for its wait (`delivery::poll`):
+    // its agent is speaking for that long too, so the quiet window starts after it. A
+    // window of zero turns the refusal off.
     let quiet_after = i64::try_from(timings.takeover_after_ms).unwrap_or(i64::MAX);
+    let ttl = i64::try_from(timings.session_ttl_ms).unwrap_or(i64::MAX);
     let speaking = |s: &&Session| {
-        s.state == SessionState::Online
+        let held = s.expires_at.saturating_sub(s.seen_at).saturating_sub(ttl).max(0);
+        quiet_after > 0
+            && s.state == SessionState::Online
             && s.expires_at > now
             && s.seen_at > s.created_at
-            && now.saturating_sub(s.seen_at) < quiet_after
+            && now.saturating_sub(s.seen_at) < quiet_after.saturating_add(held)
     };
     if rows.worker_sessions.iter().any(|s| &s.worker == worker && speaking(&s)) {
         return Decision::refuse(ErrorCode::SessionConflict);
@@ -69,7 +75,9 @@ pub(super) fn open(
         session_ttl_ms: timings.session_ttl_ms,
     };
     writes.push(Write::Session(session));
-    Decision::apply(Reply::SessionOpened(reply), writes).waking()
+    // No wake-up: the new session polls next itself, and sessions it replaced learn it
+    // at their next request.
+    Decision::apply(Reply::SessionOpened(reply), writes)
 }
 
 pub(super) fn heartbeat(
@@ -156,9 +164,27 @@ mod tests {
         let draining = Session { state: SessionState::Draining, ..speaking.clone() };
         let rows = Rows { worker_sessions: vec![draining], ..Rows::default() };
         assert!(open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids()).reply.is_ok(), "a stopping agent's");
-        let quiet = Session { seen_at: NOW - timings().takeover_after_ms as i64, ..speaking.clone() };
-        let rows = Rows { worker_sessions: vec![quiet], ..Rows::default() };
+        // Quiet since its last heartbeat, which kept it alive one TTL.
+        let last = NOW - timings().takeover_after_ms as i64;
+        let quiet = Session {
+            created_at: NOW - 60_000,
+            seen_at: last,
+            expires_at: last + timings().session_ttl_ms as i64,
+            ..speaking.clone()
+        };
+        let rows = Rows { worker_sessions: vec![quiet.clone()], ..Rows::default() };
         assert!(open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids()).reply.is_ok(), "a quiet one");
+        // Seen as long ago, but by a long-poll still waiting: it speaks until the wait ends.
+        let polling = Session { expires_at: quiet.expires_at + 5_000, ..quiet.clone() };
+        let rows = Rows { worker_sessions: vec![polling], ..Rows::default() };
+        let d = open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids());
+        assert_eq!(d, Decision::refuse(ErrorCode::SessionConflict), "a long-polling agent is not quiet");
+        let polled_out = Session { seen_at: last - 5_000, ..quiet };
+        let rows = Rows { worker_sessions: vec![polled_out], ..Rows::default() };
+        assert!(
+            open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids()).reply.is_ok(),
+            "quiet after its wait"
+        );
         let t = Timings { takeover_after_ms: 0, ..timings() };
         let rows = Rows { worker_sessions: vec![speaking], ..Rows::default() };
         assert!(open(&worker(), &open_body(), &rows, NOW, &t, &mut ids()).reply.is_ok(), "no window, no refusal");

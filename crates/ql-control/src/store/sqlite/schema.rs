@@ -63,6 +63,9 @@ pub(super) fn connect(path: &Path, busy_timeout: Duration) -> rusqlite::Result<C
     // FULL: a commit is on disk before the reply that depends on it leaves the process.
     conn.pragma_update(None, "synchronous", "FULL")?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
+    // Sorts and temporary tables in memory: a server at its descriptor limit must still
+    // be able to run the queries that offer work to agents already connected.
+    conn.pragma_update(None, "temp_store", "MEMORY")?;
     Ok(conn)
 }
 
