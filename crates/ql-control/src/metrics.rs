@@ -50,6 +50,11 @@ struct OutcomeLabels {
     outcome: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// Seconds from 0.5 ms to about 16 s.
@@ -75,6 +80,9 @@ pub struct Metrics {
     deliveries: Family<StatusLabels, Gauge>,
     queued_age: Gauge<f64, AtomicU64>,
     artifact_bytes: Gauge,
+    connections_open: Gauge,
+    connections_max: Gauge,
+    turned_away: Family<ReasonLabels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -119,6 +127,9 @@ impl Metrics {
             deliveries: Family::default(),
             queued_age: Gauge::default(),
             artifact_bytes: Gauge::default(),
+            connections_open: Gauge::default(),
+            connections_max: Gauge::default(),
+            turned_away: Family::default(),
         };
         registry.register("requests", "Worker requests answered, by route and HTTP status", m.requests.clone());
         registry.register("request_seconds", "Worker request latency, by route", m.request_seconds.clone());
@@ -139,7 +150,44 @@ impl Metrics {
             m.queued_age.clone(),
         );
         registry.register("artifact_bytes", "Bytes of the stored logs", m.artifact_bytes.clone());
+        registry.register(
+            "worker_connections",
+            "Worker connections open on this replica, in their handshake or served",
+            m.connections_open.clone(),
+        );
+        registry.register(
+            "worker_connections_max",
+            "Worker connections this replica serves at once (max_connections)",
+            m.connections_max.clone(),
+        );
+        registry.register(
+            "worker_connections_turned_away",
+            "Worker connections closed unserved at a limit, by reason (handshakes, slots, anonymous, accept)",
+            m.turned_away.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// A worker connection accepted (`true`) or ended (`false`).
+    pub fn connection(&self, opened: bool) {
+        if opened {
+            self.connections_open.inc();
+        } else {
+            self.connections_open.dec();
+        }
+    }
+
+    /// The most worker connections served at once.
+    pub fn set_max_connections(&self, max: usize) {
+        self.connections_max.set(i64::try_from(max).unwrap_or(i64::MAX));
+    }
+
+    /// A worker connection closed unserved at a limit: `handshakes` (too many in progress,
+    /// from its address or at all), `slots` (every connection slot taken), `anonymous`
+    /// (every slot for connections without a certificate taken), or `accept` (accepting
+    /// failed: out of descriptors, say).
+    pub fn turned_away(&self, reason: &'static str) {
+        self.turned_away.get_or_create(&ReasonLabels { reason: reason.to_owned() }).inc();
     }
 
     /// One worker request answered with `status` after `took`.

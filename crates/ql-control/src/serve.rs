@@ -265,6 +265,7 @@ async fn serve_on<S: Store>(
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?;
     let mut ingress_cfg = ingress_config(config);
     ingress_cfg.identity = Some(Arc::new(identity(layout, config)?));
+    metrics.set_max_connections(ingress_cfg.max_connections);
     ingress_cfg.metrics = Some(metrics.clone());
     // What replicas must agree on: the webhook key (and, below, the dashboard's).
     let server_key = crate::keys::key_file(&layout.dir.join(&config.webhook_secret_file))?;

@@ -1788,3 +1788,41 @@ fn connections_without_a_certificate_have_a_cap_of_their_own() {
     let (_, generation) = server.client("router-1").open(1);
     assert_eq!(generation, Counter::ONE);
 }
+
+#[test]
+fn connections_beyond_max_connections_are_closed_at_once_and_those_served_go_on() {
+    let metrics = Arc::new(ql_control::metrics::Metrics::new());
+    metrics.set_max_connections(3);
+    let cfg = IngressConfig { max_connections: 3, metrics: Some(metrics.clone()), ..test_config() };
+    let server = Server::start_with("slots", cfg);
+    let served: Vec<(Client, SessionId, Counter)> = (1..=3)
+        .map(|i| {
+            let client = server.client(&format!("router-{i}"));
+            let (session, generation) = client.open(1);
+            (client, session, generation)
+        })
+        .collect();
+    // Three more workers, each with a valid certificate: every one is closed after its
+    // handshake, without an answer, instead of waiting in the backlog.
+    for i in 4..=6 {
+        let mut raw = server.raw(&format!("router-{i}"));
+        raw.head("POST", &format!("/v1/workers/router-{i}/sessions"), &["content-length: 0"]).unwrap();
+        assert!(raw.ended(), "router-{i} was closed, not served");
+    }
+    server.wait_for("three connections to be turned away and closed", |st| st.turned_away() == 3 && st.closed() == 3);
+    // Those served go on, on the connections they hold.
+    for (client, session, generation) in &served {
+        let route = Route::Heartbeat(client.worker.clone(), session.clone());
+        let hb: HeartbeatReply = client.post(&route, &Heartbeat { generation: *generation, draining: false }).json(200);
+        assert_eq!(hb.status, SessionStatus::Online);
+    }
+    assert_eq!(server.snapshot().sessions.len(), 3, "no session for the workers turned away");
+    let text = server.rt.block_on(metrics.render(&server.store)).unwrap();
+    for line in [
+        "ql_worker_connections 3",
+        "ql_worker_connections_max 3",
+        "ql_worker_connections_turned_away_total{reason=\"slots\"} 3",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+    }
+}

@@ -205,6 +205,16 @@ impl IngressStats {
     }
 }
 
+/// A connection closed unserved at a limit (`reason`, a metric label): counted, told in
+/// a line at a bounded rate, and measured.
+fn turn_away<S, B>(shared: &Shared<S, B>, reason: &'static str, line: &str) {
+    shared.stats.turned_away.fetch_add(1, Ordering::Relaxed);
+    shared.reports.turned_away.event(line);
+    if let Some(metrics) = &shared.cfg.metrics {
+        metrics.turned_away(reason);
+    }
+}
+
 /// The lines of [`report`] a server prints.
 pub(crate) struct Reports {
     handshake_failed: report::Report,
@@ -428,8 +438,10 @@ async fn run<S: Store, B: BlobStore>(
         while connections.try_join_next().is_some() {}
         let (tcp, peer) = match accepted {
             Ok(accepted) => accepted,
-            Err(_) => {
-                // Usually out of descriptors or memory: pause rather than spin.
+            Err(e) => {
+                // Usually out of descriptors or memory: say so, and pause rather than spin.
+                // The connections already served go on.
+                turn_away(&shared, "accept", &format!("accepting a connection failed: {e}"));
                 tokio::select! {
                     () = tokio::time::sleep(shared.cfg.accept_backoff) => continue,
                     () = stopping(&mut stopped) => break,
@@ -437,9 +449,15 @@ async fn run<S: Store, B: BlobStore>(
             }
         };
         shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+        if let Some(metrics) = &shared.cfg.metrics {
+            metrics.connection(true);
+        }
         let (acceptor, shared, stopped, slots) = (acceptor.clone(), shared.clone(), stopped.clone(), slots.clone());
         connections.spawn(async move {
             connection(acceptor, tcp, peer.ip(), &shared, &slots, stopped).await;
+            if let Some(metrics) = &shared.cfg.metrics {
+                metrics.connection(false);
+            }
             shared.stats.closed.fetch_add(1, Ordering::Relaxed);
         });
     }
@@ -460,8 +478,7 @@ async fn connection<S: Store, B: BlobStore>(
 ) {
     let cfg = &shared.cfg;
     let Some(handshaking) = shared.occupancy.handshake(ip, cfg) else {
-        shared.stats.turned_away.fetch_add(1, Ordering::Relaxed);
-        shared.reports.turned_away.event(&format!("from {ip}: too many handshakes in progress"));
+        turn_away(shared, "handshakes", &format!("from {ip}: too many handshakes in progress"));
         return;
     };
     // Requests and answers are small and sequential: do not hold them back for Nagle.
@@ -480,9 +497,8 @@ async fn connection<S: Store, B: BlobStore>(
     };
     drop(handshaking);
     let Ok(_slot) = slots.clone().try_acquire_owned() else {
-        shared.stats.turned_away.fetch_add(1, Ordering::Relaxed);
         let limit = cfg.max_connections;
-        shared.reports.turned_away.event(&format!("from {ip}: all {limit} connection slots (max_connections) taken"));
+        turn_away(shared, "slots", &format!("from {ip}: all {limit} connection slots (max_connections) taken"));
         return;
     };
     let peer = stream.get_ref().1.peer_certificates().unwrap_or_default();
@@ -494,11 +510,11 @@ async fn connection<S: Store, B: BlobStore>(
         match shared.anonymous.clone().try_acquire_owned() {
             Ok(slot) => Some(slot),
             Err(_) => {
-                shared.stats.turned_away.fetch_add(1, Ordering::Relaxed);
                 let limit = cfg.max_anonymous_connections;
-                shared.reports.turned_away.event(&format!(
+                let line = format!(
                     "from {ip}: all {limit} slots for connections without a certificate (max_anonymous_connections) taken"
-                ));
+                );
+                turn_away(shared, "anonymous", &line);
                 return;
             }
         }
