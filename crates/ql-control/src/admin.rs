@@ -190,6 +190,12 @@ impl Store for Authority {
             Authority::Postgres(s) => s.changes(),
         }
     }
+    fn wakes_since(&self, seen: u64, now: u64) -> Option<Vec<crate::core::Want>> {
+        match self {
+            Authority::Sqlite(s) => s.wakes_since(seen, now),
+            Authority::Postgres(s) => s.wakes_since(seen, now),
+        }
+    }
 }
 
 /// Whether `database` names a PostgreSQL database (a `postgres://` or `postgresql://`

@@ -339,4 +339,7 @@ impl<S: Store> Store for Measured<S> {
     fn changes(&self) -> watch::Receiver<u64> {
         self.inner.changes()
     }
+    fn wakes_since(&self, seen: u64, now: u64) -> Option<Vec<crate::core::Want>> {
+        self.inner.wakes_since(seen, now)
+    }
 }

@@ -162,7 +162,7 @@ async fn two_replicas_sweeping_at_once_expire_each_lease_once() {
     }
     let body = PollOffers { generation: agent.generation, wait_ms: 0, max: RUNS as u32 };
     let all = match exec(&a, Command::PollOffers(agent.worker.clone(), agent.session.clone(), body)).await {
-        Ok(Reply::Offers(o)) => o.offers,
+        Ok(Reply::Offers(o, _)) => o.offers,
         other => panic!("poll: {other:?}"),
     };
     assert_eq!(all.len(), RUNS);

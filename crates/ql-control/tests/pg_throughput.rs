@@ -60,7 +60,7 @@ async fn concurrent_ack_transactions_keep_every_invariant() {
                     let body = PollOffers { generation: agent.generation, wait_ms: 0, max: 1 };
                     let cmd = Command::PollOffers(agent.worker.clone(), agent.session.clone(), body);
                     let offer = match exec(&store, cmd).await {
-                        Ok(Reply::Offers(o)) => o.offers.into_iter().next().expect("this client's run"),
+                        Ok(Reply::Offers(o, _)) => o.offers.into_iter().next().expect("this client's run"),
                         other => panic!("poll: {other:?}"),
                     };
                     let mut h = claim(&store, &agent, &offer).await;

@@ -29,14 +29,37 @@ fn wire_offer(o: &Offer) -> WireOffer {
     }
 }
 
-/// Whether the worker carries every label the run asks for: the operator's labels of the
-/// worker ([`crate::model::Worker`]) for `labels`, the session's declared ones for
-/// `agent_labels`. A declared label never stands in for a trusted one.
-fn fits(run: &Run, session: &Session, trusted: &BTreeMap<String, String>) -> bool {
-    let within = |wanted: &BTreeMap<String, String>, carried: &BTreeMap<String, String>| {
-        wanted.iter().all(|(k, v)| carried.get(k) == Some(v))
-    };
-    within(&run.labels, trusted) && within(&run.agent_labels, &session.labels)
+/// What a queued run asks of a worker: the operator's labels of it, and the labels its
+/// agent declares. A submit's wake-up carries it, so that only the long-polls of sessions
+/// that take the run look again.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Want {
+    /// Labels the operator gave the worker that it must carry.
+    pub labels: BTreeMap<String, String>,
+    /// Labels the worker's agent must declare.
+    pub agent_labels: BTreeMap<String, String>,
+}
+
+/// What a session takes: its worker's labels as the operator set them, and the ones its
+/// agent declared. A poll's answer carries it to the wait that follows.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fit {
+    /// The operator's labels of the worker ([`crate::model::Worker`]).
+    pub trusted: BTreeMap<String, String>,
+    /// The session's declared labels.
+    pub declared: BTreeMap<String, String>,
+}
+
+impl Fit {
+    /// Whether the worker carries every label `want` asks for: the operator's for
+    /// `labels`, the declared ones for `agent_labels`. A declared label never stands in
+    /// for a trusted one.
+    pub fn takes(&self, want: &Want) -> bool {
+        let within = |wanted: &BTreeMap<String, String>, carried: &BTreeMap<String, String>| {
+            wanted.iter().all(|(k, v)| carried.get(k) == Some(v))
+        };
+        within(&want.labels, &self.trusted) && within(&want.agent_labels, &self.declared)
+    }
 }
 
 /// A poll is proof of life (the agent cannot heartbeat while it long-polls on its one
@@ -68,13 +91,15 @@ pub(super) fn poll(
     let placed_at = writes.len();
     let mut offers: Vec<WireOffer> =
         rows.open_offers.iter().filter(|o| o.state == OfferState::Open && o.expires_at > now).map(wire_offer).collect();
-    let no_labels = BTreeMap::new();
-    let trusted = rows.worker.as_ref().filter(|w| &w.id == worker).map_or(&no_labels, |w| &w.labels);
+    let fit = Fit {
+        trusted: rows.worker.as_ref().filter(|w| &w.id == worker).map(|w| w.labels.clone()).unwrap_or_default(),
+        declared: session.labels.clone(),
+    };
+    let takes = |r: &Run| fit.takes(&Want { labels: r.labels.clone(), agent_labels: r.agent_labels.clone() });
     let free = session.capacity.saturating_sub(rows.active_attempts) as usize;
     let room = free.min(body.max as usize);
     if session.state == SessionState::Online {
-        for run in rows.queued.iter().filter(|r| r.status == RunStatus::Queued && fits(r, session, trusted)).take(room)
-        {
+        for run in rows.queued.iter().filter(|r| r.status == RunStatus::Queued && takes(r)).take(room) {
             let (offer, attempt, next_run) = place(run, session, now, timings, ids);
             writes.push(event(
                 ids,
@@ -99,7 +124,7 @@ pub(super) fn poll(
         }
     }
     offers.truncate(body.max as usize);
-    Decision::apply(Reply::Offers(Offers { offers }), writes)
+    Decision::apply(Reply::Offers(Offers { offers }, Box::new(fit)), writes)
 }
 
 fn place(run: &Run, session: &Session, now: Millis, timings: &Timings, ids: &mut IdGen) -> (Offer, Attempt, Run) {
@@ -291,7 +316,7 @@ mod tests {
 
     fn offers(d: &Decision) -> Vec<WireOffer> {
         match &d.reply {
-            Ok(Reply::Offers(o)) => o.offers.clone(),
+            Ok(Reply::Offers(o, _)) => o.offers.clone(),
             other => panic!("{other:?}"),
         }
     }
@@ -336,7 +361,7 @@ mod tests {
         rows.session = Some(seen.clone());
         // The same poll run again by a wake-up within a heartbeat: nothing to write.
         let woken = poll(&rows, NOW + t.heartbeat_ms as i64);
-        assert_eq!(woken.reply, Ok(Reply::Offers(Offers { offers: vec![] })));
+        assert_eq!(woken.reply, Ok(Reply::Offers(Offers { offers: vec![] }, Box::default())));
         assert!(woken.writes.is_empty(), "{:?}", woken.writes);
         // Later than a heartbeat, it extends the session again.
         let later = poll(&rows, NOW + t.heartbeat_ms as i64 + 1);

@@ -33,6 +33,7 @@ mod worker;
 
 pub use abandon::WORKER_LOST;
 pub use credential::{authorize, check_name as check_operator_name};
+pub use delivery::{Fit, Want};
 pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
 pub use grace::{absence, Grace, Graced};
 pub use identity::{admission, Access, AccessChanged, Issuer, WORKER_DISABLED, WORKER_REVOKED};
@@ -308,7 +309,8 @@ pub enum Reply {
     /// To close.
     SessionClosed(SessionClosed),
     /// To poll.
-    Offers(Offers),
+    /// The offers, and what the polling session takes (for its wait: see [`Want`]).
+    Offers(Offers, Box<Fit>),
     /// To claim.
     Claimed(Box<Claimed>),
     /// To a start ACK.
@@ -407,28 +409,37 @@ pub struct Decision {
     pub reply: Result<Reply, ErrorCode>,
     /// What to write, in order, in the same transaction.
     pub writes: Vec<Write>,
-    /// Whether long-polls should look again (new work or freed capacity).
+    /// Whether every waiting long-poll should look again.
     pub wake: bool,
+    /// Runs queued for which only the long-polls of sessions that take them should look
+    /// again (a submit): a wake-up that concerns a few sessions, not the fleet.
+    pub wants: Vec<Want>,
 }
 
 impl Decision {
     /// A refusal: an error code and nothing written.
     pub fn refuse(code: ErrorCode) -> Self {
-        Self { reply: Err(code), writes: Vec::new(), wake: false }
+        Self { reply: Err(code), writes: Vec::new(), wake: false, wants: Vec::new() }
     }
 
     /// An answer with no writes.
     pub fn answer(reply: Reply) -> Self {
-        Self { reply: Ok(reply), writes: Vec::new(), wake: false }
+        Self { reply: Ok(reply), writes: Vec::new(), wake: false, wants: Vec::new() }
     }
 
     /// An answer with writes.
     pub fn apply(reply: Reply, writes: Vec<Write>) -> Self {
-        Self { reply: Ok(reply), writes, wake: false }
+        Self { reply: Ok(reply), writes, wake: false, wants: Vec::new() }
     }
 
     fn waking(mut self) -> Self {
         self.wake = true;
+        self
+    }
+
+    /// Wakes the long-polls of the sessions that take the run `submit` queued.
+    fn waking_for(mut self, submit: &Submit) -> Self {
+        self.wants.push(Want { labels: submit.labels.clone(), agent_labels: submit.agent_labels.clone() });
         self
     }
 }

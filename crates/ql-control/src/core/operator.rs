@@ -92,7 +92,7 @@ pub(super) fn submit(s: &Submit, now: Millis, ids: &mut IdGen) -> Decision {
         return Decision::refuse(code);
     }
     let (run, writes) = submitted(s, None, now, ids);
-    Decision::apply(Reply::Submitted(run), writes).waking()
+    Decision::apply(Reply::Submitted(run), writes).waking_for(s)
 }
 
 /// A queued run for `s` (of `schedule`, if a schedule submitted it), and its writes.
@@ -232,7 +232,11 @@ mod tests {
         let Some(Write::Run(run)) = d.writes.first() else { panic!() };
         assert_eq!((&run.id, run.status, run.retry_budget, run.created_at), (id, RunStatus::Queued, 2, NOW));
         assert_eq!(event_kinds(&d), ["run.queued"]);
-        assert!(d.wake);
+        assert!(!d.wake, "not every waiting poll");
+        assert_eq!(
+            d.wants,
+            vec![crate::core::Want { labels: run.labels.clone(), agent_labels: run.agent_labels.clone() }]
+        );
     }
 
     #[test]

@@ -150,7 +150,7 @@ pub(super) fn run_now(name: &str, rows: &Rows, now: Millis, ids: &mut IdGen) -> 
     };
     let (run, mut writes) = submitted(&s.submit, Some(&s.name), now, ids);
     writes.push(Write::Schedule(Schedule { last_run: Some(run.clone()), updated_at: now, ..s.clone() }));
-    Decision::apply(Reply::Submitted(run), writes).waking()
+    Decision::apply(Reply::Submitted(run), writes).waking_for(&s.submit)
 }
 
 /// Fires every due schedule (see the module doc). `missed_after_ms`: how late a fire may

@@ -418,7 +418,7 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
         Reply::SessionOpened(body) => Answer::ok(StatusCode::CREATED, &body),
         Reply::Heartbeat(body) => Answer::ok(StatusCode::OK, &body),
         Reply::SessionClosed(body) => Answer::ok(StatusCode::OK, &body),
-        Reply::Offers(body) => Answer::ok(StatusCode::OK, &body),
+        Reply::Offers(body, _) => Answer::ok(StatusCode::OK, &body),
         Reply::Claimed(body) => Answer::ok(StatusCode::OK, &*body),
         Reply::Ack(body) => Answer::ok(StatusCode::OK, &body),
         Reply::Renewed(body) => Answer::ok(StatusCode::OK, &body),
@@ -448,9 +448,11 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
 }
 
 /// The offers long-poll: poll, and while nothing is offered and time remains, wait for
-/// the store's change counter (or the deadline) and poll again. The counter is marked
-/// seen before each poll, so a change committed between the poll and the wait still
-/// wakes it; there is no busy loop.
+/// the store's change counter (or the deadline) and poll again — unless every wake-up
+/// since was for runs this session does not take (what it takes came with the poll's
+/// answer), then wait on without asking the store. The counter is marked seen before
+/// each poll, so a change committed between the poll and the wait still wakes it; there
+/// is no busy loop.
 async fn poll<S: Store, B: BlobStore>(
     shared: &Shared<S, B>,
     worker: WorkerId,
@@ -460,21 +462,33 @@ async fn poll<S: Store, B: BlobStore>(
     let wait = Duration::from_millis(body.wait_ms).min(shared.cfg.max_poll_wait);
     let deadline = Instant::now() + wait;
     let mut changes = shared.store.changes();
-    changes.borrow_and_update();
+    let mut seen = *changes.borrow_and_update();
     loop {
         let result = shared.store.execute(Command::PollOffers(worker.clone(), session.clone(), body.clone())).await;
-        let nothing = matches!(&result, Ok(Ok(Reply::Offers(o))) if o.offers.is_empty());
-        if !nothing || Instant::now() >= deadline {
+        let fit = match &result {
+            Ok(Ok(Reply::Offers(o, fit))) if o.offers.is_empty() => fit.as_ref().clone(),
+            _ => return answer(result),
+        };
+        if Instant::now() >= deadline {
             return answer(result);
         }
-        tokio::select! {
-            changed = changes.changed() => {
-                // The store is gone: nothing will wake us, so wait out the deadline.
-                if changed.is_err() {
-                    sleep_until(deadline).await;
+        loop {
+            tokio::select! {
+                changed = changes.changed() => {
+                    // The store is gone: nothing will wake us, so wait out the deadline.
+                    if changed.is_err() {
+                        sleep_until(deadline).await;
+                        break;
+                    }
                 }
+                () = sleep_until(deadline) => break,
             }
-            () = sleep_until(deadline) => {}
+            let now = *changes.borrow_and_update();
+            let concerned = shared.store.wakes_since(seen, now).is_none_or(|wants| wants.iter().any(|w| fit.takes(w)));
+            seen = now;
+            if concerned {
+                break;
+            }
         }
     }
 }

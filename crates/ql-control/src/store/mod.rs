@@ -14,6 +14,7 @@ mod columns;
 pub mod postgres;
 mod records;
 pub mod sqlite;
+pub mod wakes;
 
 use std::future::Future;
 
@@ -209,7 +210,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Every row (tests and invariant checks).
     fn snapshot(&self) -> impl Future<Output = Result<Snapshot, StoreError>> + Send;
 
-    /// A counter that rises whenever work may have appeared or capacity freed — in
-    /// this process or, for shared databases, in another one. Long-polls wait on it.
+    /// A counter that rises whenever work may have appeared — in this process or, for
+    /// shared databases, in another one. Long-polls wait on it.
     fn changes(&self) -> watch::Receiver<u64>;
+
+    /// What the wake-ups after the counter's value `seen` up to `now` were for: the runs
+    /// they queued, or `None` when one was for every poll (or is not known here). A poll
+    /// whose session takes none of the runs waits on without asking the store.
+    fn wakes_since(&self, seen: u64, now: u64) -> Option<Vec<crate::core::Want>> {
+        let _ = (seen, now);
+        None
+    }
 }

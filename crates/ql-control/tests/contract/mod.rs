@@ -271,7 +271,7 @@ pub async fn heartbeat<S: Store>(store: &S, a: &Agent, draining: bool) -> Result
 pub async fn poll<S: Store>(store: &S, a: &Agent) -> Vec<WireOffer> {
     let body = PollOffers { generation: a.generation, wait_ms: 0, max: 8 };
     match exec(store, Command::PollOffers(a.worker.clone(), a.session.clone(), body)).await {
-        Ok(Reply::Offers(o)) => o.offers,
+        Ok(Reply::Offers(o, _)) => o.offers,
         other => panic!("poll: {other:?}"),
     }
 }

@@ -986,6 +986,35 @@ pub async fn changes_wake_on_new_work_here_and_elsewhere<B: Backend>(b: B) {
     assert_eq!(store.runs(&ql_control::store::RunQuery::latest(10)).await.unwrap().len(), 2);
 }
 
+/// A submit's wake-up names its run, so only the polls of sessions that take it look
+/// again; a commit by another process wakes every poll.
+pub async fn a_submit_wakes_only_the_polls_that_take_its_run<B: Backend>(b: B) {
+    use ql_control::core::{Fit, Want};
+    let store = b.store();
+    let mut rx = store.changes();
+    let seen = *rx.borrow_and_update();
+    let site = |v: &str| BTreeMap::from([("site".to_owned(), v.to_owned())]);
+    submit_with(&store, LONG_TIMEOUT_MS, 0, BTreeMap::new(), site("attic")).await;
+    let now = *rx.borrow_and_update();
+    assert!(now != seen, "a submit wakes");
+    let wants = store.wakes_since(seen, now).expect("a submit's wake-up names its run");
+    assert_eq!(wants, vec![Want { labels: BTreeMap::new(), agent_labels: site("attic") }]);
+    assert!(Fit { declared: site("attic"), ..Fit::default() }.takes(&wants[0]));
+    assert!(!Fit { declared: site("cellar"), ..Fit::default() }.takes(&wants[0]), "another session waits on");
+    // An open queues nothing: no wake-up at all.
+    open(&store, "router-1").await;
+    assert!(!rx.has_changed().unwrap(), "an open wakes nobody");
+
+    let other = b.other_process();
+    submit(&other, LONG_TIMEOUT_MS, 0).await;
+    tokio::time::timeout(Duration::from_secs(10), rx.changed())
+        .await
+        .expect("a submit by another process wakes this one")
+        .unwrap();
+    let later = *rx.borrow_and_update();
+    assert_eq!(store.wakes_since(now, later), None, "another process's commit: every poll looks again");
+}
+
 /// The operator reads: newest first, bounded, and absent runs are `None`.
 pub async fn operator_reads_are_ordered_and_bounded<B: Backend>(b: B) {
     let store = b.store();

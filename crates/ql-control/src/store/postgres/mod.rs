@@ -31,12 +31,14 @@
 //!
 //! # Wake-ups across replicas
 //!
-//! A waking decision ([`Decision::wake`](crate::core::Decision::wake)) sends
-//! `NOTIFY ql_changes` inside its transaction, so the notification leaves exactly when
-//! the change commits. Each store keeps one dedicated connection that `LISTEN`s and bumps
-//! [`Store::changes`] on every notification, whichever replica committed; when that
-//! connection drops it reconnects and bumps once (a notification may have been missed).
-//! No per-worker state is kept in memory: long-polls just re-run their poll.
+//! A waking decision ([`Decision::wake`](crate::core::Decision::wake), or one that queued
+//! runs) sends `NOTIFY ql_changes` inside its transaction, so the notification leaves
+//! exactly when the change commits. Each store keeps one dedicated connection that
+//! `LISTEN`s and wakes every long-poll on every notification from another store; when that
+//! connection drops it reconnects and wakes them once (a notification may have been
+//! missed). Its own decisions it tells its long-polls directly ([`super::wakes`]), so a
+//! submit wakes only the polls of sessions that take the run, on the replica that queued
+//! it; the others re-run their poll.
 //!
 //! # DB time
 //!
@@ -67,6 +69,7 @@ use super::records::{
     ATTEMPTS, AUDIT_COLS, CERTIFICATES, DELIVERIES, ENROLMENTS, EVENTS, EVENT_COLS, FIRES, LEASES, LOG_CHUNKS,
     LOG_CHUNK_COLS, OFFERS, OPERATORS, RUNS, SCHEDULES, SESSIONS, WORKERS,
 };
+use super::wakes::Wakes;
 use super::{AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
@@ -184,7 +187,10 @@ struct Inner {
     audit: Option<Pool>,
     timings: Timings,
     clock_offset: Arc<AtomicI64>,
-    changes: Arc<watch::Sender<u64>>,
+    wakes: Arc<Wakes>,
+    /// Names this store's own notifications, which its listener skips: its long-polls
+    /// were woken directly, and only for the sessions a decision concerned.
+    nonce: String,
     kill_after_commit: Option<KillAfterCommit>,
     listener: tokio::task::JoinHandle<()>,
 }
@@ -224,10 +230,10 @@ impl PgStore {
             Some(u) => Some(Pool::new(parse_url(u)?, options.pool_size.min(4), options.connect_timeout)),
             None => None,
         };
-        let (changes, _) = watch::channel(0u64);
-        let changes = Arc::new(changes);
+        let wakes = Arc::new(Wakes::default());
+        let nonce = IdGen::random().session().to_string();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        let listener = tokio::spawn(listen(config, changes.clone(), ready_tx));
+        let listener = tokio::spawn(listen(config, wakes.clone(), nonce.clone(), ready_tx));
         // Listening before the first command: a change committed elsewhere right after
         // `open` returns must not be missed.
         let _ = tokio::time::timeout(options.connect_timeout, ready_rx).await;
@@ -237,7 +243,8 @@ impl PgStore {
                 audit,
                 timings: options.timings,
                 clock_offset: options.clock_offset,
-                changes,
+                wakes,
+                nonce,
                 kill_after_commit: options.kill_after_commit,
                 listener,
             }),
@@ -246,10 +253,6 @@ impl PgStore {
 
     fn offset(&self) -> i64 {
         self.inner.clock_offset.load(Ordering::SeqCst)
-    }
-
-    fn wake(&self) {
-        self.inner.changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// Closes the idle connections (tests use it after restarting the server).
@@ -281,8 +284,8 @@ impl PgStore {
         let sqls: Vec<(&str, bool)> = decision.writes.iter().map(|w| loaded.sql(w)).collect();
         let mut batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> =
             sqls.iter().zip(&params).map(|((sql, _), p)| (*sql, refs(p))).collect();
-        if decision.wake {
-            batch.push(("SELECT pg_notify($1, '')", vec![&CHANNEL]));
+        if decision.wake || !decision.wants.is_empty() {
+            batch.push(("SELECT pg_notify($1, $2)", vec![&CHANNEL, &self.inner.nonce]));
         }
         batch.push(("COMMIT", vec![]));
         let answers = tx.pipeline(&batch).await?;
@@ -300,7 +303,9 @@ impl PgStore {
         }
         conn.keep();
         if decision.wake {
-            self.wake();
+            self.inner.wakes.all();
+        } else {
+            self.inner.wakes.runs(decision.wants);
         }
         Ok(Ok(reply))
     }
@@ -479,8 +484,8 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
 
 /// The LISTEN connection: bumps `changes` on every notification, reconnects when it
 /// drops (bumping once, since a notification may have been missed meanwhile).
-async fn listen(config: Config, changes: Arc<watch::Sender<u64>>, ready: tokio::sync::oneshot::Sender<()>) {
-    let bump = || changes.send_modify(|n| *n = n.wrapping_add(1));
+async fn listen(config: Config, wakes: Arc<Wakes>, nonce: String, ready: tokio::sync::oneshot::Sender<()>) {
+    let bump = || wakes.all();
     let mut ready = Some(ready);
     let mut backoff = Duration::from_millis(50);
     loop {
@@ -504,7 +509,11 @@ async fn listen(config: Config, changes: Arc<watch::Sender<u64>>, ready: tokio::
                 }
                 loop {
                     match connection.poll_message(cx) {
-                        std::task::Poll::Ready(Some(Ok(tokio_postgres::AsyncMessage::Notification(_)))) => bump(),
+                        std::task::Poll::Ready(Some(Ok(tokio_postgres::AsyncMessage::Notification(n)))) => {
+                            if n.payload() != nonce {
+                                bump();
+                            }
+                        }
                         std::task::Poll::Ready(Some(Ok(_))) => {}
                         std::task::Poll::Ready(Some(Err(_)) | None) => return std::task::Poll::Ready(()),
                         std::task::Poll::Pending => return std::task::Poll::Pending,
@@ -815,6 +824,10 @@ impl Store for PgStore {
     }
 
     fn changes(&self) -> watch::Receiver<u64> {
-        self.inner.changes.subscribe()
+        self.inner.wakes.subscribe()
+    }
+
+    fn wakes_since(&self, seen: u64, now: u64) -> Option<Vec<crate::core::Want>> {
+        self.inner.wakes.since(seen, now)
     }
 }

@@ -33,7 +33,9 @@
 //! # Wake-ups
 //!
 //! [`Store::changes`] rises when a decision says work may have appeared
-//! ([`Decision::wake`](crate::core::Decision::wake)). Commits by *other* processes are
+//! ([`Decision::wake`](crate::core::Decision::wake) for every poll, or the runs a submit
+//! queued, [`Decision::wants`](crate::core::Decision::wants), for the polls of the
+//! sessions that take them: [`super::wakes`]). Commits by *other* processes are
 //! noticed through `PRAGMA data_version` on the write connection, checked every
 //! [`SqliteOptions::watch_tick`] between jobs: that is how a run submitted by the CLI
 //! wakes a long-poll in the server.
@@ -63,6 +65,7 @@ use super::records::{
     ATTEMPT_COLS, AUDIT_COLS, CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, EVENT_COLS, FIRE_COLS, LEASE_COLS,
     LOG_CHUNK_COLS, OFFER_COLS, OPERATOR_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
 };
+use super::wakes::Wakes;
 use super::{AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
@@ -110,7 +113,7 @@ impl std::fmt::Debug for SqliteStore {
 struct Inner {
     path: PathBuf,
     jobs: mpsc::Sender<Job>,
-    changes: Arc<watch::Sender<u64>>,
+    wakes: Arc<Wakes>,
 }
 
 /// Most jobs committed together.
@@ -135,10 +138,12 @@ struct Writer {
     conn: Connection,
     timings: Timings,
     clock_offset: Arc<AtomicI64>,
-    changes: Arc<watch::Sender<u64>>,
+    wakes: Arc<Wakes>,
     data_version: Option<i64>,
-    /// A decision of the open batch asked to wake long-polls; done after the commit.
+    /// A decision of the open batch asked to wake every long-poll; done after the commit.
     wake_pending: bool,
+    /// Runs the open batch queued, whose sessions' long-polls are woken after the commit.
+    wants_pending: Vec<crate::core::Want>,
 }
 
 fn sql(e: rusqlite::Error) -> StoreError {
@@ -172,16 +177,16 @@ impl SqliteStore {
         let path = path.as_ref().to_path_buf();
         let mut conn = schema::connect(&path, options.busy_timeout).map_err(sql)?;
         schema::migrate(&mut conn).map_err(sql)?;
-        let (changes, _) = watch::channel(0u64);
-        let changes = Arc::new(changes);
+        let wakes = Arc::new(Wakes::default());
         let (jobs, queue) = mpsc::channel::<Job>();
         let mut writer = Writer {
             conn,
             timings: options.timings,
             clock_offset: options.clock_offset,
-            changes: changes.clone(),
+            wakes: wakes.clone(),
             data_version: None,
             wake_pending: false,
+            wants_pending: Vec::new(),
         };
         writer.watch_foreign_commits();
         let tick = options.watch_tick.max(Duration::from_millis(1));
@@ -189,7 +194,7 @@ impl SqliteStore {
             .name("ql-sqlite-writer".to_owned())
             .spawn(move || writer.serve(queue, tick))
             .map_err(|e| StoreError(format!("starting the sqlite writer: {e}")))?;
-        Ok(Self { inner: Arc::new(Inner { path, jobs, changes }) })
+        Ok(Self { inner: Arc::new(Inner { path, jobs, wakes }) })
     }
 
     /// The database file.
@@ -273,6 +278,7 @@ impl Writer {
                 // The savepoint stack is in an unknown state: give the whole batch up.
                 let _ = self.conn.execute_batch("ROLLBACK");
                 self.wake_pending = false;
+                self.wants_pending.clear();
                 for a in answers.into_iter().chain(answer) {
                     (a.deliver)(Err(&e));
                 }
@@ -284,8 +290,11 @@ impl Writer {
         if committed.is_err() {
             let _ = self.conn.execute_batch("ROLLBACK");
         }
+        let wants = std::mem::take(&mut self.wants_pending);
         if committed.is_ok() && std::mem::take(&mut self.wake_pending) {
             self.wake();
+        } else if committed.is_ok() {
+            self.wakes.runs(wants);
         }
         self.wake_pending = false;
         for a in answers {
@@ -306,7 +315,7 @@ impl Writer {
     }
 
     fn wake(&self) {
-        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+        self.wakes.all();
     }
 
     fn offset(&self) -> i64 {
@@ -330,6 +339,7 @@ impl Writer {
             apply(conn, write).map_err(sql)?;
         }
         self.wake_pending |= decision.wake;
+        self.wants_pending.extend(decision.wants);
         Ok(Ok(reply))
     }
 }
@@ -607,7 +617,11 @@ impl Store for SqliteStore {
     }
 
     fn changes(&self) -> watch::Receiver<u64> {
-        self.inner.changes.subscribe()
+        self.inner.wakes.subscribe()
+    }
+
+    fn wakes_since(&self, seen: u64, now: u64) -> Option<Vec<crate::core::Want>> {
+        self.inner.wakes.since(seen, now)
     }
 }
 

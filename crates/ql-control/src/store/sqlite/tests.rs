@@ -527,9 +527,10 @@ fn writer(dir: &TempDir) -> Writer {
         conn: conn(dir),
         timings: Timings::default(),
         clock_offset: Arc::new(AtomicI64::new(0)),
-        changes: Arc::new(watch::channel(0).0),
+        wakes: Arc::default(),
         data_version: None,
         wake_pending: false,
+        wants_pending: Vec::new(),
     }
 }
 
