@@ -187,7 +187,9 @@ pub(super) fn cancel(rows: &Rows, now: Millis, ids: &mut IdGen) -> Decision {
                 now,
             ));
             writes.splice(0..0, [Write::Attempt(gone), Write::Run(ended)]);
-            Decision::apply(Reply::Cancelled(CancelOutcome::Cancelled), writes).waking()
+            // No wake-up: a cancel makes nothing placeable, and the session an offer was
+            // open for is its agent's, which claims (and learns) next, not a waiting poll.
+            Decision::apply(Reply::Cancelled(CancelOutcome::Cancelled), writes)
         }
         _ => {
             let stop = StopIntent::strongest(run.stop, Some(StopIntent::Cancel));

@@ -450,9 +450,10 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
 /// The offers long-poll: poll, and while nothing is offered and time remains, wait for
 /// the store's change counter (or the deadline) and poll again — unless every wake-up
 /// since was for runs this session does not take (what it takes came with the poll's
-/// answer), then wait on without asking the store. The counter is marked seen before
-/// each poll, so a change committed between the poll and the wait still wakes it; there
-/// is no busy loop.
+/// answer), then wait on without asking the store. At the deadline the last answer
+/// stands: whatever could have placed a run woke the wait. The counter is marked seen
+/// before each poll, so a change committed between the poll and the wait still wakes it;
+/// there is no busy loop.
 async fn poll<S: Store, B: BlobStore>(
     shared: &Shared<S, B>,
     worker: WorkerId,
@@ -478,10 +479,12 @@ async fn poll<S: Store, B: BlobStore>(
                     // The store is gone: nothing will wake us, so wait out the deadline.
                     if changed.is_err() {
                         sleep_until(deadline).await;
-                        break;
+                        return answer(result);
                     }
                 }
-                () = sleep_until(deadline) => break,
+                // Nothing that concerned this session happened: the answer stands (the
+                // poll kept the session alive for the whole wait when it began).
+                () = sleep_until(deadline) => return answer(result),
             }
             let now = *changes.borrow_and_update();
             let concerned = shared.store.wakes_since(seen, now).is_none_or(|wants| wants.iter().any(|w| fit.takes(w)));
