@@ -55,10 +55,14 @@ impl Fit {
     /// `labels`, the declared ones for `agent_labels`. A declared label never stands in
     /// for a trusted one.
     pub fn takes(&self, want: &Want) -> bool {
+        self.takes_labels(&want.labels, &want.agent_labels)
+    }
+
+    fn takes_labels(&self, labels: &BTreeMap<String, String>, agent_labels: &BTreeMap<String, String>) -> bool {
         let within = |wanted: &BTreeMap<String, String>, carried: &BTreeMap<String, String>| {
             wanted.iter().all(|(k, v)| carried.get(k) == Some(v))
         };
-        within(&want.labels, &self.trusted) && within(&want.agent_labels, &self.declared)
+        within(labels, &self.trusted) && within(agent_labels, &self.declared)
     }
 }
 
@@ -95,7 +99,7 @@ pub(super) fn poll(
         trusted: rows.worker.as_ref().filter(|w| &w.id == worker).map(|w| w.labels.clone()).unwrap_or_default(),
         declared: session.labels.clone(),
     };
-    let takes = |r: &Run| fit.takes(&Want { labels: r.labels.clone(), agent_labels: r.agent_labels.clone() });
+    let takes = |r: &Run| fit.takes_labels(&r.labels, &r.agent_labels);
     let free = session.capacity.saturating_sub(rows.active_attempts) as usize;
     let room = free.min(body.max as usize);
     if session.state == SessionState::Online {

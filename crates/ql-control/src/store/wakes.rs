@@ -75,7 +75,19 @@ impl Wakes {
         if seen.wrapping_add(1) < first {
             return None;
         }
-        recent.iter().filter(|(n, _)| *n > seen && *n <= now).map(|(_, want)| want.clone()).collect()
+        // From the newest back: a waiting poll is usually one wake-up behind, and every
+        // poll of the fleet asks after each one.
+        let mut wants: Option<Vec<Want>> = recent
+            .iter()
+            .rev()
+            .skip_while(|(n, _)| *n > now)
+            .take_while(|(n, _)| *n > seen)
+            .map(|(_, want)| want.clone())
+            .collect();
+        if let Some(wants) = wants.as_mut() {
+            wants.reverse();
+        }
+        wants
     }
 }
 
