@@ -12,10 +12,11 @@
 //! 1. takes the ends of processes and SIGTERM/SIGINT, without waiting;
 //! 2. makes sure there is a session (resuming the journal's with a heartbeat, else opening a
 //!    new one), unless draining;
-//! 3. asks the core for each job's next step and performs it;
-//! 4. long-polls for offers when capacity is free and the agent is not draining: a poll
+//! 3. heartbeats when no heartbeat or poll answer came for an interval (announcing a
+//!    drain at once), before the jobs' steps unless the last heartbeat failed;
+//! 4. asks the core for each job's next step and performs it;
+//! 5. long-polls for offers when capacity is free and the agent is not draining: a poll
 //!    keeps the session alive, so an idle agent sends one long-poll after another;
-//! 5. otherwise heartbeats when due (announcing a drain at once);
 //! 6. otherwise waits, racing a timer for the next due time against process ends and
 //!    signals.
 //!
