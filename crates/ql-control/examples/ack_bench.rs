@@ -36,7 +36,7 @@ use ql_wire::ids::{ArtifactId, Counter, WorkerId};
 use ql_wire::lease::Renewed;
 use ql_wire::offer::{Claimed, Offers, PollOffers};
 use ql_wire::route::{AttemptCommand, AttemptPath, Route};
-use ql_wire::session::{OpenSession, SessionOpened};
+use ql_wire::session::{CloseSession, OpenSession, SessionClosed, SessionOpened};
 use ql_wire::time::Timestamp;
 use ql_wire::{decode, Fence};
 
@@ -149,6 +149,9 @@ fn client(a: &Args, index: usize) -> Vec<Duration> {
             let _: CompletionReply = post(&agent, url, &at(AttemptCommand::Completion), &done);
         });
     }
+    // A clean exit, as the agent's: the next round's client of this worker opens at once.
+    let close = CloseSession { generation: session.generation };
+    let _: SessionClosed = post(&agent, url, &Route::CloseSession(worker, session.session_id.clone()), &close);
     times
 }
 

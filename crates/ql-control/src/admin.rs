@@ -129,8 +129,12 @@ macro_rules! either {
 }
 
 impl Store for Authority {
-    async fn execute(&self, cmd: Command) -> Result<Result<Reply, ql_wire::ErrorCode>, StoreError> {
-        either!(self, s => s.execute(cmd))
+    async fn execute_audited(
+        &self,
+        cmd: Command,
+        audit: Option<crate::store::Audit>,
+    ) -> Result<Result<Reply, ql_wire::ErrorCode>, StoreError> {
+        either!(self, s => s.execute_audited(cmd, audit))
     }
     async fn audit(&self, record: crate::model::AuditRecord) -> Result<(), StoreError> {
         either!(self, s => s.audit(record))

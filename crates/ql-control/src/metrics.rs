@@ -273,14 +273,18 @@ impl<S> Measured<S> {
 }
 
 impl<S: Store> Store for Measured<S> {
-    async fn execute(&self, cmd: Command) -> Result<Result<Reply, ql_wire::ErrorCode>, StoreError> {
+    async fn execute_audited(
+        &self,
+        cmd: Command,
+        audit: Option<crate::store::Audit>,
+    ) -> Result<Result<Reply, ql_wire::ErrorCode>, StoreError> {
         let started = Instant::now();
         let name = cmd.name();
         let sent = match &cmd {
             Command::DeliveryDone(_, _, sent, _) => Some(sent.is_ok()),
             _ => None,
         };
-        let reply = self.inner.execute(cmd).await;
+        let reply = self.inner.execute_audited(cmd, audit).await;
         self.metrics.command(name, sent, started.elapsed(), &reply);
         reply
     }

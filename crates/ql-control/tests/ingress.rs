@@ -1603,7 +1603,8 @@ fn a_revoked_worker_is_refused_on_its_open_connection_and_another_finishes_its_r
     let revoked = server.rt.block_on(server.store.execute(Command::SetAccess(wid("router-1"), Access::Revoke)));
     assert!(matches!(revoked, Ok(Ok(Reply::AccessChanged(c))) if c.sessions == 1 && c.attempts == 1));
     let after_revoke = server.snapshot();
-    // The next request on the connection opened before is refused before its body.
+    // The next request on the connection opened before is refused: its body, sent with
+    // its head, is used for nothing, and the connection ends.
     let answer = w1.post(&job.route(AttemptCommand::RenewLease), &job.fence);
     assert_eq!(answer.error(), ErrorCode::CertificateRevoked);
     assert_eq!(server.stats().connections(), connections, "refused on the connection it already had");
@@ -1622,6 +1623,15 @@ fn a_revoked_worker_is_refused_on_its_open_connection_and_another_finishes_its_r
     };
     let again = server.client("router-1").post(&Route::OpenSession(wid("router-1")), &body);
     assert_eq!(again.error(), ErrorCode::CertificateRevoked);
+    // One that waits to be asked for its body is refused before it is asked.
+    let mut raw = server.raw("router-1");
+    let head = ["content-type: application/json", "content-length: 2", "expect: 100-continue"];
+    raw.head("POST", &Route::OpenSession(wid("router-1")).path(), &head).unwrap();
+    let response = raw.response().unwrap();
+    assert_eq!(response.error(), ErrorCode::CertificateRevoked);
+    assert!(response.interim.is_empty(), "refused before 100 Continue");
+    assert!(response.closes());
+    assert_eq!(server.snapshot().sessions, refused.sessions, "no session opened");
 
     let lost = &after_revoke.attempts[0];
     assert_eq!((lost.status, lost.error_code.as_deref()), (AttemptStatus::Lost, Some(WORKER_REVOKED)));

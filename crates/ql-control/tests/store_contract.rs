@@ -186,6 +186,7 @@ contract_suite!(
         operator_reads_are_ordered_and_bounded,
         audit_records_are_pruned_by_age_and_count,
         twin_refusals_are_counted_from_the_audit_records,
+        an_audited_command_commits_its_admission_with_its_decision,
         a_failed_write_rolls_back_the_whole_command,
         racing_claims_and_polls_admit_exactly_one,
     ]

@@ -164,11 +164,15 @@ async fn renew<S: Store, B: BlobStore>(
         route: "certificate.renew".into(),
         outcome: "admitted".into(),
     };
-    match shared.store.admit(record, serial.clone()).await {
+    match shared.store.admit(record.clone(), serial.clone()).await {
         Ok(None) => {}
         // Recorded by the admission itself.
         Ok(Some(code)) => return Answer::refuse_and_close(code).unaudited(),
         Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
+    }
+    // A renewal is rare: its admission goes on record by itself, before the body.
+    if shared.store.audit(record).await.is_err() {
+        return Answer::refuse_and_close(ErrorCode::Unavailable);
     }
     let bytes = match body(shared, req).await {
         Ok(bytes) => bytes,

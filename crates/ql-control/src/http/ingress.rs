@@ -2,13 +2,15 @@
 //!
 //! Everything that can refuse a request without its body runs before the body is first
 //! polled, in this order: authentication (the connection's principal), the route, the
-//! binding of the path's worker to the principal, the durable audit record, and the
-//! framing headers. A request refused before its admission leaves one audit record with
-//! the refusal's code; one admitted and then refused (framing, a fence, a twin's open)
-//! leaves `admitted` and then its code. hyper sends `100 Continue` only when the body is first polled, so an
-//! agent that sends `Expect: 100-continue` learns of every one of these refusals before it
-//! sends a single body byte. A refusal before the body ends the connection
-//! (`Connection: close`): the unread body must never be taken for the next request.
+//! binding of the path's worker to the principal, the admission (a disabled worker, a
+//! revoked certificate: [`super::trail`] says when it is decided and how it goes on
+//! record), and the framing headers. A request refused before its admission leaves one
+//! audit record with the refusal's code; one admitted and then refused (framing, a fence,
+//! a twin's open) leaves `admitted` and then its code. hyper sends `100 Continue` only
+//! when the body is first polled, so an agent that sends `Expect: 100-continue` learns of
+//! every one of these refusals before it sends a single body byte. A refusal before the
+//! body ends the connection (`Connection: close`): the unread body must never be taken
+//! for the next request; so does a refused admission.
 //!
 //! The artifact route then reads the body only as far as the frame header — polling it
 //! there is what releases `100 Continue` — and asks the store to re-check the fence in
@@ -31,7 +33,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CACHE_CONTROL, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::header::{HeaderValue, CACHE_CONTROL, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, EXPECT};
 use hyper::{Request, Response, StatusCode};
 use tokio::time::{sleep_until, timeout, Instant};
 use zeroize::Zeroizing;
@@ -48,6 +50,7 @@ use ql_wire::route::{AttemptCommand, AttemptPath, Route, JSON_MEDIA_TYPE};
 use ql_wire::session::{CloseSession, Heartbeat, OpenSession};
 use ql_wire::{Body, ErrorBody, ErrorCode, Fence, Outcome};
 
+use super::trail::Trail;
 use super::{framing, log, IngressConfig, IngressStats};
 use crate::blob::{ArtifactKey, BlobStore, PutOutcome, Upload as _};
 use crate::core::{Command, Reply};
@@ -226,34 +229,50 @@ async fn handle<S: Store, B: BlobStore>(
         audit_refusal(shared, Some(principal), name, ErrorCode::PrincipalMismatch).await;
         return Answer::refuse_and_close(ErrorCode::PrincipalMismatch);
     }
-    // The admission must be on record before any body byte is read; without the record,
-    // no admission. It is decided per request, so a certificate revoked (or a worker
-    // disabled) while a connection is open is refused on that connection's next request.
+    // The admission is decided per request, so a certificate revoked (or a worker
+    // disabled) while a connection is open is refused on that connection's next request:
+    // before the body is asked for, or, for a small JSON body the client sent unasked,
+    // with the command in one transaction ([`Trail`]). A refusal is on record at once; an
+    // admission goes on record with the request's first command.
     let record =
         AuditRecord { at: 0, principal: Some(principal.clone()), route: name.to_owned(), outcome: "admitted".into() };
-    match shared.store.admit(record, serial).await {
-        Ok(None) => {}
-        Ok(Some(code)) => return Answer::refuse_and_close(code),
-        Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
-    }
-    let length = match framing::check(&route, req.headers()) {
-        Ok(length) => length,
-        Err(code) => {
-            audit_refusal(shared, Some(principal), name, code).await;
-            return Answer::refuse_and_close(code);
+    let framed = matches!(route, Route::Artifact(..) | Route::LogAppend(_));
+    let trail = if framed || req.headers().contains_key(EXPECT) {
+        match shared.store.admit(record.clone(), serial).await {
+            Ok(None) => Trail::admitted(shared.store.clone(), record),
+            Ok(Some(code)) => return Answer::refuse_and_close(code),
+            Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
+        }
+    } else {
+        Trail::deferred(shared.store.clone(), record, serial)
+    };
+    let mut answer = match framing::check(&route, req.headers()) {
+        Err(code) => Answer::refuse_and_close(code),
+        Ok(length) => {
+            let body = req.into_body();
+            let fault = fault::on_request(route.name());
+            match route {
+                Route::Artifact(path, artifact) => {
+                    put_artifact(shared, &trail, path, artifact, length, body, (fault, reset)).await
+                }
+                Route::LogAppend(path) => log::append(shared, &trail, path, length, body, (fault, reset)).await,
+                route => json_route(shared, &trail, route, length, body, (fault, reset)).await,
+            }
         }
     };
-    let body = req.into_body();
-    let fault = fault::on_request(route.name());
-    let answer = match route {
-        Route::Artifact(path, artifact) => put_artifact(shared, path, artifact, length, body, (fault, reset)).await,
-        Route::LogAppend(path) => log::append(shared, path, length, body, (fault, reset)).await,
-        route => json_route(shared, route, length, body, (fault, reset)).await,
-    };
-    // An admitted request refused after all (a fence, a replay's conflict, a twin's open)
-    // gets a second record: its outcome.
-    if let Some(code) = answer.code {
-        audit_refusal(shared, Some(principal), name, code).await;
+    // A request refused before its first command is admitted (or refused) now.
+    match trail.settle().await {
+        Ok(None) => {}
+        Ok(Some(code)) => answer = Answer::refuse_and_close(code),
+        Err(_) => answer = Answer::refuse_and_close(ErrorCode::Unavailable),
+    }
+    if answer.code.is_some_and(super::trail::is_admission_refusal) {
+        answer = answer.closing();
+    }
+    // An admitted request refused after all (framing, a fence, a replay's conflict, a
+    // twin's open) gets a second record: its outcome.
+    if !trail.finish(answer.code).await {
+        shared.stats.audit_failures.fetch_add(1, Ordering::Relaxed);
     }
     answer
 }
@@ -356,6 +375,7 @@ fn decode<T: Body>(bytes: &[u8]) -> Result<T, Answer> {
 
 async fn json_route<S: Store, B: BlobStore>(
     shared: &Arc<Shared<S, B>>,
+    trail: &Trail<S>,
     route: Route,
     length: u64,
     mut body: Incoming,
@@ -370,7 +390,7 @@ async fn json_route<S: Store, B: BlobStore>(
         Some(Fault::Reset) => injected.1.fire().await,
         _ => {}
     }
-    let answer = match json_command(shared, route, &bytes).await {
+    let answer = match json_command(shared, trail, route, &bytes).await {
         Ok(answer) | Err(answer) => answer,
     };
     after_commit(injected).await;
@@ -379,6 +399,7 @@ async fn json_route<S: Store, B: BlobStore>(
 
 async fn json_command<S: Store, B: BlobStore>(
     shared: &Arc<Shared<S, B>>,
+    trail: &Trail<S>,
     route: Route,
     bytes: &[u8],
 ) -> Result<Answer, Answer> {
@@ -387,7 +408,7 @@ async fn json_command<S: Store, B: BlobStore>(
         Route::Heartbeat(worker, session) => Command::Heartbeat(worker, session, decode::<Heartbeat>(bytes)?),
         Route::CloseSession(worker, session) => Command::CloseSession(worker, session, decode::<CloseSession>(bytes)?),
         Route::PollOffers(worker, session) => {
-            return Ok(poll(shared, worker, session, decode::<PollOffers>(bytes)?).await);
+            return Ok(poll(shared, trail, worker, session, decode::<PollOffers>(bytes)?).await);
         }
         Route::Claim(worker, session, offer) => Command::Claim(worker, session, offer, decode::<Claim>(bytes)?),
         Route::Attempt(path, AttemptCommand::Starting) => Command::Starting(path, decode::<Fence>(bytes)?),
@@ -398,13 +419,15 @@ async fn json_command<S: Store, B: BlobStore>(
         Route::Attempt(path, AttemptCommand::RenewLease) => Command::Renew(path, decode::<Fence>(bytes)?),
         Route::Attempt(path, AttemptCommand::Abandon) => Command::Abandon(path, decode::<Abandon>(bytes)?),
         Route::Attempt(path, AttemptCommand::Completion) => {
-            return Ok(complete(shared, path, decode::<Completion>(bytes)?).await);
+            return Ok(complete(shared, trail, path, decode::<Completion>(bytes)?).await);
         }
-        Route::Seal(path, artifact) => return Ok(log::seal(shared, path, artifact, decode::<Seal>(bytes)?).await),
+        Route::Seal(path, artifact) => {
+            return Ok(log::seal(shared, trail, path, artifact, decode::<Seal>(bytes)?).await);
+        }
         // Dispatched before the body is read; never reaches here.
         Route::Artifact(..) | Route::LogAppend(_) => return Err(Answer::refuse(ErrorCode::NotFound)),
     };
-    Ok(answer(shared.store.execute(command).await))
+    Ok(answer(trail.execute(command).await))
 }
 
 /// The wire answer to a store outcome.
@@ -456,6 +479,7 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
 /// there is no busy loop.
 async fn poll<S: Store, B: BlobStore>(
     shared: &Shared<S, B>,
+    trail: &Trail<S>,
     worker: WorkerId,
     session: SessionId,
     body: PollOffers,
@@ -465,7 +489,7 @@ async fn poll<S: Store, B: BlobStore>(
     let mut changes = shared.store.changes();
     let mut seen = *changes.borrow_and_update();
     loop {
-        let result = shared.store.execute(Command::PollOffers(worker.clone(), session.clone(), body.clone())).await;
+        let result = trail.execute(Command::PollOffers(worker.clone(), session.clone(), body.clone())).await;
         let fit = match &result {
             Ok(Ok(Reply::Offers(o, fit))) if o.offers.is_empty() => fit.as_ref().clone(),
             _ => return answer(result),
@@ -499,7 +523,12 @@ async fn poll<S: Store, B: BlobStore>(
 /// Completion: re-inspect the stored artifact (ADR-0117 §3) before the transaction, so
 /// the decision compares the receipt with what the store holds, not with what the worker
 /// says it holds.
-async fn complete<S: Store, B: BlobStore>(shared: &Shared<S, B>, path: AttemptPath, body: Completion) -> Answer {
+async fn complete<S: Store, B: BlobStore>(
+    shared: &Shared<S, B>,
+    trail: &Trail<S>,
+    path: AttemptPath,
+    body: Completion,
+) -> Answer {
     let stored = match &body.artifact {
         None => None,
         Some(receipt) => {
@@ -526,7 +555,7 @@ async fn complete<S: Store, B: BlobStore>(shared: &Shared<S, B>, path: AttemptPa
             }
         }
     };
-    answer(shared.store.execute(Command::Complete(path, body, stored)).await)
+    answer(trail.execute(Command::Complete(path, body, stored)).await)
 }
 
 /// A decoder for a framed body of `length` bytes (a body over the route's cap is `413`,
@@ -576,6 +605,7 @@ async fn read_header<H: FrameHeader>(
 /// The artifact upload of ADR-0117: header, fence, then content. See the module doc.
 async fn put_artifact<S: Store, B: BlobStore>(
     shared: &Shared<S, B>,
+    trail: &Trail<S>,
     path: AttemptPath,
     artifact: ArtifactId,
     length: u64,
@@ -595,7 +625,7 @@ async fn put_artifact<S: Store, B: BlobStore>(
     // 2. The fence, re-checked under the store's transaction; the database is released
     //    before any content moves.
     let (content_length, truncated) = (header.content_length, header.truncated);
-    let admitted = shared.store.execute(Command::AdmitArtifact(path.clone(), artifact.clone(), header.clone())).await;
+    let admitted = trail.execute(Command::AdmitArtifact(path.clone(), artifact.clone(), header.clone())).await;
     let project = match admitted {
         Ok(Ok(Reply::ArtifactAdmitted(project))) => project,
         Ok(Ok(_)) | Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),

@@ -33,6 +33,7 @@ use ql_wire::route::AttemptPath;
 use ql_wire::{ErrorCode, Outcome};
 
 use super::ingress::{after_commit, answer, next_data, open_frame, Answer, BodyClock, Injected, Shared};
+use super::trail::Trail;
 use crate::blob::{ArtifactKey, BlobStore, PutOutcome, Upload as _};
 use crate::core::{same_bytes, ChunkPlan, Command, Reply};
 use crate::fault::Fault;
@@ -42,6 +43,7 @@ use crate::store::Store;
 /// `log:append`. See the module doc.
 pub(super) async fn append<S: Store, B: BlobStore>(
     shared: &Shared<S, B>,
+    trail: &Trail<S>,
     path: AttemptPath,
     length: u64,
     mut body: Incoming,
@@ -55,7 +57,7 @@ pub(super) async fn append<S: Store, B: BlobStore>(
         Ok(opened) => opened,
         Err(answer) => return answer,
     };
-    let admitted = shared.store.execute(Command::AdmitLogChunk(path.clone(), header.clone())).await;
+    let admitted = trail.execute(Command::AdmitLogChunk(path.clone(), header.clone())).await;
     let admitted = match admitted {
         Ok(Ok(Reply::ChunkAdmitted(admitted))) => admitted,
         Ok(Ok(Reply::LogOffsetConflict(acked))) => return Answer::log_conflict(acked).closing(),
@@ -155,12 +157,13 @@ pub(super) struct Sealing(Mutex<HashMap<ArtifactKey, watch::Receiver<Composed>>>
 /// `artifacts/{id}:seal`. See the module doc.
 pub(super) async fn seal<S: Store, B: BlobStore>(
     shared: &Arc<Shared<S, B>>,
+    trail: &Trail<S>,
     path: AttemptPath,
     artifact: ArtifactId,
     body: Seal,
 ) -> Answer {
     let (length, truncated) = (body.content_length, body.truncated);
-    let project = match shared.store.execute(Command::SealLog(path.clone(), artifact.clone(), body)).await {
+    let project = match trail.execute(Command::SealLog(path.clone(), artifact.clone(), body)).await {
         Ok(Ok(Reply::SealAdmitted(project))) => project,
         other => return answer(other),
     };

@@ -40,6 +40,7 @@ mod ingress;
 mod log;
 mod report;
 pub mod tls;
+mod trail;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;

@@ -148,18 +148,44 @@ pub struct AuditRetention {
     pub max_records: Option<u64>,
 }
 
+/// The audit of the request a command answers ([`Store::execute_audited`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Audit {
+    /// The request's `admitted` record.
+    pub record: AuditRecord,
+    /// The serial of the certificate the request presented, when its admission is decided
+    /// here, in the command's transaction ([`crate::core::admission`]). Refused, the
+    /// command does not run: the refusal is recorded (alone) and returned.
+    pub admit: Option<String>,
+}
+
 /// An authority store. Cheap to clone handles are expected (`Arc` inside).
 pub trait Store: Clone + Send + Sync + 'static {
     /// Runs one command in one transaction (see the module doc).
-    fn execute(&self, cmd: Command) -> impl Future<Output = Result<Result<Reply, ErrorCode>, StoreError>> + Send;
+    fn execute(&self, cmd: Command) -> impl Future<Output = Result<Result<Reply, ErrorCode>, StoreError>> + Send {
+        self.execute_audited(cmd, None)
+    }
+
+    /// Runs one command as [`Store::execute`] does, and with it, in the same atomic unit,
+    /// the audit of the request that carries it (when given, see [`Audit`]): the request's
+    /// admission if it is still to be decided, its `admitted` record, and a record of the
+    /// decision's refusal code if it refuses. The audit is durable with the decision,
+    /// never after it, and one commit carries both. A [`StoreError`] keeps neither.
+    fn execute_audited(
+        &self,
+        cmd: Command,
+        audit: Option<Audit>,
+    ) -> impl Future<Output = Result<Result<Reply, ErrorCode>, StoreError>> + Send;
 
     /// Appends a security audit record (its `at` is filled with DB time).
     fn audit(&self, record: AuditRecord) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Admits a request of `record.principal` presenting the certificate `serial`, or
-    /// refuses it ([`crate::core::admission`]: a disabled worker, a revoked certificate),
-    /// and records the outcome in the same step: `admitted`, or the refusal's code, which
-    /// is returned.
+    /// Decides whether a request of `record.principal` presenting the certificate `serial`
+    /// is admitted ([`crate::core::admission`]: not when its worker is disabled or the
+    /// certificate revoked) and returns the refusal's code if not. A refusal is recorded
+    /// in the same step; an admission writes nothing: its `admitted` record goes on record
+    /// with the request's first command ([`Store::execute_audited`]), so an admitted
+    /// request costs one commit, not two.
     fn admit(
         &self,
         record: AuditRecord,

@@ -8,13 +8,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use ql_control::core::{
-    CancelOutcome, Command, Reply, EXECUTION_CANCELLED, EXECUTION_FAILED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED,
-    LEASE_LOST, OFFER_EXPIRED, WORKER_LOST,
+    Access, CancelOutcome, Command, Reply, EXECUTION_CANCELLED, EXECUTION_FAILED, EXECUTION_TIMED_OUT,
+    EXECUTOR_START_FAILED, LEASE_LOST, OFFER_EXPIRED, WORKER_LOST,
 };
 use ql_control::model::{
     AttemptStatus, AuditRecord, EndKind, LeaseState, OfferState, RunStatus, SessionState, REMOTE_WORKER,
 };
-use ql_control::store::{AuditRetention, Store};
+use ql_control::store::{Audit, AuditRetention, Store};
 use ql_wire::ack::Running;
 use ql_wire::artifact::{ArtifactHeader, ArtifactSchema, Receipt};
 use ql_wire::capability::{Digest, Token};
@@ -1061,6 +1061,44 @@ pub async fn a_repeated_open_replaces_a_session_never_heard_from<B: Backend>(b: 
     heartbeat(&store, &again, false).await.unwrap();
     let twin = Command::OpenSession(worker("router-1"), open_body(1, &[]));
     refused(&store, twin, ErrorCode::SessionConflict, "once it spoke, a second open is a twin's").await;
+}
+
+/// A request's `admitted` record commits with its command: both or neither. A refused
+/// command keeps the record and adds its refusal's, and changes nothing else. An
+/// admission decided in the command's transaction that refuses runs no command and
+/// records the refusal alone.
+pub async fn an_audited_command_commits_its_admission_with_its_decision<B: Backend>(b: B) {
+    let store = b.store();
+    let agent = open(&store, "router-1").await;
+    assert!(store.audits().await.unwrap().is_empty(), "a command without a record writes none");
+    let rec = AuditRecord {
+        at: 0,
+        principal: Some(worker("router-1")),
+        route: "session.heartbeat".into(),
+        outcome: "admitted".into(),
+    };
+    let audit = |admit: Option<&str>| Some(Audit { record: rec.clone(), admit: admit.map(str::to_owned) });
+    let beat = ql_wire::session::Heartbeat { generation: agent.generation, draining: false };
+    let command = |session: &SessionId| Command::Heartbeat(worker("router-1"), session.clone(), beat.clone());
+    let answered = store.execute_audited(command(&agent.session), audit(None)).await.unwrap();
+    assert!(matches!(answered, Ok(Reply::Heartbeat(_))), "{answered:?}");
+    let answered = store.execute_audited(command(&agent.session), audit(Some("0a"))).await.unwrap();
+    assert!(matches!(answered, Ok(Reply::Heartbeat(_))), "admitted in the transaction: {answered:?}");
+    let before = store.snapshot().await.unwrap();
+    let missing = SessionId::parse("ses_missing").unwrap();
+    let refused = store.execute_audited(command(&missing), audit(Some("0a"))).await.unwrap();
+    assert_eq!(refused, Err(ErrorCode::NotFound));
+    assert_eq!(store.snapshot().await.unwrap(), before, "the refusal changed no state");
+    let outcomes = || async { store.audits().await.unwrap().into_iter().map(|a| a.outcome).collect::<Vec<_>>() };
+    assert_eq!(outcomes().await, ["admitted", "admitted", "admitted", "not_found"], "each admission, then the refusal");
+
+    exec(&store, Command::SetAccess(worker("router-1"), Access::Disable)).await.unwrap();
+    let before = store.snapshot().await.unwrap();
+    let turned_away = store.execute_audited(command(&agent.session), audit(Some("0a"))).await.unwrap();
+    assert_eq!(turned_away, Err(ErrorCode::WorkerDisabled));
+    assert_eq!(store.snapshot().await.unwrap(), before, "the command did not run");
+    assert_eq!(outcomes().await.last().map(String::as_str), Some("worker_disabled"));
+    assert_eq!(outcomes().await.len(), 5, "the refusal alone");
 }
 
 /// `workers` counts the session opens refused as a twin's from the audit records, per

@@ -7,8 +7,9 @@
 //! worker session, run and attempt, run lease — see [`load`]); then DB time, read with a
 //! statement of its own issued *after* the last lock, so it is the `statement_timestamp()`
 //! of a moment every lock was held; then the shared pure [`core::decide`] (no decision
-//! logic lives here); then the decision's rows and events, in order; then COMMIT. A
-//! refusal rolls back (it carries no writes). Any SQL error — a constraint, a lost
+//! logic lives here); then the decision's rows and events, in order, with the request's
+//! audit record when it has one ([`Store::execute_audited`]); then COMMIT. A refusal
+//! rolls back (it carries no writes), or commits only its request's audit records. Any SQL error — a constraint, a lost
 //! connection, a failed COMMIT — closes the connection, which makes the server roll the
 //! transaction back, and becomes a [`StoreError`] (`503 unavailable`: safe to repeat).
 //!
@@ -70,7 +71,7 @@ use super::records::{
     LOG_CHUNK_COLS, OFFERS, OPERATORS, RUNS, SCHEDULES, SESSIONS, WORKERS,
 };
 use super::wakes::Wakes;
-use super::{AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
+use super::{Audit, AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
 use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
@@ -260,17 +261,48 @@ impl PgStore {
         self.inner.pool.clear();
     }
 
-    async fn execute_once(&self, cmd: &Command) -> Result<Result<Reply, ErrorCode>, Error> {
+    async fn execute_once(&self, cmd: &Command, audit: Option<&Audit>) -> Result<Result<Reply, ErrorCode>, Error> {
         let mut conn = self.inner.pool.get().await?;
         let offset = self.offset();
+        if let Some(Audit { record, admit: Some(serial) }) = audit {
+            // The admission, on the connection the command then runs on: a plain read.
+            if let Some(code) = refusal(&conn, record, serial, offset).await? {
+                let stmt = conn.prepare(AUDIT_SQL).await?;
+                let principal = record.principal.as_ref().map(|p| p.as_str());
+                conn.client()
+                    .execute(&stmt, &[&offset, &principal, &record.route, &code.as_str()])
+                    .await
+                    .map_err(Error::Pg)?;
+                conn.keep();
+                return Ok(Err(code));
+            }
+        }
+        let audit = audit.map(|a| &a.record);
         let mut tx = Tx { conn: &mut conn };
         let (rows, now) = load::load(&mut tx, &cmd.keys(), offset, &self.inner.timings).await?;
         let decision = core::decide(cmd, &rows, now, &self.inner.timings, &mut IdGen::random());
+        let principal = audit.and_then(|a| a.principal.as_ref()).map(|p| p.as_str());
+        let route = audit.map(|a| a.route.as_str());
+        let outcome = audit.map(|a| a.outcome.as_str());
+        let admitted: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = match audit {
+            Some(_) => vec![(AUDIT_SQL, vec![&offset, &principal, &route, &outcome])],
+            None => Vec::new(),
+        };
         let reply = match decision.reply {
             Ok(reply) => reply,
-            Err(code) => {
+            Err(code) if audit.is_none() => {
                 // A refusal carries no writes by contract; nothing is applied either way.
                 tx.finish("ROLLBACK").await?;
+                conn.keep();
+                return Ok(Err(code));
+            }
+            Err(code) => {
+                // Only the request's audit records: the admission and the refusal.
+                let refused = Some(code.as_str());
+                let mut batch = admitted;
+                batch.push((AUDIT_SQL, vec![&offset, &principal, &route, &refused]));
+                batch.push(("COMMIT", vec![]));
+                tx.pipeline(&batch).await?;
                 conn.keep();
                 return Ok(Err(code));
             }
@@ -282,8 +314,9 @@ impl PgStore {
         let params = decision.writes.iter().map(write_params).collect::<Result<Vec<_>, _>>()?;
         let loaded = Loaded::of(&rows);
         let sqls: Vec<(&str, bool)> = decision.writes.iter().map(|w| loaded.sql(w)).collect();
-        let mut batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> =
-            sqls.iter().zip(&params).map(|((sql, _), p)| (*sql, refs(p))).collect();
+        let mut batch = admitted;
+        let audited = batch.len();
+        batch.extend(sqls.iter().zip(&params).map(|((sql, _), p)| (*sql, refs(p))));
         if decision.wake || !decision.wants.is_empty() {
             batch.push(("SELECT pg_notify($1, $2)", vec![&CHANNEL, &self.inner.nonce]));
         }
@@ -292,7 +325,7 @@ impl PgStore {
         // An UPDATE of a loaded row that found none would be a lost write. It cannot
         // happen (the row was locked and nothing deletes), but if it did the COMMIT has
         // already run: fail loudly rather than answer as if it had been written.
-        if sqls.iter().zip(&answers).any(|((_, update), rows)| *update && rows.len() != 1) {
+        if sqls.iter().zip(&answers[audited..]).any(|((_, update), rows)| *update && rows.len() != 1) {
             return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));
         }
         if self.inner.kill_after_commit.as_ref().is_some_and(|hook| hook(cmd)) {
@@ -568,13 +601,57 @@ fn map_all<T>(rows: Vec<Row>, f: fn(&Row) -> Result<T, Error>) -> Result<Vec<T>,
     rows.iter().map(f).collect()
 }
 
+/// Appends an audit record stamped with DB time: `$1` the clock offset, then principal,
+/// route and outcome.
+const AUDIT_SQL: &str = "INSERT INTO audit (at, principal, route, outcome) VALUES \
+     ((floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint, $2, $3, $4)";
+
+/// Whether the request `record` is of, presenting the certificate `serial`, is refused
+/// ([`core::admission`]). Reads only what the worker-ingress role may: the worker's
+/// switches and the certificate's record.
+async fn refusal(
+    conn: &pool::Conn,
+    record: &AuditRecord,
+    serial: &str,
+    offset: i64,
+) -> Result<Option<ErrorCode>, Error> {
+    const STATE: &str = "SELECT w.disabled_at, w.revoked_at, c.worker, c.issued_at, c.not_after, c.revoked_at, \
+         (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $3::bigint \
+         FROM (SELECT 1) one LEFT JOIN workers w ON w.id = $1 LEFT JOIN certificates c ON c.serial = $2";
+    let Some(p) = &record.principal else {
+        return Ok(Some(ErrorCode::Unauthenticated));
+    };
+    let row = conn.client().query_one(STATE, &[&p.as_str(), &serial, &offset]).await.map_err(Error::Pg)?;
+    let (disabled_at, revoked_at): (Option<i64>, Option<i64>) = (row.get(0), row.get(1));
+    let worker = (disabled_at.is_some() || revoked_at.is_some()).then(|| Worker {
+        disabled_at,
+        revoked_at,
+        ..Worker::new(p.clone(), 0)
+    });
+    let cert = match row.get::<_, Option<String>>(2) {
+        None => None,
+        Some(w) => Some(Certificate {
+            serial: serial.to_owned(),
+            worker: WorkerId::parse(w.as_str()).map_err(|e| Error::Corrupt(e.to_string()))?,
+            issued_at: row.get(3),
+            not_after: row.get(4),
+            revoked_at: row.get(5),
+        }),
+    };
+    Ok(core::admission(p, worker.as_ref(), cert.as_ref(), row.get(6)).err())
+}
+
 /// How many times a command is run again when cancel saw its run change under it.
 const RETRIES: usize = 8;
 
 impl Store for PgStore {
-    async fn execute(&self, cmd: Command) -> Result<Result<Reply, ErrorCode>, StoreError> {
+    async fn execute_audited(
+        &self,
+        cmd: Command,
+        audit: Option<Audit>,
+    ) -> Result<Result<Reply, ErrorCode>, StoreError> {
         for _ in 0..RETRIES {
-            match self.execute_once(&cmd).await {
+            match self.execute_once(&cmd, audit.as_ref()).await {
                 Err(Error::Retry) => continue,
                 other => return other.map_err(StoreError::from),
             }
@@ -583,11 +660,9 @@ impl Store for PgStore {
     }
 
     async fn audit(&self, record: AuditRecord) -> Result<(), StoreError> {
-        const SQL: &str = "INSERT INTO audit (at, principal, route, outcome) VALUES \
-             ((floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint, $2, $3, $4)";
         let pool = self.inner.audit.as_ref().unwrap_or(&self.inner.pool);
         let mut conn = pool.get().await?;
-        let stmt = conn.prepare(SQL).await?;
+        let stmt = conn.prepare(AUDIT_SQL).await?;
         let principal = record.principal.as_ref().map(|p| p.as_str());
         conn.client()
             .execute(&stmt, &[&self.offset(), &principal, &record.route, &record.outcome])
@@ -598,46 +673,17 @@ impl Store for PgStore {
     }
 
     async fn admit(&self, record: AuditRecord, serial: String) -> Result<Option<ErrorCode>, StoreError> {
-        // Only what the worker-ingress role may read: the worker's switches and the
-        // certificate's record.
-        const STATE: &str = "SELECT w.disabled_at, w.revoked_at, c.worker, c.issued_at, c.not_after, c.revoked_at, \
-             (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $3::bigint \
-             FROM (SELECT 1) one LEFT JOIN workers w ON w.id = $1 LEFT JOIN certificates c ON c.serial = $2";
-        const SQL: &str = "INSERT INTO audit (at, principal, route, outcome) VALUES \
-             ((floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint, $2, $3, $4)";
         let pool = self.inner.audit.as_ref().unwrap_or(&self.inner.pool);
         let mut conn = pool.get().await?;
-        let refused = match &record.principal {
-            None => Some(ErrorCode::Unauthenticated),
-            Some(p) => {
-                let row =
-                    conn.client().query_one(STATE, &[&p.as_str(), &serial, &self.offset()]).await.map_err(Error::Pg)?;
-                let (disabled_at, revoked_at): (Option<i64>, Option<i64>) = (row.get(0), row.get(1));
-                let worker = (disabled_at.is_some() || revoked_at.is_some()).then(|| Worker {
-                    disabled_at,
-                    revoked_at,
-                    ..Worker::new(p.clone(), 0)
-                });
-                let cert = match row.get::<_, Option<String>>(2) {
-                    None => None,
-                    Some(w) => Some(Certificate {
-                        serial: serial.clone(),
-                        worker: WorkerId::parse(w.as_str()).map_err(|e| Error::Corrupt(e.to_string()))?,
-                        issued_at: row.get(3),
-                        not_after: row.get(4),
-                        revoked_at: row.get(5),
-                    }),
-                };
-                core::admission(p, worker.as_ref(), cert.as_ref(), row.get(6)).err()
-            }
-        };
-        let outcome = refused.map_or_else(|| "admitted".to_owned(), |c| c.as_str().to_owned());
-        let stmt = conn.prepare(SQL).await?;
-        let principal = record.principal.as_ref().map(|p| p.as_str());
-        conn.client()
-            .execute(&stmt, &[&self.offset(), &principal, &record.route, &outcome])
-            .await
-            .map_err(Error::Pg)?;
+        let refused = refusal(&conn, &record, &serial, self.offset()).await?;
+        if let Some(code) = refused {
+            let stmt = conn.prepare(AUDIT_SQL).await?;
+            let principal = record.principal.as_ref().map(|p| p.as_str());
+            conn.client()
+                .execute(&stmt, &[&self.offset(), &principal, &record.route, &code.as_str()])
+                .await
+                .map_err(Error::Pg)?;
+        }
         conn.keep();
         Ok(refused)
     }

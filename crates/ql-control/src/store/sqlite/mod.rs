@@ -14,7 +14,9 @@
 //! [`Keys`](crate::core::Keys), reads DB time *after* loading, calls [`core::decide`], and
 //! writes the decision's rows and events in order. A refusal carries no writes; any SQL
 //! error rolls back to the savepoint and becomes a [`StoreError`]: a command's state and
-//! events change together or not at all.
+//! events change together or not at all. A request's audit records
+//! ([`Store::execute_audited`]) are written under the same savepoint, so they commit with
+//! the decision they precede.
 //!
 //! The writer takes every job already queued (up to [`BATCH_MAX`]) into one
 //! `BEGIN IMMEDIATE` transaction (taking the file's write lock up front, so no other
@@ -66,7 +68,7 @@ use super::records::{
     LOG_CHUNK_COLS, OFFER_COLS, OPERATOR_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
 };
 use super::wakes::Wakes;
-use super::{AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
+use super::{Audit, AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
 
@@ -318,6 +320,24 @@ impl Writer {
         self.wakes.all();
     }
 
+    /// Whether the request `record` is of, presenting the certificate `serial`, is
+    /// refused ([`core::admission`]).
+    fn admission(&self, record: &AuditRecord, serial: &str) -> Result<Option<ErrorCode>, StoreError> {
+        let Some(principal) = &record.principal else {
+            return Ok(Some(ErrorCode::Unauthenticated));
+        };
+        let worker = load::worker(&self.conn, principal).map_err(sql)?;
+        let cert = load::certificate(&self.conn, serial).map_err(sql)?;
+        let now = schema::db_now(&self.conn, self.offset()).map_err(sql)?;
+        Ok(core::admission(principal, worker.as_ref(), cert.as_ref(), now).err())
+    }
+
+    /// Appends an audit record stamped with DB time.
+    fn record(&self, record: AuditRecord) -> Result<(), StoreError> {
+        let at = schema::db_now(&self.conn, self.offset()).map_err(sql)?;
+        rows::write(&self.conn, &AuditRecord { at, ..record }).map_err(sql)
+    }
+
     fn offset(&self) -> i64 {
         self.clock_offset.load(Ordering::SeqCst)
     }
@@ -446,33 +466,39 @@ fn run_detail(tx: &Connection, id: &RunId) -> rusqlite::Result<Option<RunDetail>
 }
 
 impl Store for SqliteStore {
-    async fn execute(&self, cmd: Command) -> Result<Result<Reply, ErrorCode>, StoreError> {
-        self.call(move |w| w.execute(&cmd)).await
-    }
-
-    async fn audit(&self, record: AuditRecord) -> Result<(), StoreError> {
+    async fn execute_audited(
+        &self,
+        cmd: Command,
+        audit: Option<Audit>,
+    ) -> Result<Result<Reply, ErrorCode>, StoreError> {
         self.call(move |w| {
-            let at = schema::db_now(&w.conn, w.offset()).map_err(sql)?;
-            rows::write(&w.conn, &AuditRecord { at, ..record }).map_err(sql)
+            let Some(Audit { record, admit }) = audit else {
+                return w.execute(&cmd);
+            };
+            if let Some(code) = admit.map(|serial| w.admission(&record, &serial)).transpose()?.flatten() {
+                w.record(AuditRecord { outcome: code.as_str().to_owned(), ..record })?;
+                return Ok(Err(code));
+            }
+            w.record(record.clone())?;
+            let result = w.execute(&cmd)?;
+            if let Err(code) = &result {
+                w.record(AuditRecord { outcome: code.as_str().to_owned(), ..record })?;
+            }
+            Ok(result)
         })
         .await
     }
 
+    async fn audit(&self, record: AuditRecord) -> Result<(), StoreError> {
+        self.call(move |w| w.record(record)).await
+    }
+
     async fn admit(&self, record: AuditRecord, serial: String) -> Result<Option<ErrorCode>, StoreError> {
         self.call(move |w| {
-            let principal = record.principal.clone();
-            let refused = match &principal {
-                None => Some(ErrorCode::Unauthenticated),
-                Some(p) => {
-                    let worker = load::worker(&w.conn, p).map_err(sql)?;
-                    let cert = load::certificate(&w.conn, &serial).map_err(sql)?;
-                    let now = schema::db_now(&w.conn, w.offset()).map_err(sql)?;
-                    core::admission(p, worker.as_ref(), cert.as_ref(), now).err()
-                }
-            };
-            let outcome = refused.map_or_else(|| "admitted".to_owned(), |c| c.as_str().to_owned());
-            let at = schema::db_now(&w.conn, w.offset()).map_err(sql)?;
-            rows::write(&w.conn, &AuditRecord { at, outcome, ..record }).map_err(sql)?;
+            let refused = w.admission(&record, &serial)?;
+            if let Some(code) = refused {
+                w.record(AuditRecord { outcome: code.as_str().to_owned(), ..record })?;
+            }
             Ok(refused)
         })
         .await
