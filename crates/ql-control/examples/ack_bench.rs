@@ -4,7 +4,8 @@
 //! Each client is its own enrolled worker. It loops: poll, claim, then the fenced
 //! commands that ADR-0109 and ADR-0117 make one short transaction each — `starting`,
 //! `running`, `--renewals` lease renewals and the completion — and times every one of
-//! those. It prints ACK transactions per second and p50/p99 latency. Run by
+//! those. It prints ACK transactions per second (from the moment every client has its
+//! connection and session to the last one's end) and p50/p99 latency. Run by
 //! `bench/control.sh`, which starts the server and reports its memory too.
 //!
 //! Usage: `ack_bench --dir STATE --url https://127.0.0.1:PORT --clients N --cycles K`
@@ -94,7 +95,7 @@ fn enrolled_agent(dir: &std::path::Path, worker: &WorkerId) -> (ureq::Agent, ql_
 }
 
 /// One client's loop; returns the latency of each fenced ACK transaction.
-fn client(a: &Args, index: usize) -> Vec<Duration> {
+fn client(a: &Args, index: usize, ready: &std::sync::Barrier) -> Vec<Duration> {
     let worker = WorkerId::parse(format!("bench-{index}")).unwrap();
     let agent = agent(&a.dir, &worker);
     let url = a.url.as_str();
@@ -105,6 +106,7 @@ fn client(a: &Args, index: usize) -> Vec<Duration> {
         capacity: 1,
     };
     let session: SessionOpened = post(&agent, url, &Route::OpenSession(worker.clone()), &open);
+    ready.wait();
     let mut times = Vec::with_capacity(a.cycles * (a.renewals + 3));
     let mut timed = |f: &mut dyn FnMut()| {
         let t = Instant::now();
@@ -278,17 +280,21 @@ fn main() {
         up.log_limit = 64 * 1024 * 1024;
         queue(&up).expect("submit upload run");
     }
-    let start = Instant::now();
-    let mut all: Vec<Duration> = std::thread::scope(|s| {
+    // The clock starts once every client has its connection and session: the figure is
+    // the steady rate, not the handshakes and enrolments before it.
+    let ready = std::sync::Barrier::new(a.clients + 1);
+    let (mut all, wall): (Vec<Duration>, f64) = std::thread::scope(|s| {
         let handles: Vec<_> = (0..a.clients)
             .map(|i| {
-                let a = &a;
-                s.spawn(move || client(a, i))
+                let (a, ready) = (&a, &ready);
+                s.spawn(move || client(a, i, ready))
             })
             .collect();
-        handles.into_iter().flat_map(|h| h.join().expect("client thread")).collect()
+        ready.wait();
+        let start = Instant::now();
+        let all = handles.into_iter().flat_map(|h| h.join().expect("client thread")).collect();
+        (all, start.elapsed().as_secs_f64())
     });
-    let wall = start.elapsed().as_secs_f64();
     all.sort();
     if !all.is_empty() {
         println!(

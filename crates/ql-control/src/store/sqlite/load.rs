@@ -9,8 +9,9 @@ use rusqlite::{Connection, OptionalExtension, Row};
 
 use ql_wire::ids::{AttemptId, OfferId, RunId, SessionId, WorkerId};
 
+use super::queue::Queue;
 use super::rows;
-use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
+use crate::core::{Fit, Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
 use crate::model::{
     Attempt, Certificate, Delivery, Enrolment, Event, Lease, Millis, Offer, Run, Schedule, Session, Worker,
 };
@@ -177,28 +178,6 @@ fn worker_sessions(conn: &Connection, worker: &WorkerId) -> rusqlite::Result<Vec
     conn.prepare_cached(&sql)?.query_map([worker.as_str()], rows::read)?.collect()
 }
 
-/// Queued runs the worker fits, oldest first: its trusted labels cover the run's
-/// `labels`, the session's declared ones its `agent_labels`. Filtering here keeps runs
-/// no session can take from starving younger ones beyond the batch.
-fn queued_for(conn: &Connection, session: &Session, trusted: Option<&Worker>) -> rusqlite::Result<Vec<Run>> {
-    let json = |labels| serde_json::to_string(labels).map_err(|e| rusqlite::Error::ToSqlConversionFailure(e.into()));
-    let declared = json(&session.labels)?;
-    let trusted = json(&trusted.map(|w| w.labels.clone()).unwrap_or_default())?;
-    let covered = |wanted: &str, carried: &str| {
-        format!(
-            "NOT EXISTS (SELECT 1 FROM json_each({wanted}) want WHERE NOT EXISTS ( \
-                 SELECT 1 FROM json_each({carried}) have WHERE have.key = want.key AND have.value = want.value))"
-        )
-    };
-    let sql = format!(
-        "SELECT {RUN_COLS} FROM runs r WHERE r.status = 'queued' AND {} AND {} \
-         ORDER BY r.created_at, r.id LIMIT ?3",
-        covered("r.labels", "?1"),
-        covered("r.agent_labels", "?2"),
-    );
-    conn.prepare_cached(&sql)?.query_map((trusted, declared, PLACEMENT_BATCH as i64), rows::read)?.collect()
-}
-
 fn open_offers(conn: &Connection, session: &SessionId) -> rusqlite::Result<Vec<Offer>> {
     let sql =
         format!("SELECT {OFFER_COLS} FROM offers WHERE session_id = ?1 AND state = 'open' ORDER BY expires_at, id");
@@ -290,6 +269,7 @@ pub(super) fn load(
     conn: &Connection,
     keys: &Keys,
     timings: &Timings,
+    queue: &mut Queue,
     sweep_now: impl FnOnce() -> rusqlite::Result<Millis>,
 ) -> rusqlite::Result<Rows> {
     let mut rows = Rows::default();
@@ -344,8 +324,9 @@ pub(super) fn load(
     if keys.placement {
         if let Some(s) = rows.session.clone() {
             // The session's own worker, whatever the keys named.
-            let trusted = rows.worker.clone().filter(|w| w.id == s.worker);
-            rows.queued = queued_for(conn, &s, trusted.as_ref())?;
+            let trusted = rows.worker.as_ref().filter(|w| w.id == s.worker).map(|w| w.labels.clone());
+            let fit = Fit { trusted: trusted.unwrap_or_default(), declared: s.labels.clone() };
+            rows.queued = queue.fitting(conn, &fit, PLACEMENT_BATCH)?;
             rows.open_offers = open_offers(conn, &s.id)?;
             rows.active_attempts = active_attempts(conn, &s.id)?;
         }

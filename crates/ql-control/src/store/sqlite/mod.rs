@@ -48,6 +48,7 @@
 //! The offset is zero in production; tests move time forward with it instead of sleeping.
 
 mod load;
+mod queue;
 mod rows;
 mod schema;
 
@@ -146,6 +147,8 @@ struct Writer {
     wake_pending: bool,
     /// Runs the open batch queued, whose sessions' long-polls are woken after the commit.
     wants_pending: Vec<crate::core::Want>,
+    /// Queued runs' labels, for placement ([`queue`]).
+    queue: queue::Queue,
 }
 
 fn sql(e: rusqlite::Error) -> StoreError {
@@ -189,6 +192,7 @@ impl SqliteStore {
             data_version: None,
             wake_pending: false,
             wants_pending: Vec::new(),
+            queue: queue::Queue::default(),
         };
         writer.watch_foreign_commits();
         let tick = options.watch_tick.max(Duration::from_millis(1));
@@ -258,7 +262,7 @@ impl Writer {
 
     /// Runs `batch` in one transaction, each job under its own savepoint, then answers.
     fn run_batch(&mut self, batch: Vec<Job>) {
-        if let Err(e) = self.conn.execute_batch("BEGIN IMMEDIATE").map_err(sql) {
+        if let Err(e) = self.control("BEGIN IMMEDIATE") {
             for job in batch {
                 (job(Err(&e)).deliver)(Err(&e));
             }
@@ -266,19 +270,24 @@ impl Writer {
         }
         let mut answers = Vec::with_capacity(batch.len());
         for job in batch {
-            if let Err(e) = self.conn.execute_batch("SAVEPOINT job").map_err(sql) {
+            if let Err(e) = self.control("SAVEPOINT job") {
                 answers.push(job(Err(&e)));
                 continue;
             }
+            self.queue.mark();
             // A panic in a decision is a bug, but it must not take the authority down: its
             // savepoint rolls back, its caller gets a StoreError from the dropped oneshot,
             // and the batch goes on.
             let answer = catch_unwind(AssertUnwindSafe(|| job(Ok(&mut *self)))).ok();
             let keep = answer.as_ref().is_some_and(|a| a.keep);
-            let end = if keep { "RELEASE job" } else { "ROLLBACK TO job; RELEASE job" };
-            if let Err(e) = self.conn.execute_batch(end).map_err(sql) {
+            if !keep {
+                self.queue.rolled_back();
+            }
+            let end = if keep { Ok(()) } else { self.control("ROLLBACK TO job") };
+            if let Err(e) = end.and_then(|()| self.control("RELEASE job")) {
                 // The savepoint stack is in an unknown state: give the whole batch up.
                 let _ = self.conn.execute_batch("ROLLBACK");
+                self.queue.drop_all();
                 self.wake_pending = false;
                 self.wants_pending.clear();
                 for a in answers.into_iter().chain(answer) {
@@ -288,9 +297,10 @@ impl Writer {
             }
             answers.extend(answer);
         }
-        let committed = self.conn.execute_batch("COMMIT").map_err(sql);
+        let committed = self.control("COMMIT");
         if committed.is_err() {
             let _ = self.conn.execute_batch("ROLLBACK");
+            self.queue.drop_all();
         }
         let wants = std::mem::take(&mut self.wants_pending);
         if committed.is_ok() && std::mem::take(&mut self.wake_pending) {
@@ -302,6 +312,12 @@ impl Writer {
         for a in answers {
             (a.deliver)(committed.as_ref().map(|_| ()));
         }
+    }
+
+    /// Runs a transaction-control statement, prepared once: parsing them anew for every
+    /// job was a measurable share of the writer's time.
+    fn control(&self, statement: &str) -> Result<(), StoreError> {
+        self.conn.prepare_cached(statement).and_then(|mut s| s.execute([])).map(drop).map_err(sql)
     }
 
     /// `data_version` changes when another connection (another process) commits; this
@@ -346,7 +362,8 @@ impl Writer {
     fn execute(&mut self, cmd: &Command) -> Result<Result<Reply, ErrorCode>, StoreError> {
         let offset = self.offset();
         let conn = &self.conn;
-        let rows = load::load(conn, &cmd.keys(), &self.timings, || schema::db_now(conn, offset)).map_err(sql)?;
+        let rows = load::load(conn, &cmd.keys(), &self.timings, &mut self.queue, || schema::db_now(conn, offset))
+            .map_err(sql)?;
         // DB time after every row is loaded (and, with BEGIN IMMEDIATE, after the lock).
         let now = schema::db_now(conn, offset).map_err(sql)?;
         let decision = core::decide(cmd, &rows, now, &self.timings, &mut IdGen::random());
@@ -357,6 +374,9 @@ impl Writer {
         };
         for write in &decision.writes {
             apply(conn, write).map_err(sql)?;
+            if let Write::Run(run) = write {
+                self.queue.note(run);
+            }
         }
         self.wake_pending |= decision.wake;
         self.wants_pending.extend(decision.wants);

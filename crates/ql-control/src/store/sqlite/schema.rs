@@ -32,6 +32,9 @@ pub(super) const MIGRATIONS: &[&str] = &[
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
 /// Opens (creating with mode 0600 if absent) and configures one connection.
+/// Prepared statements kept per connection.
+const STATEMENT_CACHE: usize = 256;
+
 pub(super) fn connect(path: &Path, busy_timeout: Duration) -> rusqlite::Result<Connection> {
     // SQLite would create the file with the process umask; the database holds token
     // digests and run specs (which may carry secrets in env), so only the owner reads it.
@@ -53,6 +56,9 @@ pub(super) fn connect(path: &Path, busy_timeout: Duration) -> rusqlite::Result<C
     let conn = Connection::open_with_flags(path, flags)?;
     // Before anything else: another process (the operator CLI) may hold the write lock.
     conn.busy_timeout(busy_timeout)?;
+    // Every statement the writer runs stays prepared: rusqlite's default of 16 is fewer
+    // than one command's loads and writes, so they were parsed again and again.
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     let mode: String = conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(rusqlite::Error::SqliteFailure(

@@ -531,6 +531,7 @@ fn writer(dir: &TempDir) -> Writer {
         data_version: None,
         wake_pending: false,
         wants_pending: Vec::new(),
+        queue: queue::Queue::default(),
     }
 }
 
@@ -581,4 +582,57 @@ fn when_the_batch_cannot_begin_every_job_answers_the_error_and_nothing_runs() {
     assert!(answers.iter().all(|a| a.as_ref().unwrap_err().contains("sqlite")), "{answers:?}");
     other.execute_batch("ROLLBACK").unwrap();
     assert_eq!(audit_rows(&w), 0);
+}
+
+#[test]
+fn the_index_of_queued_runs_follows_commits_rollbacks_and_other_processes() {
+    let dir = TempDir::new("queue");
+    let mut w = writer(&dir);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let queued = Run {
+        status: RunStatus::Queued,
+        labels: BTreeMap::new(),
+        agent_labels: labels(),
+        current_attempt: None,
+        schedule: None,
+        ..full_run()
+    };
+    let fitting = |w: &mut Writer, fit: crate::core::Fit| {
+        let runs = w.queue.fitting(&w.conn, &fit, 10).map_err(sql)?;
+        Ok(runs.into_iter().map(|r| r.id).collect::<Vec<_>>())
+    };
+    let fit = crate::core::Fit { trusted: BTreeMap::new(), declared: labels() };
+    let (all, others) = (fit.clone(), crate::core::Fit::default());
+    // Read while empty, then a run queued through the writer is found at once.
+    let note = |run: Run| {
+        move |w: &mut Writer| {
+            apply(&w.conn, &Write::Run(run.clone())).map_err(sql)?;
+            w.queue.note(&run);
+            Ok(Vec::new())
+        }
+    };
+    w.run_batch(vec![job(move |w| fitting(w, all), tx.clone()), job(note(queued.clone()), tx.clone())]);
+    let (fit_a, fit_b) = (fit.clone(), fit.clone());
+    w.run_batch(vec![job(move |w| fitting(w, fit_a), tx.clone()), job(move |w| fitting(w, others), tx.clone())]);
+    let answers: Vec<Vec<RunId>> = rx.try_iter().map(Result::unwrap).collect();
+    assert_eq!(answers[2], vec![queued.id.clone()], "queued and committed: indexed");
+    assert!(answers[3].is_empty(), "a session without the label does not take it");
+
+    // A job that took it out of the queue and then failed leaves it queued.
+    let taken = Run { status: RunStatus::Cancelled, ..queued.clone() };
+    let failing = move |w: &mut Writer| -> Result<Vec<RunId>, StoreError> {
+        apply(&w.conn, &Write::Run(taken.clone())).map_err(sql)?;
+        w.queue.note(&taken);
+        Err(StoreError("the decision failed after writing".into()))
+    };
+    w.run_batch(vec![job(failing, tx.clone()), job(move |w| fitting(w, fit_b), tx.clone())]);
+    let answers: Vec<Result<Vec<RunId>, String>> = rx.try_iter().collect();
+    assert_eq!(answers[1].as_ref().unwrap(), &vec![queued.id.clone()], "rolled back: still queued");
+
+    // Another process queues one (the CLI's submit): the next placement finds it.
+    let theirs = Run { id: RunId::parse("run_2").unwrap(), created_at: 2_000, ..queued.clone() };
+    rows::write(&conn(&dir), &theirs).unwrap();
+    w.run_batch(vec![job(move |w| fitting(w, fit), tx.clone())]);
+    let found = rx.try_iter().next().unwrap().unwrap();
+    assert_eq!(found, vec![queued.id.clone(), theirs.id], "another process's commit is seen, in placement order");
 }
