@@ -9,6 +9,7 @@
 #   bench/control.sh            # prints the figures and the commands behind them
 #   BIN=/path/ql-control ACK_BENCH=/path/ack_bench bench/control.sh   # other builds
 #   PROFILE=1 bench/control.sh  # also where the server's CPU went in each round (perf)
+#   SET='{"commit_window_us": 0}' bench/control.sh   # with other settings
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${BIN:-target/release/ql-control}
@@ -22,10 +23,12 @@ trap 'kill -TERM "${server:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm
 "$bin" init --dir "$work" --host 127.0.0.1 >/dev/null
 # 64 clients connect at once from one address: more than the per-address handshake cap
 # that protects a real server.
-python3 - "$work/control.json" <<'PY'
+# SET='{"commit_window_us": 0}' changes any other setting of control.json.
+python3 - "$work/control.json" "${SET:-{\}}" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))
 c["max_handshakes_per_ip"] = c["max_handshakes"]
+c.update(json.loads(sys.argv[2]))
 json.dump(c, open(sys.argv[1], "w"), indent=2)
 PY
 "$bin" serve --dir "$work" --listen 127.0.0.1:0 --operator-listen 127.0.0.1:0 >"$work/serve.out" 2>"$work/serve.err" &

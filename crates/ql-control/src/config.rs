@@ -77,6 +77,9 @@ pub struct Config {
     pub session_takeover_after_ms: u64,
     /// How often the server notices work submitted by another process.
     pub change_poll_ms: u64,
+    /// SQLite group commit: how long, in microseconds, a batch of commands may wait for
+    /// more while callers are concurrent (0, the default: commit what is queued at once).
+    pub commit_window_us: u64,
     /// Longest wait for the next piece of a request body.
     pub read_timeout_ms: u64,
     /// A request head must be complete this long after its first byte.
@@ -153,6 +156,7 @@ impl Default for Config {
             outage_grace_after_ms: t.outage_after_ms,
             session_takeover_after_ms: t.takeover_after_ms,
             change_poll_ms: 250,
+            commit_window_us: 0,
             read_timeout_ms: 60_000,
             header_timeout_ms: 10_000,
             idle_timeout_ms: 300_000,

@@ -215,6 +215,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                     timings: config.timings(),
                     clock_offset: Arc::new(AtomicI64::new(0)),
                     watch_tick: Duration::from_millis(config.change_poll_ms),
+                    commit_window: Duration::from_micros(config.commit_window_us),
                     ..SqliteOptions::default()
                 };
                 let store = SqliteStore::open_with_options(layout.database(), options).map_err(|e| e.to_string())?;

@@ -87,6 +87,12 @@ pub struct SqliteOptions {
     pub watch_tick: Duration,
     /// How long to wait for another process's write lock before failing (default 5 s).
     pub busy_timeout: Duration,
+    /// Group commit: once the last batch held several jobs (concurrent callers), how long
+    /// a new batch may wait for as many before it commits. Zero (the default) commits what
+    /// is queued at once: a slow fsync gathers the next batch by itself. A window trades
+    /// latency for fewer syncs where each costs more than its time (a volume billed or
+    /// capped by IOPS). A lone caller never waits.
+    pub commit_window: Duration,
 }
 
 impl Default for SqliteOptions {
@@ -96,6 +102,7 @@ impl Default for SqliteOptions {
             clock_offset: Arc::new(AtomicI64::new(0)),
             watch_tick: Duration::from_millis(250),
             busy_timeout: Duration::from_secs(5),
+            commit_window: Duration::ZERO,
         }
     }
 }
@@ -149,6 +156,10 @@ struct Writer {
     wants_pending: Vec<crate::core::Want>,
     /// Queued runs' labels, for placement ([`queue`]).
     queue: queue::Queue,
+    /// See [`SqliteOptions::commit_window`].
+    commit_window: Duration,
+    /// Jobs in the last batch: how many callers a new batch waits for.
+    last_batch: usize,
 }
 
 fn sql(e: rusqlite::Error) -> StoreError {
@@ -193,6 +204,8 @@ impl SqliteStore {
             wake_pending: false,
             wants_pending: Vec::new(),
             queue: queue::Queue::default(),
+            commit_window: options.commit_window,
+            last_batch: 0,
         };
         writer.watch_foreign_commits();
         let tick = options.watch_tick.max(Duration::from_millis(1));
@@ -241,13 +254,8 @@ impl Writer {
         loop {
             match queue.recv_timeout(tick) {
                 Ok(first) => {
-                    let mut batch = vec![first];
-                    while batch.len() < BATCH_MAX {
-                        match queue.try_recv() {
-                            Ok(job) => batch.push(job),
-                            Err(_) => break,
-                        }
-                    }
+                    let batch = self.gather(&queue, first);
+                    self.last_batch = batch.len();
                     self.run_batch(batch);
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -258,6 +266,32 @@ impl Writer {
                 checked = Instant::now();
             }
         }
+    }
+
+    /// The batch that begins with `first`: every job already queued, and while the last
+    /// batch showed concurrent callers, those that arrive within the commit window until
+    /// there are as many as last time. Their commands share one fsync; a disk that syncs
+    /// fast would otherwise commit each cohort of callers in several small pieces.
+    fn gather(&self, queue: &mpsc::Receiver<Job>, first: Job) -> Vec<Job> {
+        let mut batch = vec![first];
+        let deadline = Instant::now() + self.commit_window;
+        while batch.len() < BATCH_MAX {
+            match queue.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(mpsc::TryRecvError::Disconnected) => break,
+                Err(mpsc::TryRecvError::Empty) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if self.last_batch < 2 || batch.len() >= self.last_batch || left.is_zero() {
+                        break;
+                    }
+                    match queue.recv_timeout(left) {
+                        Ok(job) => batch.push(job),
+                        Err(_) => break,
+                    }
+                }
+            }
+        }
+        batch
     }
 
     /// Runs `batch` in one transaction, each job under its own savepoint, then answers.

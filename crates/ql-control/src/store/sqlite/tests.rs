@@ -532,6 +532,8 @@ fn writer(dir: &TempDir) -> Writer {
         wake_pending: false,
         wants_pending: Vec::new(),
         queue: queue::Queue::default(),
+        commit_window: Duration::ZERO,
+        last_batch: 0,
     }
 }
 
@@ -635,4 +637,31 @@ fn the_index_of_queued_runs_follows_commits_rollbacks_and_other_processes() {
     w.run_batch(vec![job(move |w| fitting(w, fit), tx.clone())]);
     let found = rx.try_iter().next().unwrap().unwrap();
     assert_eq!(found, vec![queued.id.clone(), theirs.id], "another process's commit is seen, in placement order");
+}
+
+#[test]
+fn a_batch_waits_in_its_window_only_for_concurrent_callers() {
+    let dir = TempDir::new("window");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let noop = |w: &mut Writer| -> Result<(), StoreError> { w.control("SELECT 1") };
+    let mut w = Writer { commit_window: Duration::from_secs(3600), ..writer(&dir) };
+    let (jobs, queue) = mpsc::channel::<Job>();
+    // A lone caller (the last batch held one job): committed at once, the window unused.
+    w.last_batch = 1;
+    assert_eq!(w.gather(&queue, job(noop, tx.clone())).len(), 1);
+    // After a batch of two, a batch waits for a second caller, however late it comes.
+    w.last_batch = 2;
+    let late = std::thread::spawn({
+        let (jobs, tx) = (jobs.clone(), tx.clone());
+        move || jobs.send(job(noop, tx)).map_err(drop)
+    });
+    assert_eq!(w.gather(&queue, job(noop, tx.clone())).len(), 2);
+    late.join().unwrap().unwrap();
+    // What is queued already joins without waiting, up to the batch's bound.
+    for _ in 0..BATCH_MAX + 1 {
+        jobs.send(job(noop, tx.clone())).unwrap();
+    }
+    let first = queue.recv().unwrap();
+    assert_eq!(w.gather(&queue, first).len(), BATCH_MAX);
+    drop(rx);
 }
