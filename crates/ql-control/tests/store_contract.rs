@@ -183,6 +183,7 @@ contract_suite!(
         no_raw_token_reaches_the_database,
         changes_wake_on_new_work_here_and_elsewhere,
         a_submit_wakes_only_the_polls_that_take_its_run,
+        a_requeue_wakes_only_the_polls_that_take_its_run,
         operator_reads_are_ordered_and_bounded,
         audit_records_are_pruned_by_age_and_count,
         twin_refusals_are_counted_from_the_audit_records,

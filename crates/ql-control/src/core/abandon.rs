@@ -37,14 +37,14 @@ pub(super) fn abandon(
     live(&held, &fence, now, false)?;
     let summary = body.reason.to_string();
     let writes = lost_lease(held.lease, held.run, held.attempt, WORKER_LOST, Some(&summary), now, ids);
-    Ok(Decision::apply(Reply::Ack(AckReply { result: Outcome::Abandoned }), writes).waking())
+    Ok(Decision::apply(Reply::Ack(AckReply { result: Outcome::Abandoned }), writes).waking_for_queued())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::core::testkit::*;
-    use crate::core::Write;
+    use crate::core::{Want, Write};
     use crate::model::{LeaseState, RunStatus};
     use ql_wire::text::Reason;
 
@@ -65,9 +65,10 @@ mod tests {
         let rows = world(AttemptStatus::Running);
         let d = abandon(&path(&rows), &body(&rows), &rows, NOW, &mut ids()).unwrap();
         assert_eq!(d.reply, Ok(Reply::Ack(AckReply { result: Outcome::Abandoned })));
-        assert!(d.wake);
         let run = d.writes.iter().find_map(|w| if let Write::Run(r) = w { Some(r) } else { None }).unwrap();
         assert_eq!((run.status, run.retries_used), (RunStatus::Queued, 1));
+        let want = Want { labels: run.labels.clone(), agent_labels: run.agent_labels.clone() };
+        assert_eq!((d.wake, d.wants.clone()), (false, vec![want]), "the polls that take the run look again");
         let attempt = d.writes.iter().find_map(|w| if let Write::Attempt(a) = w { Some(a) } else { None }).unwrap();
         assert_eq!((attempt.status, attempt.error_code.as_deref()), (AttemptStatus::Lost, Some(WORKER_LOST)));
         assert_eq!(attempt.summary.as_deref(), Some("gone after a restart"));

@@ -412,7 +412,7 @@ pub struct Decision {
     /// Whether every waiting long-poll should look again.
     pub wake: bool,
     /// Runs queued for which only the long-polls of sessions that take them should look
-    /// again (a submit): a wake-up that concerns a few sessions, not the fleet.
+    /// again (a submit, a re-queue, a fire): a wake-up that concerns a few sessions, not the fleet.
     pub wants: Vec<Want>,
 }
 
@@ -434,6 +434,19 @@ impl Decision {
 
     fn waking(mut self) -> Self {
         self.wake = true;
+        self
+    }
+
+    /// Wakes the long-polls of the sessions that take a run this decision leaves queued
+    /// (a re-queue by a sweep or an abandon, a schedule's fire), and no other.
+    fn waking_for_queued(mut self) -> Self {
+        for write in &self.writes {
+            if let Write::Run(run) = write {
+                if run.status == crate::model::RunStatus::Queued {
+                    self.wants.push(Want { labels: run.labels.clone(), agent_labels: run.agent_labels.clone() });
+                }
+            }
+        }
         self
     }
 

@@ -217,12 +217,7 @@ pub(super) fn fire_due(rows: &Rows, now: Millis, missed_after_ms: u64, ids: &mut
         writes.push(Write::Schedule(next_schedule));
         fired += 1;
     }
-    let d = Decision::apply(Reply::Fired(fired), writes);
-    if fired > 0 {
-        d.waking()
-    } else {
-        d
-    }
+    Decision::apply(Reply::Fired(fired), writes).waking_for_queued()
 }
 
 impl FromStr for crate::model::Overlap {

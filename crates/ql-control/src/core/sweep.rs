@@ -58,12 +58,7 @@ pub(super) fn sweep(lapsed: &Lapsed, now: Millis, ids: &mut IdGen) -> Decision {
         }
     }
     writes.push(Write::Alive(now));
-    let d = Decision::apply(Reply::Swept(changed), writes);
-    if changed > 0 {
-        d.waking()
-    } else {
-        d
-    }
+    Decision::apply(Reply::Swept(changed), writes).waking_for_queued()
 }
 
 /// An expired lease: the attempt is lost; the run follows its stop intent, else is
@@ -188,7 +183,7 @@ fn ended(run: &Run, status: RunStatus, code: &str, now: Millis) -> Run {
 mod tests {
     use super::*;
     use crate::core::testkit::*;
-    use crate::core::{Lapsed, Rows};
+    use crate::core::{Lapsed, Rows, Want};
 
     fn swept(lapsed: &Lapsed) -> Decision {
         sweep(lapsed, NOW, &mut ids())
@@ -218,7 +213,8 @@ mod tests {
             |w| matches!(w, Write::Attempt(a) if a.status == AttemptStatus::Lost && a.end == Some(EndKind::LeaseLost))
         ));
         assert_eq!(event_kinds(&d), ["attempt.lost", "run.queued"]);
-        assert!(d.wake);
+        assert!(!d.wake, "not every waiting poll");
+        assert_eq!(d.wants, [Want { labels: run.labels.clone(), agent_labels: run.agent_labels.clone() }]);
     }
 
     #[test]

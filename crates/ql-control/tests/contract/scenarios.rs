@@ -1015,6 +1015,28 @@ pub async fn a_submit_wakes_only_the_polls_that_take_its_run<B: Backend>(b: B) {
     assert_eq!(store.wakes_since(now, later), None, "another process's commit: every poll looks again");
 }
 
+/// A run a sweep puts back in the queue wakes only the polls of the sessions that take
+/// it, as a submit does.
+pub async fn a_requeue_wakes_only_the_polls_that_take_its_run<B: Backend>(b: B) {
+    use ql_control::core::Want;
+    let store = b.store();
+    let site = BTreeMap::from([("site".to_owned(), "attic".to_owned())]);
+    let run = submit_with(&store, LONG_TIMEOUT_MS, 1, BTreeMap::new(), site.clone()).await;
+    let agent = open_with(&store, "router-1", 1, &[("site", "attic")]).await;
+    let offer = poll(&store, &agent).await.remove(0);
+    let held = claim(&store, &agent, &offer).await;
+    to_starting(&store, &held).await;
+    let mut rx = store.changes();
+    let seen = *rx.borrow_and_update();
+    b.advance(b.timings().lease_ttl_ms as i64 + 1_000);
+    assert_eq!(sweep(&store).await, 1);
+    assert_eq!(detail(&store, &run).await.run.status, RunStatus::Queued);
+    let now = *rx.borrow_and_update();
+    assert!(now != seen, "a re-queue wakes");
+    let wants = store.wakes_since(seen, now);
+    assert_eq!(wants, Some(vec![Want { labels: BTreeMap::new(), agent_labels: site }]), "named by its labels");
+}
+
 /// The operator reads: newest first, bounded, and absent runs are `None`.
 pub async fn operator_reads_are_ordered_and_bounded<B: Backend>(b: B) {
     let store = b.store();

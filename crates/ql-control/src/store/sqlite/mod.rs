@@ -35,7 +35,7 @@
 //! # Wake-ups
 //!
 //! [`Store::changes`] rises when a decision says work may have appeared
-//! ([`Decision::wake`](crate::core::Decision::wake) for every poll, or the runs a submit
+//! ([`Decision::wake`](crate::core::Decision::wake) for every poll, or the runs a decision
 //! queued, [`Decision::wants`](crate::core::Decision::wants), for the polls of the
 //! sessions that take them: [`super::wakes`]). Commits by *other* processes are
 //! noticed through `PRAGMA data_version` on the write connection, checked every
