@@ -267,12 +267,7 @@ impl PgStore {
         if let Some(Audit { record, admit: Some(serial) }) = audit {
             // The admission, on the connection the command then runs on: a plain read.
             if let Some(code) = refusal(&conn, record, serial, offset).await? {
-                let stmt = conn.prepare(AUDIT_SQL).await?;
-                let principal = record.principal.as_ref().map(|p| p.as_str());
-                conn.client()
-                    .execute(&stmt, &[&offset, &principal, &record.route, &code.as_str()])
-                    .await
-                    .map_err(Error::Pg)?;
+                append_audit(&mut conn, record, code.as_str(), offset).await?;
                 conn.keep();
                 return Ok(Err(code));
             }
@@ -641,6 +636,14 @@ async fn refusal(
     Ok(core::admission(p, worker.as_ref(), cert.as_ref(), row.get(6)).err())
 }
 
+/// Appends `record` with `outcome`, on its own (outside any transaction of a command).
+async fn append_audit(conn: &mut pool::Conn, record: &AuditRecord, outcome: &str, offset: i64) -> Result<(), Error> {
+    let stmt = conn.prepare(AUDIT_SQL).await?;
+    let principal = record.principal.as_ref().map(|p| p.as_str());
+    conn.client().execute(&stmt, &[&offset, &principal, &record.route, &outcome]).await.map_err(Error::Pg)?;
+    Ok(())
+}
+
 /// How many times a command is run again when cancel saw its run change under it.
 const RETRIES: usize = 8;
 
@@ -662,12 +665,7 @@ impl Store for PgStore {
     async fn audit(&self, record: AuditRecord) -> Result<(), StoreError> {
         let pool = self.inner.audit.as_ref().unwrap_or(&self.inner.pool);
         let mut conn = pool.get().await?;
-        let stmt = conn.prepare(AUDIT_SQL).await?;
-        let principal = record.principal.as_ref().map(|p| p.as_str());
-        conn.client()
-            .execute(&stmt, &[&self.offset(), &principal, &record.route, &record.outcome])
-            .await
-            .map_err(Error::Pg)?;
+        append_audit(&mut conn, &record, &record.outcome, self.offset()).await?;
         conn.keep();
         Ok(())
     }
@@ -677,12 +675,7 @@ impl Store for PgStore {
         let mut conn = pool.get().await?;
         let refused = refusal(&conn, &record, &serial, self.offset()).await?;
         if let Some(code) = refused {
-            let stmt = conn.prepare(AUDIT_SQL).await?;
-            let principal = record.principal.as_ref().map(|p| p.as_str());
-            conn.client()
-                .execute(&stmt, &[&self.offset(), &principal, &record.route, &code.as_str()])
-                .await
-                .map_err(Error::Pg)?;
+            append_audit(&mut conn, &record, code.as_str(), self.offset()).await?;
         }
         conn.keep();
         Ok(refused)
