@@ -196,7 +196,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
     let blobs = Blobs::open(&layout, &config, listen.artifacts.as_deref(), true)?;
     let tls = http::tls::server_config_from_dir(dir).map_err(|e| e.to_string())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(usize::try_from(config.runtime_threads).unwrap_or(usize::MAX).min(64))
         .enable_all()
         .build()
         .map_err(|e| format!("starting the runtime: {e}"))?;
@@ -216,6 +216,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                     clock_offset: Arc::new(AtomicI64::new(0)),
                     watch_tick: Duration::from_millis(config.change_poll_ms),
                     commit_window: Duration::from_micros(config.commit_window_us),
+                    lazy_sync: Duration::from_millis(config.lazy_sync_ms),
                     ..SqliteOptions::default()
                 };
                 let store = SqliteStore::open_with_options(layout.database(), options).map_err(|e| e.to_string())?;

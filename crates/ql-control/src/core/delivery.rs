@@ -326,6 +326,23 @@ mod tests {
     }
 
     #[test]
+    fn an_idle_poll_and_a_refused_one_change_nothing_but_liveness_and_an_offer_does() {
+        let idle = placement_rows(0, 2);
+        let d = polling(&idle, 1);
+        assert!(offers(&d).is_empty() && !d.writes.is_empty());
+        assert!(d.only_liveness(&idle));
+        let queued = placement_rows(1, 2);
+        let d = polling(&queued, 1);
+        assert_eq!(offers(&d).len(), 1);
+        assert!(!d.only_liveness(&queued));
+        let stale = PollOffers { generation: Counter::new(2).unwrap(), ..poll_body(1) };
+        let s = queued.session.as_ref().unwrap();
+        let d = decide(&Command::PollOffers(worker(), s.id.clone(), stale), &queued, NOW, &timings(), &mut ids());
+        assert!(d.reply.is_err());
+        assert!(d.only_liveness(&queued));
+    }
+
+    #[test]
     fn poll_places_queued_runs_up_to_free_capacity() {
         let rows = placement_rows(3, 2);
         let d = polling(&rows, 8);

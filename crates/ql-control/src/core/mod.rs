@@ -432,6 +432,23 @@ impl Decision {
         Self { reply: Ok(reply), writes, wake: false, wants: Vec::new() }
     }
 
+    /// Whether the decision changes nothing but when the session it was loaded with was
+    /// last seen (an idle poll, a plain heartbeat), or nothing at all (a refusal, an
+    /// answer repeated from state). Such a commit may reach the disk shortly after its
+    /// answer leaves (the SQLite store's `lazy_sync`): a power cut can then only make the
+    /// session look seen a moment earlier than its agent was told, well inside the margin
+    /// between `heartbeat_ms` and `session_ttl_ms`. Everything else (an offer, a claim, an
+    /// ACK, a renewal, a completion, a session opened, draining declared) is durable
+    /// before it is answered.
+    pub fn only_liveness(&self, rows: &Rows) -> bool {
+        self.writes.iter().all(|write| match (write, &rows.session) {
+            (Write::Session(new), Some(old)) => {
+                Session { seen_at: old.seen_at, expires_at: old.expires_at, ..new.clone() } == *old
+            }
+            _ => false,
+        })
+    }
+
     fn waking(mut self) -> Self {
         self.wake = true;
         self
@@ -461,6 +478,8 @@ impl Decision {
 /// [`decide`] a pure function of its inputs.
 #[derive(Debug, Clone)]
 pub struct IdGen {
+    /// Empty until the first id: most decisions (an idle poll, a renewal) make none, and
+    /// drawing a seed costs a system call.
     prefix: String,
     next: u32,
 }
@@ -468,25 +487,37 @@ pub struct IdGen {
 impl IdGen {
     /// A generator whose ids start with 16 random bytes' worth of base-36-ish text.
     pub fn new(seed: [u8; 12]) -> Self {
+        Self { prefix: Self::prefix(seed), next: 0 }
+    }
+
+    fn prefix(seed: [u8; 12]) -> String {
         const ALPHABET: &[u8; 32] = b"0123456789abcdefghjkmnpqrstvwxyz";
         let mut prefix = String::with_capacity(20);
         let bits = seed.iter().fold(0u128, |acc, &b| acc << 8 | u128::from(b));
         for i in 0..19 {
             prefix.push(char::from(ALPHABET[(bits >> (i * 5) & 31) as usize]));
         }
-        Self { prefix, next: 0 }
+        prefix
     }
 
-    /// A fresh random generator.
+    /// A fresh random generator, seeded from the OS CSPRNG when it first makes something.
     pub fn random() -> Self {
-        let mut seed = [0u8; 12];
-        getrandom::getrandom(&mut seed).expect("the OS CSPRNG is available");
-        Self::new(seed)
+        Self { prefix: String::new(), next: 0 }
+    }
+
+    fn seeded(&mut self) -> &str {
+        if self.prefix.is_empty() {
+            let mut seed = [0u8; 12];
+            getrandom::getrandom(&mut seed).expect("the OS CSPRNG is available");
+            self.prefix = Self::prefix(seed);
+        }
+        &self.prefix
     }
 
     fn make(&mut self, kind: &str) -> String {
         self.next += 1;
-        format!("{kind}_{}{}", self.prefix, self.next)
+        let next = self.next;
+        format!("{kind}_{}{next}", self.seeded())
     }
 
     /// A new session id.
@@ -518,7 +549,7 @@ impl IdGen {
     /// another (xorshift), so one transaction's draws differ.
     pub fn draw(&mut self, below: u64) -> u64 {
         self.next += 1;
-        let mut x = self.prefix.bytes().fold(0x9e37_79b9_7f4a_7c15u64, |acc, b| acc.rotate_left(5) ^ u64::from(b));
+        let mut x = self.seeded().bytes().fold(0x9e37_79b9_7f4a_7c15u64, |acc, b| acc.rotate_left(5) ^ u64::from(b));
         x ^= u64::from(self.next).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         x ^= x << 13;
         x ^= x >> 7;
@@ -720,4 +751,21 @@ pub(crate) fn event(
         payload,
         at,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IdGen;
+
+    #[test]
+    fn a_random_generator_seeds_itself_once_and_two_of_them_differ() {
+        let (mut a, mut b) = (IdGen::random(), IdGen::random());
+        let (a1, a2) = (a.session().to_string(), a.session().to_string());
+        let b1 = b.session().to_string();
+        assert_eq!(a1.len(), a2.len());
+        assert_eq!(a1[..a1.len() - 1], a2[..a2.len() - 1], "one prefix per generator: {a1} {a2}");
+        assert_ne!(a1, a2);
+        assert_ne!(a1[..a1.len() - 1], b1[..b1.len() - 1], "a fresh seed per generator: {a1} {b1}");
+        assert_eq!(IdGen::new([7; 12]).event().to_string(), IdGen::new([7; 12]).event().to_string());
+    }
 }

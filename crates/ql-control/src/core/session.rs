@@ -244,6 +244,21 @@ mod tests {
     }
 
     #[test]
+    fn a_plain_heartbeat_changes_only_liveness_and_opening_draining_or_closing_more() {
+        let s = session(1);
+        let rows = Rows { session: Some(s.clone()), ..Rows::default() };
+        let beat = |draining| {
+            heartbeat(&worker(), &s.id, &Heartbeat { generation: s.generation, draining }, &rows, NOW, &timings())
+        };
+        assert!(beat(false).only_liveness(&rows));
+        assert!(!beat(true).only_liveness(&rows));
+        let closed = close(&worker(), &s.id, &CloseSession { generation: s.generation }, &rows, NOW);
+        assert!(closed.reply.is_ok() && !closed.only_liveness(&rows));
+        let opened = open(&worker(), &open_body(), &rows, NOW, &timings(), &mut ids());
+        assert!(opened.reply.is_ok() && !opened.only_liveness(&rows));
+    }
+
+    #[test]
     fn heartbeat_with_draining_drains_for_good() {
         let s = session(1);
         let rows = Rows { session: Some(s.clone()), ..Rows::default() };

@@ -20,16 +20,25 @@
 //!
 //! The writer takes every job already queued (up to [`BATCH_MAX`]) into one
 //! `BEGIN IMMEDIATE` transaction (taking the file's write lock up front, so no other
-//! process can interleave) and commits them together: group commit. With
-//! `synchronous=FULL` the fsync of a commit dominates a command's cost, so concurrent
-//! agents share one. No answer leaves before its commit is durable; if the commit fails,
-//! every command of the batch answers [`StoreError`] (503, safe to repeat) and nothing of
-//! the batch is kept.
+//! process can interleave) and commits them together: group commit, so concurrent agents
+//! share one fsync. If the commit fails, every command of the batch answers
+//! [`StoreError`] (503, safe to repeat) and nothing of the batch is kept.
+//!
+//! # Durability
+//!
+//! `synchronous=NORMAL`: SQLite writes the WAL at commit without syncing it, and the
+//! writer syncs it (`fdatasync`, what `FULL` would do) before any answer of a batch that
+//! decided something leaves. A batch whose commands only saw sessions or refused
+//! ([`core::Decision::only_liveness`]) is answered at once and synced by the next batch
+//! that decides something — the WAL is one file written in order, so that sync covers
+//! every earlier commit — or after [`SqliteOptions::lazy_sync`]: an idle fleet's polls
+//! then share a sync a second instead of taking one each. A failed sync breaks the writer
+//! until a restart: what it committed may not be on disk, so nothing is answered from it.
 //!
 //! # Settings
 //!
-//! WAL journal (readers do not block the writer), `synchronous=FULL` (a committed answer
-//! survives power loss), `foreign_keys=ON`, and a busy timeout because other processes —
+//! WAL journal (readers do not block the writer), `synchronous=NORMAL` with the writer's
+//! own syncs above, `foreign_keys=ON`, and a busy timeout because other processes —
 //! the operator CLI — open the same file. The file is created with mode 0600.
 //!
 //! # Wake-ups
@@ -52,6 +61,8 @@ mod queue;
 mod rows;
 mod schema;
 
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -93,6 +104,11 @@ pub struct SqliteOptions {
     /// latency for fewer syncs where each costs more than its time (a volume billed or
     /// capped by IOPS). A lone caller never waits.
     pub commit_window: Duration,
+    /// How long a commit that changed nothing but a session's liveness (an idle poll, a
+    /// plain heartbeat) or nothing but audit records (a refusal) may wait for the WAL's
+    /// sync, which the next commit that decides anything, or this timer, does for it
+    /// ([`core::Decision::only_liveness`]). Zero syncs every commit before its answer.
+    pub lazy_sync: Duration,
 }
 
 impl Default for SqliteOptions {
@@ -103,6 +119,7 @@ impl Default for SqliteOptions {
             watch_tick: Duration::from_millis(250),
             busy_timeout: Duration::from_secs(5),
             commit_window: Duration::ZERO,
+            lazy_sync: Duration::from_secs(1),
         }
     }
 }
@@ -160,6 +177,19 @@ struct Writer {
     commit_window: Duration,
     /// Jobs in the last batch: how many callers a new batch waits for.
     last_batch: usize,
+    /// The database file, beside which SQLite keeps its WAL.
+    path: PathBuf,
+    /// The WAL, held open to sync it ([`Writer::sync`]).
+    wal: Option<File>,
+    /// See [`SqliteOptions::lazy_sync`].
+    lazy_sync: Duration,
+    /// Since when commits have been waiting for a sync (each of them lazy).
+    unsynced: Option<Instant>,
+    /// Whether the job now running may be answered before its commit is durable.
+    job_lazy: bool,
+    /// Why a sync failed. What was committed may then not be on disk, and what it showed
+    /// must not be answered from: every later job fails, until the server restarts.
+    broken: Option<String>,
 }
 
 fn sql(e: rusqlite::Error) -> StoreError {
@@ -206,6 +236,12 @@ impl SqliteStore {
             queue: queue::Queue::default(),
             commit_window: options.commit_window,
             last_batch: 0,
+            path: path.clone(),
+            wal: None,
+            lazy_sync: options.lazy_sync,
+            unsynced: None,
+            job_lazy: false,
+            broken: None,
         };
         writer.watch_foreign_commits();
         let tick = options.watch_tick.max(Duration::from_millis(1));
@@ -252,15 +288,22 @@ impl Writer {
     fn serve(mut self, queue: mpsc::Receiver<Job>, tick: Duration) {
         let mut checked = Instant::now();
         loop {
-            match queue.recv_timeout(tick) {
+            let due = self.unsynced.map(|since| (since + self.lazy_sync).saturating_duration_since(Instant::now()));
+            match queue.recv_timeout(due.map_or(tick, |due| due.min(tick))) {
                 Ok(first) => {
                     let batch = self.gather(&queue, first);
                     self.last_batch = batch.len();
                     self.run_batch(batch);
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    if self.unsynced.is_some() {
+                        let _ = self.sync();
+                    }
+                    return;
+                }
             }
+            self.sync_if_due();
             if checked.elapsed() >= tick {
                 self.watch_foreign_commits();
                 checked = Instant::now();
@@ -296,19 +339,26 @@ impl Writer {
 
     /// Runs `batch` in one transaction, each job under its own savepoint, then answers.
     fn run_batch(&mut self, batch: Vec<Job>) {
-        if let Err(e) = self.control("BEGIN IMMEDIATE") {
+        let begun = match &self.broken {
+            Some(why) => Err(StoreError(why.clone())),
+            None => self.control("BEGIN IMMEDIATE"),
+        };
+        if let Err(e) = begun {
             for job in batch {
                 (job(Err(&e)).deliver)(Err(&e));
             }
             return;
         }
         let mut answers = Vec::with_capacity(batch.len());
+        let changes = self.conn.total_changes();
+        let mut lazy = true;
         for job in batch {
             if let Err(e) = self.control("SAVEPOINT job") {
                 answers.push(job(Err(&e)));
                 continue;
             }
             self.queue.mark();
+            self.job_lazy = false;
             // A panic in a decision is a bug, but it must not take the authority down: its
             // savepoint rolls back, its caller gets a StoreError from the dropped oneshot,
             // and the batch goes on.
@@ -329,12 +379,23 @@ impl Writer {
                 }
                 return;
             }
+            lazy &= !keep || self.job_lazy;
             answers.extend(answer);
         }
-        let committed = self.control("COMMIT");
+        let mut committed = self.control("COMMIT");
         if committed.is_err() {
             let _ = self.conn.execute_batch("ROLLBACK");
             self.queue.drop_all();
+        } else if self.conn.total_changes() != changes {
+            // synchronous=NORMAL: SQLite wrote the WAL but did not sync it. A batch that
+            // decided something is synced now, before any of its answers leaves; a lazy one
+            // is synced by the next such batch (the WAL is one file, written in order) or
+            // by the timer in `serve`.
+            if lazy && !self.lazy_sync.is_zero() {
+                self.unsynced.get_or_insert_with(Instant::now);
+            } else {
+                committed = self.sync();
+            }
         }
         let wants = std::mem::take(&mut self.wants_pending);
         if committed.is_ok() && std::mem::take(&mut self.wake_pending) {
@@ -346,6 +407,42 @@ impl Writer {
         for a in answers {
             (a.deliver)(committed.as_ref().map(|_| ()));
         }
+    }
+
+    /// Makes every commit so far durable: `fdatasync` of the WAL, which is what
+    /// `synchronous=FULL` does after each commit. A failure breaks the writer for good
+    /// (after a failed fsync the kernel may have dropped the pages it could not write).
+    fn sync(&mut self) -> Result<(), StoreError> {
+        let synced = self.sync_wal();
+        match &synced {
+            Ok(()) => self.unsynced = None,
+            Err(e) => self.broken = Some(e.0.clone()),
+        }
+        synced
+    }
+
+    /// Syncs the commits that have waited [`SqliteOptions::lazy_sync`]. A failure is kept
+    /// in `broken` and answers every later job.
+    fn sync_if_due(&mut self) {
+        if self.unsynced.is_some_and(|since| since.elapsed() >= self.lazy_sync) {
+            let _ = self.sync();
+        }
+    }
+
+    fn sync_wal(&mut self) -> Result<(), StoreError> {
+        let failed = |what: &str, e: std::io::Error| StoreError(format!("{what} failed: {e}; restart ql-control"));
+        // SQLite removes the WAL only when its last connection closes, and this one stays
+        // open; should the file be gone anyway, a new one is opened.
+        if self.wal.as_ref().is_none_or(|f| f.metadata().map_or(true, |m| m.nlink() == 0)) {
+            let mut name = self.path.clone().into_os_string();
+            name.push("-wal");
+            let wal = File::open(&name).map_err(|e| failed("opening the database's WAL", e))?;
+            // The WAL's name must survive a power cut too, not only its pages.
+            let dir = self.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            File::open(dir).and_then(|d| d.sync_all()).map_err(|e| failed("syncing the database's directory", e))?;
+            self.wal = Some(wal);
+        }
+        self.wal.as_ref().expect("opened above").sync_data().map_err(|e| failed("syncing the database's WAL", e))
     }
 
     /// Runs a transaction-control statement, prepared once: parsing them anew for every
@@ -401,13 +498,24 @@ impl Writer {
         // DB time after every row is loaded (and, with BEGIN IMMEDIATE, after the lock).
         let now = schema::db_now(conn, offset).map_err(sql)?;
         let decision = core::decide(cmd, &rows, now, &self.timings, &mut IdGen::random());
+        let seen_only = decision.only_liveness(&rows);
+        self.job_lazy &= seen_only;
         // A refusal carries no writes by contract; nothing is applied.
         let reply = match decision.reply {
             Ok(reply) => reply,
             Err(code) => return Ok(Err(code)),
         };
         for write in &decision.writes {
-            apply(conn, write).map_err(sql)?;
+            match write {
+                // The session was only seen: its two times, not the whole row and every
+                // index on it (an idle fleet's every poll).
+                Write::Session(s) if seen_only => conn
+                    .prepare_cached("UPDATE sessions SET seen_at = ?1, expires_at = ?2 WHERE id = ?3")
+                    .and_then(|mut u| u.execute(rusqlite::params![s.seen_at, s.expires_at, s.id.as_str()]))
+                    .map(drop),
+                _ => apply(conn, write),
+            }
+            .map_err(sql)?;
             if let Write::Run(run) = write {
                 self.queue.note(run);
             }
@@ -526,6 +634,7 @@ impl Store for SqliteStore {
         audit: Option<Audit>,
     ) -> Result<Result<Reply, ErrorCode>, StoreError> {
         self.call(move |w| {
+            w.job_lazy = true;
             let Some(Audit { record, admit }) = audit else {
                 return w.execute(&cmd);
             };
@@ -544,11 +653,16 @@ impl Store for SqliteStore {
     }
 
     async fn audit(&self, record: AuditRecord) -> Result<(), StoreError> {
-        self.call(move |w| w.record(record)).await
+        self.call(move |w| {
+            w.job_lazy = true;
+            w.record(record)
+        })
+        .await
     }
 
     async fn admit(&self, record: AuditRecord, serial: String) -> Result<Option<ErrorCode>, StoreError> {
         self.call(move |w| {
+            w.job_lazy = true;
             let refused = w.admission(&record, &serial)?;
             if let Some(code) = refused {
                 w.record(AuditRecord { outcome: code.as_str().to_owned(), ..record })?;

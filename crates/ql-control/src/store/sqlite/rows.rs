@@ -14,27 +14,47 @@ use rusqlite::{Connection, Row, ToSql};
 use crate::store::columns::{Columns, Corrupt, Value};
 use crate::store::records::{Stored, TABLES};
 
-impl Columns for Row<'_> {
+/// A row selected with its table's column list. A column is found by its place in that
+/// list: asking SQLite for every column's name on each read was a measurable share of
+/// the writer's time.
+struct Listed<'r, 's> {
+    row: &'r Row<'s>,
+    names: &'static [&'static str],
+}
+
+impl Listed<'_, '_> {
+    fn index(&self, col: &str) -> rusqlite::Result<usize> {
+        match self.names.iter().position(|name| *name == col) {
+            Some(idx) => {
+                debug_assert_eq!(self.row.as_ref().column_name(idx).ok(), Some(col), "select list out of order");
+                Ok(idx)
+            }
+            None => self.row.as_ref().column_index(col),
+        }
+    }
+}
+
+impl Columns for Listed<'_, '_> {
     type Error = rusqlite::Error;
 
     fn text(&self, col: &str) -> rusqlite::Result<String> {
-        self.get(col)
+        self.row.get(self.index(col)?)
     }
 
     fn opt_text(&self, col: &str) -> rusqlite::Result<Option<String>> {
-        self.get(col)
+        self.row.get(self.index(col)?)
     }
 
     fn int(&self, col: &str) -> rusqlite::Result<i64> {
-        self.get(col)
+        self.row.get(self.index(col)?)
     }
 
     fn opt_int(&self, col: &str) -> rusqlite::Result<Option<i64>> {
-        self.get(col)
+        self.row.get(self.index(col)?)
     }
 
     fn corrupt(&self, err: Corrupt) -> rusqlite::Error {
-        let idx = self.as_ref().column_index(&err.column).unwrap_or(0);
+        let idx = self.index(&err.column).unwrap_or(0);
         rusqlite::Error::FromSqlConversionFailure(idx, Type::Text, Box::new(err))
     }
 }
@@ -51,8 +71,12 @@ impl ToSql for Value {
 /// Reads a row selected with its table's column list. A plain function, so it passes
 /// where `rusqlite` wants a `fn(&Row<'_>) -> Result<T>` for any row lifetime.
 pub(super) fn read<T: Stored>(row: &Row<'_>) -> rusqlite::Result<T> {
-    T::read(row)
+    T::read(&Listed { row, names: &NAMES[T::TABLE.name] })
 }
+
+/// Each table's column names, in the order of its select list.
+static NAMES: LazyLock<HashMap<&str, Vec<&'static str>>> =
+    LazyLock::new(|| TABLES.iter().map(|t| (t.name, t.names().collect())).collect());
 
 /// Each table's write statement, by table name: an upsert, or for history an insert.
 static WRITE: LazyLock<HashMap<&str, String>> =

@@ -66,8 +66,10 @@ pub(super) fn connect(path: &Path, busy_timeout: Duration) -> rusqlite::Result<C
             Some(format!("journal_mode stayed {mode}, WAL is required")),
         ));
     }
-    // FULL: a commit is on disk before the reply that depends on it leaves the process.
-    conn.pragma_update(None, "synchronous", "FULL")?;
+    // NORMAL: SQLite does not sync the WAL at commit; the writer does, before the answers
+    // that depend on the commit leave (what FULL would do), or a moment later for commits
+    // that decide nothing (see the writer's `sync`).
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
     // Sorts and temporary tables in memory: a server at its descriptor limit must still
     // be able to run the queries that offer work to agents already connected.

@@ -344,7 +344,7 @@ fn the_database_file_is_private_and_in_wal_mode() {
     let journal: String = c.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
     assert_eq!(journal, "wal");
     let sync: i64 = c.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
-    assert_eq!(sync, 2, "synchronous=FULL");
+    assert_eq!(sync, 1, "synchronous=NORMAL: the writer syncs the WAL itself");
     let fk: i64 = c.query_row("PRAGMA foreign_keys", [], |r| r.get(0)).unwrap();
     assert_eq!(fk, 1);
     let wal = dir.0.join("authority.db-wal");
@@ -534,6 +534,12 @@ fn writer(dir: &TempDir) -> Writer {
         queue: queue::Queue::default(),
         commit_window: Duration::ZERO,
         last_batch: 0,
+        path: dir.db(),
+        wal: None,
+        lazy_sync: Duration::ZERO,
+        unsynced: None,
+        job_lazy: false,
+        broken: None,
     }
 }
 
@@ -664,4 +670,64 @@ fn a_batch_waits_in_its_window_only_for_concurrent_callers() {
     let first = queue.recv().unwrap();
     assert_eq!(w.gather(&queue, first).len(), BATCH_MAX);
     drop(rx);
+}
+
+#[test]
+fn a_commit_that_decides_nothing_waits_for_its_sync_and_one_that_decides_syncs_it() {
+    let dir = TempDir::new("lazy");
+    let mut w = Writer { lazy_sync: Duration::from_secs(3600), ..writer(&dir) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    fn record(route: &str) -> AuditRecord {
+        AuditRecord { at: 1, principal: None, route: route.into(), outcome: "x".into() }
+    }
+    // An audit record alone (a refusal's): the job says it may wait.
+    let audit_only = |w: &mut Writer| {
+        w.job_lazy = true;
+        w.record(record("refused"))
+    };
+    // Any other write decides something: it is durable before its answer.
+    let decided = |w: &mut Writer| rows::write(&w.conn, &record("decided")).map_err(sql);
+    let read = |w: &mut Writer| {
+        w.conn.query_row("SELECT count(*) FROM audit", [], |r| r.get::<_, i64>(0)).map(drop).map_err(sql)
+    };
+
+    w.run_batch(vec![job(audit_only, tx.clone())]);
+    assert!(w.unsynced.is_some() && w.wal.is_none(), "answered, its sync still to come");
+    w.run_batch(vec![job(audit_only, tx.clone()), job(decided, tx.clone())]);
+    assert!(
+        w.unsynced.is_none() && w.wal.is_some(),
+        "the deciding job synced the WAL, and the waiting commits with it"
+    );
+    w.run_batch(vec![job(read, tx.clone())]);
+    assert!(w.unsynced.is_none(), "a commit that wrote nothing has nothing to sync");
+
+    w.run_batch(vec![job(audit_only, tx.clone())]);
+    w.sync_if_due();
+    assert!(w.unsynced.is_some(), "not due yet");
+    w.unsynced = w.unsynced.map(|since| since - w.lazy_sync);
+    w.sync_if_due();
+    assert!(w.unsynced.is_none(), "synced when due");
+    assert!(rx.try_iter().all(|a: Result<(), String>| a.is_ok()));
+
+    // A sync that fails (fdatasync of a pipe is EINVAL) fails the batch that needed it,
+    // and every batch after it, which then writes nothing.
+    let (pipe, _keep) = std::io::pipe().unwrap();
+    w.wal = Some(File::from(std::os::fd::OwnedFd::from(pipe)));
+    let before = audit_rows(&w);
+    w.run_batch(vec![job(decided, tx.clone())]);
+    let failed: Vec<Result<(), String>> = rx.try_iter().collect();
+    assert!(
+        failed.len() == 1 && failed[0].as_ref().unwrap_err().contains("syncing the database's WAL failed"),
+        "{failed:?}"
+    );
+    assert!(w.broken.is_some());
+    let committed_unsynced = audit_rows(&w);
+    w.run_batch(vec![job(decided, tx.clone()), job(audit_only, tx.clone())]);
+    let refused: Vec<Result<(), String>> = rx.try_iter().collect();
+    assert!(
+        refused.len() == 2 && refused.iter().all(|a| a.as_ref().unwrap_err().contains("restart ql-control")),
+        "{refused:?}"
+    );
+    assert_eq!(audit_rows(&w), committed_unsynced, "a broken writer writes nothing");
+    assert_eq!(committed_unsynced, before + 1);
 }
