@@ -40,7 +40,7 @@ url=$(sed -n 's/^listening on //p' "$work/serve.out")
 count_syncs() { perf stat -x, -e syscalls:sys_enter_fsync,syscalls:sys_enter_fdatasync -p "$server" -o "$work/syncs" & }
 syncs() { awk -F, '$3 ~ /sys_enter_f/ {n += $1} END {print n + 0}' "$work/syncs"; }
 
-echo "# $(uname -m), $(nproc) cores; server: $bin serve (SQLite, WAL, synchronous=FULL)"
+echo "# $(uname -m), $(nproc) cores; server: $bin serve (SQLite, WAL synced before every answer that decides)"
 echo "\$ $bench --clients 0 --uploads 3 --upload-mib 64"
 "$bench" --dir "$work" --url "$url" --clients 0 --cycles 0 --uploads 3 --upload-mib 64
 echo "server peak RSS (VmHWM) after the uploads: $(awk '/VmHWM/ {print $2, $3}' /proc/$server/status)"

@@ -9,7 +9,7 @@
 #   bench/pg_acks.sh            # prints the figures and the commands behind them
 #
 # The PostgreSQL server is a throwaway cluster (scripts/pg) started --durable: fsync and
-# synchronous_commit on, as a deployment would run it (SQLite runs synchronous=FULL).
+# synchronous_commit on, as a deployment would run it (SQLite syncs its WAL before every answer that decides something).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --quiet -p ql-control --bin ql-control --example ack_bench

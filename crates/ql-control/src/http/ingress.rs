@@ -208,7 +208,7 @@ async fn handle<S: Store, B: BlobStore>(
 ) -> Answer {
     if req.uri().query().is_none() {
         if let Some(route) = ql_wire::enrol::IdentityRoute::parse(req.method().as_str(), req.uri().path()) {
-            return super::identity::handle(shared, principal, serial, route, req).await;
+            return Box::pin(super::identity::handle(shared, principal, serial, route, req)).await;
         }
     }
     // A query string is never part of a route; `Route::parse` sees the path alone.
@@ -218,15 +218,15 @@ async fn handle<S: Store, B: BlobStore>(
     };
     let name = route.as_ref().map_or("unknown", Route::name);
     let Some(principal) = principal else {
-        audit_refusal(shared, None, name, ErrorCode::Unauthenticated).await;
+        Box::pin(audit_refusal(shared, None, name, ErrorCode::Unauthenticated)).await;
         return Answer::refuse_and_close(ErrorCode::Unauthenticated);
     };
     let Some(route) = route else {
-        audit_refusal(shared, Some(principal), name, ErrorCode::NotFound).await;
+        Box::pin(audit_refusal(shared, Some(principal), name, ErrorCode::NotFound)).await;
         return Answer::refuse_and_close(ErrorCode::NotFound);
     };
     if *route.worker() != principal {
-        audit_refusal(shared, Some(principal), name, ErrorCode::PrincipalMismatch).await;
+        Box::pin(audit_refusal(shared, Some(principal), name, ErrorCode::PrincipalMismatch)).await;
         return Answer::refuse_and_close(ErrorCode::PrincipalMismatch);
     }
     // The admission is decided per request, so a certificate revoked (or a worker
@@ -238,7 +238,7 @@ async fn handle<S: Store, B: BlobStore>(
         AuditRecord { at: 0, principal: Some(principal.clone()), route: name.to_owned(), outcome: "admitted".into() };
     let framed = matches!(route, Route::Artifact(..) | Route::LogAppend(_));
     let trail = if framed || req.headers().contains_key(EXPECT) {
-        match shared.store.admit(record.clone(), serial).await {
+        match Box::pin(shared.store.admit(record.clone(), serial)).await {
             Ok(None) => Trail::admitted(shared.store.clone(), record),
             Ok(Some(code)) => return Answer::refuse_and_close(code),
             Err(_) => return Answer::refuse_and_close(ErrorCode::Unavailable),
@@ -251,17 +251,21 @@ async fn handle<S: Store, B: BlobStore>(
         Ok(length) => {
             let body = req.into_body();
             let fault = fault::on_request(route.name());
+            // Each route's future boxed: a request's future is as large as its largest
+            // await, and a long-poll, which lives 25 s, would carry an upload's state.
             match route {
                 Route::Artifact(path, artifact) => {
-                    put_artifact(shared, &trail, path, artifact, length, body, (fault, reset)).await
+                    Box::pin(put_artifact(shared, &trail, path, artifact, length, body, (fault, reset))).await
                 }
-                Route::LogAppend(path) => log::append(shared, &trail, path, length, body, (fault, reset)).await,
-                route => json_route(shared, &trail, route, length, body, (fault, reset)).await,
+                Route::LogAppend(path) => {
+                    Box::pin(log::append(shared, &trail, path, length, body, (fault, reset))).await
+                }
+                route => Box::pin(json_route(shared, &trail, route, length, body, (fault, reset))).await,
             }
         }
     };
     // A request refused before its first command is admitted (or refused) now.
-    match trail.settle().await {
+    match Box::pin(trail.settle()).await {
         Ok(None) => {}
         Ok(Some(code)) => answer = Answer::refuse_and_close(code),
         Err(_) => answer = Answer::refuse_and_close(ErrorCode::Unavailable),
@@ -271,7 +275,7 @@ async fn handle<S: Store, B: BlobStore>(
     }
     // An admitted request refused after all (framing, a fence, a replay's conflict, a
     // twin's open) gets a second record: its outcome.
-    if !trail.finish(answer.code).await {
+    if !Box::pin(trail.finish(answer.code)).await {
         shared.stats.audit_failures.fetch_add(1, Ordering::Relaxed);
     }
     answer
@@ -419,15 +423,15 @@ async fn json_command<S: Store, B: BlobStore>(
         Route::Attempt(path, AttemptCommand::RenewLease) => Command::Renew(path, decode::<Fence>(bytes)?),
         Route::Attempt(path, AttemptCommand::Abandon) => Command::Abandon(path, decode::<Abandon>(bytes)?),
         Route::Attempt(path, AttemptCommand::Completion) => {
-            return Ok(complete(shared, trail, path, decode::<Completion>(bytes)?).await);
+            return Ok(Box::pin(complete(shared, trail, path, decode::<Completion>(bytes)?)).await);
         }
         Route::Seal(path, artifact) => {
-            return Ok(log::seal(shared, trail, path, artifact, decode::<Seal>(bytes)?).await);
+            return Ok(Box::pin(log::seal(shared, trail, path, artifact, decode::<Seal>(bytes)?)).await);
         }
         // Dispatched before the body is read; never reaches here.
         Route::Artifact(..) | Route::LogAppend(_) => return Err(Answer::refuse(ErrorCode::NotFound)),
     };
-    Ok(answer(trail.execute(command).await))
+    Ok(answer(Box::pin(trail.execute(command)).await))
 }
 
 /// The wire answer to a store outcome.
@@ -489,7 +493,8 @@ async fn poll<S: Store, B: BlobStore>(
     let mut changes = shared.store.changes();
     let mut seen = *changes.borrow_and_update();
     loop {
-        let result = trail.execute(Command::PollOffers(worker.clone(), session.clone(), body.clone())).await;
+        // Boxed: a long-poll waits far longer than it executes, and holds only its wait.
+        let result = Box::pin(trail.execute(Command::PollOffers(worker.clone(), session.clone(), body.clone()))).await;
         let fit = match &result {
             Ok(Ok(Reply::Offers(o, fit))) if o.offers.is_empty() => fit.as_ref().clone(),
             _ => return answer(result),
