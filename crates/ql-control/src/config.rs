@@ -85,6 +85,9 @@ pub struct Config {
     /// any commit that decides something syncs it at once (0: every commit syncs before
     /// its answer). Shorter than `session_ttl_ms - heartbeat_ms`.
     pub lazy_sync_ms: u64,
+    /// SQLite: while callers keep coming, how many batches commit one after another before
+    /// the one sync their answers wait for (1: every batch syncs on its own).
+    pub sync_hold_batches: u64,
     /// Threads that serve connections (TLS, HTTP), beside the SQLite writer's own. Every
     /// hand-off between threads is a wake-up: one thread made an idle fleet of 10,000
     /// cost 40 % less CPU than two (README, Benchmarks).
@@ -167,6 +170,7 @@ impl Default for Config {
             change_poll_ms: 250,
             commit_window_us: 0,
             lazy_sync_ms: 1_000,
+            sync_hold_batches: 1,
             runtime_threads: 1,
             read_timeout_ms: 60_000,
             header_timeout_ms: 10_000,
@@ -309,6 +313,7 @@ impl Config {
             ("handshake_timeout_ms", self.handshake_timeout_ms),
             ("max_connections", self.max_connections),
             ("runtime_threads", self.runtime_threads),
+            ("sync_hold_batches", self.sync_hold_batches),
             ("max_handshakes", self.max_handshakes),
             ("max_handshakes_per_ip", self.max_handshakes_per_ip),
             ("max_connections_per_worker", self.max_connections_per_worker),

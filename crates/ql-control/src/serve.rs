@@ -217,6 +217,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                     watch_tick: Duration::from_millis(config.change_poll_ms),
                     commit_window: Duration::from_micros(config.commit_window_us),
                     lazy_sync: Duration::from_millis(config.lazy_sync_ms),
+                    hold_batches: usize::try_from(config.sync_hold_batches).unwrap_or(usize::MAX),
                     ..SqliteOptions::default()
                 };
                 let store = SqliteStore::open_with_options(layout.database(), options).map_err(|e| e.to_string())?;

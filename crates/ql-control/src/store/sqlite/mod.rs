@@ -32,8 +32,11 @@
 //! ([`core::Decision::only_liveness`]) is answered at once and synced by the next batch
 //! that decides something — the WAL is one file written in order, so that sync covers
 //! every earlier commit — or after [`SqliteOptions::lazy_sync`]: an idle fleet's polls
-//! then share a sync a second instead of taking one each. A failed sync breaks the writer
-//! until a restart: what it committed may not be on disk, so nothing is answered from it.
+//! then share a sync a second instead of taking one each. With
+//! [`SqliteOptions::hold_batches`] above one, the batches already queued behind a deciding
+//! one commit before its sync, and every answer since (lazy ones too, which may have read
+//! the decision) waits for that one sync. A failed sync breaks the writer until a restart:
+//! what it committed may not be on disk, so nothing is answered from it.
 //!
 //! # Settings
 //!
@@ -109,6 +112,9 @@ pub struct SqliteOptions {
     /// sync, which the next commit that decides anything, or this timer, does for it
     /// ([`core::Decision::only_liveness`]). Zero syncs every commit before its answer.
     pub lazy_sync: Duration,
+    /// Most batches committed one after another, while callers keep coming, before the
+    /// sync their answers wait for (1: each batch synced on its own).
+    pub hold_batches: usize,
 }
 
 impl Default for SqliteOptions {
@@ -120,6 +126,7 @@ impl Default for SqliteOptions {
             busy_timeout: Duration::from_secs(5),
             commit_window: Duration::ZERO,
             lazy_sync: Duration::from_secs(1),
+            hold_batches: HOLD_MAX,
         }
     }
 }
@@ -145,6 +152,10 @@ struct Inner {
 
 /// Most jobs committed together.
 pub const BATCH_MAX: usize = 64;
+
+/// The default of [`SqliteOptions::hold_batches`]: each batch held waits for the ones
+/// after it, so the bound keeps that wait short.
+pub const HOLD_MAX: usize = 1;
 
 /// A unit of work for the writer: given the writer inside the batch transaction (or the
 /// reason there is none), it does its work and returns how to answer once the batch's
@@ -187,6 +198,13 @@ struct Writer {
     unsynced: Option<Instant>,
     /// Whether the job now running may be answered before its commit is durable.
     job_lazy: bool,
+    /// A committed batch decided something that is not yet synced.
+    decided: bool,
+    /// Answers waiting for the next sync, and how many batches they came from.
+    held: Vec<Deliver>,
+    held_batches: usize,
+    /// See [`SqliteOptions::hold_batches`].
+    hold_max: usize,
     /// Why a sync failed. What was committed may then not be on disk, and what it showed
     /// must not be answered from: every later job fails, until the server restarts.
     broken: Option<String>,
@@ -241,6 +259,10 @@ impl SqliteStore {
             lazy_sync: options.lazy_sync,
             unsynced: None,
             job_lazy: false,
+            decided: false,
+            held: Vec::new(),
+            held_batches: 0,
+            hold_max: options.hold_batches.max(1),
             broken: None,
         };
         writer.watch_foreign_commits();
@@ -288,15 +310,33 @@ impl Writer {
     fn serve(mut self, queue: mpsc::Receiver<Job>, tick: Duration) {
         let mut checked = Instant::now();
         loop {
-            let due = self.unsynced.map(|since| (since + self.lazy_sync).saturating_duration_since(Instant::now()));
-            match queue.recv_timeout(due.map_or(tick, |due| due.min(tick))) {
+            let received = if self.held.is_empty() {
+                let due = self.unsynced.map(|since| (since + self.lazy_sync).saturating_duration_since(Instant::now()));
+                queue.recv_timeout(due.map_or(tick, |due| due.min(tick)))
+            } else {
+                // Answers wait for a sync: work already queued commits first, and one sync
+                // then covers it too. Nothing queued (or enough batches held): sync now.
+                match queue.try_recv() {
+                    Ok(job) if self.held_batches < self.hold_max => Ok(job),
+                    other => {
+                        self.release();
+                        match other {
+                            Ok(job) => Ok(job),
+                            Err(mpsc::TryRecvError::Empty) => continue,
+                            Err(mpsc::TryRecvError::Disconnected) => Err(mpsc::RecvTimeoutError::Disconnected),
+                        }
+                    }
+                }
+            };
+            match received {
                 Ok(first) => {
                     let batch = self.gather(&queue, first);
                     self.last_batch = batch.len();
-                    self.run_batch(batch);
+                    self.run_held(batch);
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    self.release();
                     if self.unsynced.is_some() {
                         let _ = self.sync();
                     }
@@ -338,7 +378,15 @@ impl Writer {
     }
 
     /// Runs `batch` in one transaction, each job under its own savepoint, then answers.
+    #[cfg(test)]
     fn run_batch(&mut self, batch: Vec<Job>) {
+        self.run_held(batch);
+        self.release();
+    }
+
+    /// Runs `batch` as [`Writer::run_batch`] does, but holds the answers that wait for a
+    /// sync (all of them, once a batch decided something) for [`Writer::release`].
+    fn run_held(&mut self, batch: Vec<Job>) {
         let begun = match &self.broken {
             Some(why) => Err(StoreError(why.clone())),
             None => self.control("BEGIN IMMEDIATE"),
@@ -382,20 +430,17 @@ impl Writer {
             lazy &= !keep || self.job_lazy;
             answers.extend(answer);
         }
-        let mut committed = self.control("COMMIT");
+        let committed = self.control("COMMIT");
         if committed.is_err() {
             let _ = self.conn.execute_batch("ROLLBACK");
             self.queue.drop_all();
         } else if self.conn.total_changes() != changes {
             // synchronous=NORMAL: SQLite wrote the WAL but did not sync it. A batch that
-            // decided something is synced now, before any of its answers leaves; a lazy one
-            // is synced by the next such batch (the WAL is one file, written in order) or
-            // by the timer in `serve`.
-            if lazy && !self.lazy_sync.is_zero() {
-                self.unsynced.get_or_insert_with(Instant::now);
-            } else {
-                committed = self.sync();
-            }
+            // decided something is synced before any of its answers leaves
+            // ([`Writer::release`]); a lazy one by the next such sync (the WAL is one file,
+            // written in order) or by the timer in `serve`.
+            self.unsynced.get_or_insert_with(Instant::now);
+            self.decided |= !lazy || self.lazy_sync.is_zero();
         }
         let wants = std::mem::take(&mut self.wants_pending);
         if committed.is_ok() && std::mem::take(&mut self.wake_pending) {
@@ -404,8 +449,33 @@ impl Writer {
             self.wakes.runs(wants);
         }
         self.wake_pending = false;
-        for a in answers {
-            (a.deliver)(committed.as_ref().map(|_| ()));
+        // Once a decision waits for its sync, every answer does: a later batch may have
+        // read that decision (a repeated claim answered from it), and must not tell it
+        // before it is on disk.
+        match committed {
+            Ok(()) if self.decided => {
+                self.held.extend(answers.into_iter().map(|a| a.deliver));
+                self.held_batches += 1;
+            }
+            committed => {
+                for a in answers {
+                    (a.deliver)(committed.as_ref().map(|_| ()));
+                }
+            }
+        }
+    }
+
+    /// Syncs what the held answers wait for, then sends them (each the sync's failure, if
+    /// it failed).
+    fn release(&mut self) {
+        if self.held.is_empty() && !self.decided {
+            return;
+        }
+        let synced = self.sync();
+        self.decided = false;
+        self.held_batches = 0;
+        for deliver in self.held.drain(..) {
+            deliver(synced.as_ref().map(|_| ()));
         }
     }
 

@@ -539,6 +539,10 @@ fn writer(dir: &TempDir) -> Writer {
         lazy_sync: Duration::ZERO,
         unsynced: None,
         job_lazy: false,
+        decided: false,
+        held: Vec::new(),
+        held_batches: 0,
+        hold_max: HOLD_MAX,
         broken: None,
     }
 }
@@ -730,4 +734,35 @@ fn a_commit_that_decides_nothing_waits_for_its_sync_and_one_that_decides_syncs_i
     );
     assert_eq!(audit_rows(&w), committed_unsynced, "a broken writer writes nothing");
     assert_eq!(committed_unsynced, before + 1);
+}
+
+#[test]
+fn answers_wait_for_the_sync_that_covers_them_and_one_sync_covers_the_batches_held() {
+    let dir = TempDir::new("held");
+    let mut w = Writer { lazy_sync: Duration::from_secs(3600), ..writer(&dir) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    fn record(route: &str) -> AuditRecord {
+        AuditRecord { at: 1, principal: None, route: route.into(), outcome: "x".into() }
+    }
+    let audit_only = |w: &mut Writer| {
+        w.job_lazy = true;
+        w.record(record("refused"))
+    };
+    let decided = |w: &mut Writer| rows::write(&w.conn, &record("decided")).map_err(sql);
+
+    w.run_held(vec![job(decided, tx.clone())]);
+    assert!(rx.try_recv().is_err(), "a decision's answer waits for its sync");
+    w.run_held(vec![job(audit_only, tx.clone())]);
+    assert!(rx.try_recv().is_err(), "so does a later answer, which may have read that decision");
+    assert_eq!((w.held.len(), w.held_batches), (2, 2));
+    assert!(w.wal.is_none(), "nothing synced yet");
+    w.release();
+    let answers: Vec<Result<(), String>> = rx.try_iter().collect();
+    assert_eq!(answers, vec![Ok(()), Ok(())]);
+    assert!(w.wal.is_some() && w.unsynced.is_none() && w.held.is_empty() && w.held_batches == 0);
+
+    // With no decision waiting, an answer that decides nothing leaves at once.
+    w.run_held(vec![job(audit_only, tx.clone())]);
+    assert_eq!(rx.try_iter().count(), 1);
+    assert!(w.held.is_empty() && w.unsynced.is_some());
 }
