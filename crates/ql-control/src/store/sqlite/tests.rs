@@ -676,21 +676,24 @@ fn a_batch_waits_in_its_window_only_for_concurrent_callers() {
     drop(rx);
 }
 
+/// A job that writes an audit record alone (a refusal's): it says it may wait for its sync.
+fn refusal_audit(w: &mut Writer) -> Result<(), StoreError> {
+    w.job_lazy = true;
+    w.record(AuditRecord { at: 1, principal: None, route: "refused".into(), outcome: "x".into() })
+}
+
+/// A job whose write decides something: it is durable before its answer.
+fn deciding_write(w: &mut Writer) -> Result<(), StoreError> {
+    let record = AuditRecord { at: 1, principal: None, route: "decided".into(), outcome: "x".into() };
+    rows::write(&w.conn, &record).map_err(sql)
+}
+
 #[test]
 fn a_commit_that_decides_nothing_waits_for_its_sync_and_one_that_decides_syncs_it() {
     let dir = TempDir::new("lazy");
     let mut w = Writer { lazy_sync: Duration::from_secs(3600), ..writer(&dir) };
     let (tx, rx) = std::sync::mpsc::channel();
-    fn record(route: &str) -> AuditRecord {
-        AuditRecord { at: 1, principal: None, route: route.into(), outcome: "x".into() }
-    }
-    // An audit record alone (a refusal's): the job says it may wait.
-    let audit_only = |w: &mut Writer| {
-        w.job_lazy = true;
-        w.record(record("refused"))
-    };
-    // Any other write decides something: it is durable before its answer.
-    let decided = |w: &mut Writer| rows::write(&w.conn, &record("decided")).map_err(sql);
+    let (audit_only, decided) = (refusal_audit, deciding_write);
     let read = |w: &mut Writer| {
         w.conn.query_row("SELECT count(*) FROM audit", [], |r| r.get::<_, i64>(0)).map(drop).map_err(sql)
     };
@@ -741,14 +744,7 @@ fn answers_wait_for_the_sync_that_covers_them_and_one_sync_covers_the_batches_he
     let dir = TempDir::new("held");
     let mut w = Writer { lazy_sync: Duration::from_secs(3600), ..writer(&dir) };
     let (tx, rx) = std::sync::mpsc::channel();
-    fn record(route: &str) -> AuditRecord {
-        AuditRecord { at: 1, principal: None, route: route.into(), outcome: "x".into() }
-    }
-    let audit_only = |w: &mut Writer| {
-        w.job_lazy = true;
-        w.record(record("refused"))
-    };
-    let decided = |w: &mut Writer| rows::write(&w.conn, &record("decided")).map_err(sql);
+    let (audit_only, decided) = (refusal_audit, deciding_write);
 
     w.run_held(vec![job(decided, tx.clone())]);
     assert!(rx.try_recv().is_err(), "a decision's answer waits for its sync");
