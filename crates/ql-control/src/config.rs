@@ -88,6 +88,13 @@ pub struct Config {
     /// SQLite: while callers keep coming, how many batches commit one after another before
     /// the one sync their answers wait for (1: every batch syncs on its own).
     pub sync_hold_batches: u64,
+    /// SQLite: how often a thread of its own checkpoints the WAL into the database file
+    /// while the writer goes on committing (0: the writer checkpoints inside its commits,
+    /// as SQLite does by default).
+    pub checkpoint_ms: u64,
+    /// SQLite: WAL pages after which the writer checkpoints inside a commit; with
+    /// `checkpoint_ms` set, a backstop that bounds the WAL.
+    pub wal_autocheckpoint_pages: u64,
     /// Threads that serve connections (TLS, HTTP), beside the SQLite writer's own. Every
     /// hand-off between threads is a wake-up: one thread made an idle fleet of 10,000
     /// cost 40 % less CPU than two (README, Benchmarks).
@@ -171,6 +178,8 @@ impl Default for Config {
             commit_window_us: 0,
             lazy_sync_ms: 1_000,
             sync_hold_batches: 1,
+            checkpoint_ms: 1_000,
+            wal_autocheckpoint_pages: u64::from(crate::store::sqlite::WAL_BACKSTOP_PAGES),
             runtime_threads: 1,
             read_timeout_ms: 60_000,
             header_timeout_ms: 10_000,
@@ -314,6 +323,7 @@ impl Config {
             ("max_connections", self.max_connections),
             ("runtime_threads", self.runtime_threads),
             ("sync_hold_batches", self.sync_hold_batches),
+            ("wal_autocheckpoint_pages", self.wal_autocheckpoint_pages),
             ("max_handshakes", self.max_handshakes),
             ("max_handshakes_per_ip", self.max_handshakes_per_ip),
             ("max_connections_per_worker", self.max_connections_per_worker),
@@ -340,6 +350,9 @@ impl Config {
         }
         if self.max_header_bytes < 1024 {
             return Err("max_header_bytes must be at least 1024".into());
+        }
+        if i32::try_from(self.wal_autocheckpoint_pages).is_err() {
+            return Err(format!("wal_autocheckpoint_pages must be at most {}", i32::MAX));
         }
         if self.heartbeat_ms >= self.session_ttl_ms {
             return Err("heartbeat_ms must be shorter than session_ttl_ms, or every session lapses".into());
@@ -427,5 +440,17 @@ mod tests {
         assert!(c.check().unwrap_err().contains("heartbeat_ms"));
         let c = Config { idle_timeout_ms: 10_000, ..Config::default() };
         assert!(c.check().unwrap_err().contains("idle_timeout_ms"));
+    }
+
+    #[test]
+    fn refuses_a_wal_backstop_sqlite_cannot_take() {
+        // Zero would turn the backstop off, leaving the WAL unbounded should the
+        // checkpoint thread fall behind; SQLite takes a page count that fits an `int`.
+        for pages in [0, 1 << 31] {
+            let c = Config { wal_autocheckpoint_pages: pages, ..Config::default() };
+            assert!(c.check().unwrap_err().contains("wal_autocheckpoint_pages"), "{pages}");
+        }
+        let c = Config { checkpoint_ms: 0, ..Config::default() };
+        assert_eq!(c.check(), Ok(()), "no checkpoint thread: the writer checkpoints as SQLite does");
     }
 }

@@ -218,6 +218,8 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                     commit_window: Duration::from_micros(config.commit_window_us),
                     lazy_sync: Duration::from_millis(config.lazy_sync_ms),
                     hold_batches: usize::try_from(config.sync_hold_batches).unwrap_or(usize::MAX),
+                    checkpoint_interval: Duration::from_millis(config.checkpoint_ms),
+                    wal_autocheckpoint_pages: u32::try_from(config.wal_autocheckpoint_pages).unwrap_or(u32::MAX),
                     ..SqliteOptions::default()
                 };
                 let store = SqliteStore::open_with_options(layout.database(), options).map_err(|e| e.to_string())?;

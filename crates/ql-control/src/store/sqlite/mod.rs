@@ -42,7 +42,9 @@
 //!
 //! WAL journal (readers do not block the writer), `synchronous=NORMAL` with the writer's
 //! own syncs above, `foreign_keys=ON`, and a busy timeout because other processes —
-//! the operator CLI — open the same file. The file is created with mode 0600.
+//! the operator CLI — open the same file. The file is created with mode 0600. The WAL is
+//! checkpointed by a thread of its own ([`checkpoint`]); the writer's
+//! `wal_autocheckpoint` is only a backstop.
 //!
 //! # Wake-ups
 //!
@@ -59,6 +61,7 @@
 //! `julianday('now')` read inside the transaction, plus [`SqliteOptions::clock_offset`].
 //! The offset is zero in production; tests move time forward with it instead of sleeping.
 
+mod checkpoint;
 mod load;
 mod queue;
 mod rows;
@@ -115,6 +118,13 @@ pub struct SqliteOptions {
     /// Most batches committed one after another, while callers keep coming, before the
     /// sync their answers wait for (1: each batch synced on its own).
     pub hold_batches: usize,
+    /// How often a thread of its own checkpoints the WAL into the database file, when
+    /// something was committed ([`checkpoint`]). Zero: no such thread, and the writer
+    /// checkpoints inside its commits every `wal_autocheckpoint_pages`.
+    pub checkpoint_interval: Duration,
+    /// WAL pages after which the writer checkpoints inside a commit (SQLite's
+    /// `wal_autocheckpoint`): with the checkpoint thread, only a backstop.
+    pub wal_autocheckpoint_pages: u32,
 }
 
 impl Default for SqliteOptions {
@@ -127,6 +137,8 @@ impl Default for SqliteOptions {
             commit_window: Duration::ZERO,
             lazy_sync: Duration::from_secs(1),
             hold_batches: HOLD_MAX,
+            checkpoint_interval: Duration::from_secs(1),
+            wal_autocheckpoint_pages: WAL_BACKSTOP_PAGES,
         }
     }
 }
@@ -148,6 +160,8 @@ struct Inner {
     path: PathBuf,
     jobs: mpsc::Sender<Job>,
     wakes: Arc<Wakes>,
+    /// Stops the checkpoint thread when the last clone is dropped.
+    _checkpointer: Option<mpsc::Sender<()>>,
 }
 
 /// Most jobs committed together.
@@ -156,6 +170,11 @@ pub const BATCH_MAX: usize = 64;
 /// The default of [`SqliteOptions::hold_batches`]: each batch held waits for the ones
 /// after it, so the bound keeps that wait short.
 pub const HOLD_MAX: usize = 1;
+
+/// The default of [`SqliteOptions::wal_autocheckpoint_pages`]: 64 MiB of 4 KiB pages,
+/// sixteen times SQLite's own, since the checkpoint thread normally keeps the WAL far
+/// shorter.
+pub const WAL_BACKSTOP_PAGES: u32 = 16_384;
 
 /// A unit of work for the writer: given the writer inside the batch transaction (or the
 /// reason there is none), it does its work and returns how to answer once the batch's
@@ -241,6 +260,13 @@ impl SqliteStore {
         let path = path.as_ref().to_path_buf();
         let mut conn = schema::connect(&path, options.busy_timeout).map_err(sql)?;
         schema::migrate(&mut conn).map_err(sql)?;
+        // SQLite takes an `int`; zero or less would turn the backstop off.
+        let backstop = i32::try_from(options.wal_autocheckpoint_pages).unwrap_or(i32::MAX).max(1);
+        conn.pragma_update(None, "wal_autocheckpoint", backstop).map_err(sql)?;
+        let checkpointer = match options.checkpoint_interval {
+            interval if interval.is_zero() => None,
+            interval => Some(checkpoint::spawn(&path, options.busy_timeout, interval)?),
+        };
         let wakes = Arc::new(Wakes::default());
         let (jobs, queue) = mpsc::channel::<Job>();
         let mut writer = Writer {
@@ -271,7 +297,7 @@ impl SqliteStore {
             .name("ql-sqlite-writer".to_owned())
             .spawn(move || writer.serve(queue, tick))
             .map_err(|e| StoreError(format!("starting the sqlite writer: {e}")))?;
-        Ok(Self { inner: Arc::new(Inner { path, jobs, wakes }) })
+        Ok(Self { inner: Arc::new(Inner { path, jobs, wakes, _checkpointer: checkpointer }) })
     }
 
     /// The database file.

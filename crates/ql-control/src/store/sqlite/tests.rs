@@ -505,6 +505,54 @@ async fn audit_records_get_db_time_and_keep_their_order() {
     assert!(audits[0].at > 1_600_000_000_000);
 }
 
+/// Audit records found in the database file alone, as a power cut that lost the WAL
+/// would leave it: what checkpoints copied there. A copy torn by a checkpoint writing
+/// meanwhile reads as none.
+fn checkpointed_audits(dir: &TempDir) -> i64 {
+    let copy = TempDir::new("copy");
+    std::fs::copy(dir.db(), copy.db()).unwrap();
+    let c = Connection::open(copy.db()).unwrap();
+    c.query_row("SELECT count(*) FROM audit", [], |r| r.get(0)).unwrap_or(0)
+}
+
+async fn open_and_audit(dir: &TempDir, checkpoint_interval: Duration, n: i64) -> SqliteStore {
+    let options = SqliteOptions {
+        checkpoint_interval,
+        // Far beyond what the test writes: the writer never checkpoints by itself.
+        wal_autocheckpoint_pages: 1 << 30,
+        ..SqliteOptions::default()
+    };
+    let store = SqliteStore::open_with_options(dir.db(), options).unwrap();
+    for i in 0..n {
+        let rec = AuditRecord { at: 0, principal: None, route: format!("r{i}"), outcome: "admitted".into() };
+        store.audit(rec).await.unwrap();
+    }
+    store
+}
+
+#[tokio::test]
+async fn the_checkpoint_thread_copies_commits_into_the_database_file() {
+    let dir = TempDir::new("checkpoint");
+    let store = open_and_audit(&dir, Duration::from_millis(5), 50).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while checkpointed_audits(&dir) != 50 {
+        assert!(Instant::now() < deadline, "the commits never reached the database file");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let backstop: i64 =
+        store.call(|w| w.conn.query_row("PRAGMA wal_autocheckpoint", [], |r| r.get(0)).map_err(sql)).await.unwrap();
+    assert_eq!(backstop, 1 << 30, "the writer's own checkpoint is only the backstop");
+}
+
+#[tokio::test]
+async fn without_the_checkpoint_thread_commits_stay_in_the_wal_until_the_backstop() {
+    let dir = TempDir::new("no-checkpoint");
+    let store = open_and_audit(&dir, Duration::ZERO, 50).await;
+    // Every commit answered is in the WAL, and nothing copied it on.
+    assert_eq!(store.audits().await.unwrap().len(), 50);
+    assert_eq!(checkpointed_audits(&dir), 0);
+}
+
 /// A job for [`Writer::run_batch`] that runs `work` and reports its result on `out`.
 fn job<T: Send + 'static>(
     work: impl FnOnce(&mut Writer) -> Result<T, StoreError> + Send + 'static,
