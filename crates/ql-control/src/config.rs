@@ -78,8 +78,11 @@ pub struct Config {
     /// How often the server notices work submitted by another process.
     pub change_poll_ms: u64,
     /// SQLite group commit: how long, in microseconds, a batch of commands may wait for
-    /// more while callers are concurrent (0, the default: commit what is queued at once).
+    /// more while many callers are concurrent (0: commit what is queued at once).
     pub commit_window_us: u64,
+    /// SQLite group commit: the batch size from which `commit_window_us` applies; fewer
+    /// concurrent callers never wait.
+    pub commit_window_min_batch: u64,
     /// SQLite: how long a commit that changed nothing but a session's liveness (an idle
     /// poll, a plain heartbeat) or only audit records (a refusal) may wait for its fsync;
     /// any commit that decides something syncs it at once (0: every commit syncs before
@@ -175,7 +178,8 @@ impl Default for Config {
             outage_grace_after_ms: t.outage_after_ms,
             session_takeover_after_ms: t.takeover_after_ms,
             change_poll_ms: 250,
-            commit_window_us: 0,
+            commit_window_us: 1_000,
+            commit_window_min_batch: crate::store::sqlite::COMMIT_WINDOW_MIN_BATCH as u64,
             lazy_sync_ms: 1_000,
             sync_hold_batches: 1,
             checkpoint_ms: 1_000,
@@ -351,6 +355,9 @@ impl Config {
         if self.max_header_bytes < 1024 {
             return Err("max_header_bytes must be at least 1024".into());
         }
+        if self.commit_window_min_batch < 2 {
+            return Err("commit_window_min_batch must be at least 2: a lone caller never waits for others".into());
+        }
         if i32::try_from(self.wal_autocheckpoint_pages).is_err() {
             return Err(format!("wal_autocheckpoint_pages must be at most {}", i32::MAX));
         }
@@ -443,13 +450,15 @@ mod tests {
     }
 
     #[test]
-    fn refuses_a_wal_backstop_sqlite_cannot_take() {
+    fn refuses_group_commit_settings_that_cannot_work() {
         // Zero would turn the backstop off, leaving the WAL unbounded should the
         // checkpoint thread fall behind; SQLite takes a page count that fits an `int`.
         for pages in [0, 1 << 31] {
             let c = Config { wal_autocheckpoint_pages: pages, ..Config::default() };
             assert!(c.check().unwrap_err().contains("wal_autocheckpoint_pages"), "{pages}");
         }
+        let c = Config { commit_window_min_batch: 1, ..Config::default() };
+        assert!(c.check().unwrap_err().contains("commit_window_min_batch"));
         let c = Config { checkpoint_ms: 0, ..Config::default() };
         assert_eq!(c.check(), Ok(()), "no checkpoint thread: the writer checkpoints as SQLite does");
     }

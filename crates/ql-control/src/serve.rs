@@ -216,6 +216,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                     clock_offset: Arc::new(AtomicI64::new(0)),
                     watch_tick: Duration::from_millis(config.change_poll_ms),
                     commit_window: Duration::from_micros(config.commit_window_us),
+                    commit_window_min_batch: usize::try_from(config.commit_window_min_batch).unwrap_or(usize::MAX),
                     lazy_sync: Duration::from_millis(config.lazy_sync_ms),
                     hold_batches: usize::try_from(config.sync_hold_batches).unwrap_or(usize::MAX),
                     checkpoint_interval: Duration::from_millis(config.checkpoint_ms),

@@ -11,6 +11,7 @@
 //! decision code, and rows hold digests.
 
 mod columns;
+mod loaded;
 pub mod postgres;
 mod records;
 pub mod sqlite;

@@ -51,7 +51,6 @@ mod pool;
 mod rows;
 mod schema;
 
-use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::str::FromStr;
@@ -66,13 +65,14 @@ use tokio_postgres::{Config, Row};
 use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
+use super::loaded::Loaded;
 use super::records::{
     ATTEMPTS, AUDIT_COLS, CERTIFICATES, DELIVERIES, ENROLMENTS, EVENTS, EVENT_COLS, FIRES, LEASES, LOG_CHUNKS,
     LOG_CHUNK_COLS, OFFERS, OPERATORS, RUNS, SCHEDULES, SESSIONS, WORKERS,
 };
 use super::wakes::Wakes;
 use super::{Audit, AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
-use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
+use crate::core::{self, Command, IdGen, Reply, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
 use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
 use pool::{Pool, Pooled};
@@ -308,7 +308,7 @@ impl PgStore {
         // connection is discarded.
         let params = decision.writes.iter().map(write_params).collect::<Result<Vec<_>, _>>()?;
         let loaded = Loaded::of(&rows);
-        let sqls: Vec<(&str, bool)> = decision.writes.iter().map(|w| loaded.sql(w)).collect();
+        let sqls: Vec<(&str, bool)> = decision.writes.iter().map(|w| write_sql(&loaded, w)).collect();
         let mut batch = admitted;
         let audited = batch.len();
         batch.extend(sqls.iter().zip(&params).map(|((sql, _), p)| (*sql, refs(p))));
@@ -415,76 +415,35 @@ impl Tx<'_> {
     }
 }
 
-/// The keys of every row a command loaded, by table: those rows exist and are locked in
-/// this transaction, so writing one is a plain UPDATE.
-#[derive(Default)]
-struct Loaded<'a> {
-    sessions: HashSet<&'a str>,
-    runs: HashSet<&'a str>,
-    attempts: HashSet<&'a str>,
-    offers: HashSet<&'a str>,
-    leases: HashSet<&'a str>,
-}
-
-impl<'a> Loaded<'a> {
-    fn of(r: &'a Rows) -> Self {
-        let mut l = Self::default();
-        let lapsed = &r.lapsed;
-        l.sessions.extend(r.session.iter().chain(&r.worker_sessions).chain(&lapsed.sessions).map(|s| s.id.as_str()));
-        l.runs.extend(r.run.iter().chain(&r.queued).chain(&lapsed.overdue).map(|x| x.id.as_str()));
-        l.runs.extend(lapsed.offers.iter().map(|(_, x, _)| x.id.as_str()));
-        l.runs.extend(lapsed.leases.iter().map(|(_, x, _)| x.id.as_str()));
-        l.attempts.extend(r.attempt.iter().map(|a| a.id.as_str()));
-        l.attempts.extend(lapsed.offers.iter().map(|(_, _, a)| a.id.as_str()));
-        l.attempts.extend(lapsed.leases.iter().map(|(_, _, a)| a.id.as_str()));
-        l.offers.extend(r.offer.iter().chain(&r.open_offers).map(|o| o.id.as_str()));
-        l.offers.extend(lapsed.offers.iter().map(|(o, _, _)| o.id.as_str()));
-        l.leases.extend(r.lease.iter().map(|x| x.attempt.as_str()));
-        l.leases.extend(lapsed.leases.iter().map(|(x, _, _)| x.attempt.as_str()));
-        let work = &r.worker_work;
-        l.runs.extend(work.leases.iter().map(|(_, x, _)| x.id.as_str()));
-        l.runs.extend(work.offers.iter().map(|(_, x, _)| x.id.as_str()));
-        l.attempts.extend(work.leases.iter().map(|(_, _, a)| a.id.as_str()));
-        l.attempts.extend(work.offers.iter().map(|(_, _, a)| a.id.as_str()));
-        l.leases.extend(work.leases.iter().map(|(x, _, _)| x.attempt.as_str()));
-        l.offers.extend(work.offers.iter().map(|(o, _, _)| o.id.as_str()));
-        if let Some(g) = &r.grace {
-            l.sessions.extend(g.sessions.iter().map(|s| s.id.as_str()));
-            l.leases.extend(g.leases.iter().map(|(x, _)| x.attempt.as_str()));
-            l.attempts.extend(g.leases.iter().map(|(_, a)| a.id.as_str()));
-            l.offers.extend(g.offers.iter().map(|o| o.id.as_str()));
-        }
-        l
-    }
-
-    /// The statement that applies one write, and whether it is an UPDATE that must
-    /// report its row.
-    fn sql(&self, write: &Write) -> (&'static str, bool) {
-        let (table, known) = match write {
-            Write::Session(x) => (&SESSIONS, self.sessions.contains(x.id.as_str())),
-            Write::Run(x) => (&RUNS, self.runs.contains(x.id.as_str())),
-            Write::Attempt(x) => (&ATTEMPTS, self.attempts.contains(x.id.as_str())),
-            Write::Offer(x) => (&OFFERS, self.offers.contains(x.id.as_str())),
-            Write::Lease(x) => (&LEASES, self.leases.contains(x.attempt.as_str())),
-            // History is only ever appended.
-            Write::Event(_) => (&EVENTS, false),
-            Write::LogChunk(_) => (&LOG_CHUNKS, false),
-            Write::Worker(_) => (&WORKERS, false),
-            Write::Certificate(_) => (&CERTIFICATES, false),
-            Write::Enrolment(_) => (&ENROLMENTS, false),
-            Write::Schedule(_) => (&SCHEDULES, false),
-            Write::Fire(_) => (&FIRES, false),
-            Write::RemoveSchedule(_) => return ("DELETE FROM schedules WHERE name = $1", false),
-            Write::Operator(_) => (&OPERATORS, false),
-            Write::Delivery(_) => (&DELIVERIES, false),
-            Write::RemoveOperator(_) => return ("DELETE FROM operators WHERE name = $1", false),
-            Write::Alive(_) => return (ALIVE, false),
-        };
-        if known {
-            (rows::update(table), true)
-        } else {
-            (rows::upsert(table), false)
-        }
+/// The statement that applies one write, and whether it is an UPDATE that must report
+/// its row. A row the command loaded exists and is locked in this transaction, so
+/// writing it is a plain UPDATE.
+fn write_sql(loaded: &Loaded<'_>, write: &Write) -> (&'static str, bool) {
+    let known = loaded.known(write).is_some();
+    let table = match write {
+        Write::Session(_) => &SESSIONS,
+        Write::Run(_) => &RUNS,
+        Write::Attempt(_) => &ATTEMPTS,
+        Write::Offer(_) => &OFFERS,
+        Write::Lease(_) => &LEASES,
+        // History is only ever appended.
+        Write::Event(_) => &EVENTS,
+        Write::LogChunk(_) => &LOG_CHUNKS,
+        Write::Worker(_) => &WORKERS,
+        Write::Certificate(_) => &CERTIFICATES,
+        Write::Enrolment(_) => &ENROLMENTS,
+        Write::Schedule(_) => &SCHEDULES,
+        Write::Fire(_) => &FIRES,
+        Write::RemoveSchedule(_) => return ("DELETE FROM schedules WHERE name = $1", false),
+        Write::Operator(_) => &OPERATORS,
+        Write::Delivery(_) => &DELIVERIES,
+        Write::RemoveOperator(_) => return ("DELETE FROM operators WHERE name = $1", false),
+        Write::Alive(_) => return (ALIVE, false),
+    };
+    if known {
+        (rows::update(table), true)
+    } else {
+        (rows::upsert(table), false)
     }
 }
 

@@ -81,6 +81,7 @@ use tokio::sync::{oneshot, watch};
 use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
+use super::loaded::{Known, Loaded};
 use super::records::{
     ATTEMPT_COLS, AUDIT_COLS, CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, EVENT_COLS, FIRE_COLS, LEASE_COLS,
     LOG_CHUNK_COLS, OFFER_COLS, OPERATOR_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
@@ -104,12 +105,16 @@ pub struct SqliteOptions {
     pub watch_tick: Duration,
     /// How long to wait for another process's write lock before failing (default 5 s).
     pub busy_timeout: Duration,
-    /// Group commit: once the last batch held several jobs (concurrent callers), how long
-    /// a new batch may wait for as many before it commits. Zero (the default) commits what
-    /// is queued at once: a slow fsync gathers the next batch by itself. A window trades
-    /// latency for fewer syncs where each costs more than its time (a volume billed or
-    /// capped by IOPS). A lone caller never waits.
+    /// Group commit: once the last batch held at least [`SqliteOptions::commit_window_min_batch`]
+    /// jobs (many concurrent callers), how long a new batch may wait for as many before it
+    /// commits (default 1 ms). Zero commits what is queued at once. A disk that syncs fast
+    /// would otherwise commit each cohort of callers in several small pieces; a few
+    /// callers, or a lone one, never wait.
     pub commit_window: Duration,
+    /// The batch size from which the commit window applies (default 8): below it the
+    /// wait would cost a few callers more time than the sync it saves (PostgreSQL's
+    /// `commit_siblings` plays the same part for its `commit_delay`).
+    pub commit_window_min_batch: usize,
     /// How long a commit that changed nothing but a session's liveness (an idle poll, a
     /// plain heartbeat) or nothing but audit records (a refusal) may wait for the WAL's
     /// sync, which the next commit that decides anything, or this timer, does for it
@@ -134,7 +139,8 @@ impl Default for SqliteOptions {
             clock_offset: Arc::new(AtomicI64::new(0)),
             watch_tick: Duration::from_millis(250),
             busy_timeout: Duration::from_secs(5),
-            commit_window: Duration::ZERO,
+            commit_window: Duration::from_millis(1),
+            commit_window_min_batch: COMMIT_WINDOW_MIN_BATCH,
             lazy_sync: Duration::from_secs(1),
             hold_batches: HOLD_MAX,
             checkpoint_interval: Duration::from_secs(1),
@@ -171,6 +177,9 @@ pub const BATCH_MAX: usize = 64;
 /// after it, so the bound keeps that wait short.
 pub const HOLD_MAX: usize = 1;
 
+/// The default of [`SqliteOptions::commit_window_min_batch`].
+pub const COMMIT_WINDOW_MIN_BATCH: usize = 8;
+
 /// The default of [`SqliteOptions::wal_autocheckpoint_pages`]: 64 MiB of 4 KiB pages,
 /// sixteen times SQLite's own, since the checkpoint thread normally keeps the WAL far
 /// shorter.
@@ -205,6 +214,8 @@ struct Writer {
     queue: queue::Queue,
     /// See [`SqliteOptions::commit_window`].
     commit_window: Duration,
+    /// See [`SqliteOptions::commit_window_min_batch`].
+    commit_window_min_batch: usize,
     /// Jobs in the last batch: how many callers a new batch waits for.
     last_batch: usize,
     /// The database file, beside which SQLite keeps its WAL.
@@ -279,6 +290,7 @@ impl SqliteStore {
             wants_pending: Vec::new(),
             queue: queue::Queue::default(),
             commit_window: options.commit_window,
+            commit_window_min_batch: options.commit_window_min_batch.max(2),
             last_batch: 0,
             path: path.clone(),
             wal: None,
@@ -378,8 +390,8 @@ impl Writer {
     }
 
     /// The batch that begins with `first`: every job already queued, and while the last
-    /// batch showed concurrent callers, those that arrive within the commit window until
-    /// there are as many as last time. Their commands share one fsync; a disk that syncs
+    /// batch showed many concurrent callers, those that arrive within the commit window
+    /// until there are as many as last time. Their commands share one fsync; a disk that syncs
     /// fast would otherwise commit each cohort of callers in several small pieces.
     fn gather(&self, queue: &mpsc::Receiver<Job>, first: Job) -> Vec<Job> {
         let mut batch = vec![first];
@@ -390,7 +402,10 @@ impl Writer {
                 Err(mpsc::TryRecvError::Disconnected) => break,
                 Err(mpsc::TryRecvError::Empty) => {
                     let left = deadline.saturating_duration_since(Instant::now());
-                    if self.last_batch < 2 || batch.len() >= self.last_batch || left.is_zero() {
+                    if self.last_batch < self.commit_window_min_batch
+                        || batch.len() >= self.last_batch
+                        || left.is_zero()
+                    {
                         break;
                     }
                     match queue.recv_timeout(left) {
@@ -601,17 +616,20 @@ impl Writer {
             Ok(reply) => reply,
             Err(code) => return Ok(Err(code)),
         };
+        // A loaded row gets only its changed columns: a session only seen (an idle
+        // fleet's every poll) its two times, a renewal its lease's expiry.
+        let mut loaded = Loaded::of(&rows);
         for write in &decision.writes {
-            match write {
-                // The session was only seen: its two times, not the whole row and every
-                // index on it (an idle fleet's every poll).
-                Write::Session(s) if seen_only => conn
-                    .prepare_cached("UPDATE sessions SET seen_at = ?1, expires_at = ?2 WHERE id = ?3")
-                    .and_then(|mut u| u.execute(rusqlite::params![s.seen_at, s.expires_at, s.id.as_str()]))
-                    .map(drop),
-                _ => apply(conn, write),
+            match loaded.known(write) {
+                Some(Known::Session(new, old)) => rows::update_changed(conn, new, old),
+                Some(Known::Run(new, old)) => rows::update_changed(conn, new, old),
+                Some(Known::Attempt(new, old)) => rows::update_changed(conn, new, old),
+                Some(Known::Offer(new, old)) => rows::update_changed(conn, new, old),
+                Some(Known::Lease(new, old)) => rows::update_changed(conn, new, old),
+                None => apply(conn, write),
             }
             .map_err(sql)?;
+            loaded.wrote(write);
             if let Write::Run(run) = write {
                 self.queue.note(run);
             }

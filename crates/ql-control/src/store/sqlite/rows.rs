@@ -1,6 +1,7 @@
 //! The SQLite side of the shared row mapping ([`crate::store::records`]): `rusqlite`'s
 //! row read as [`Columns`], a [`Value`] as a parameter, and each table's write
-//! statement, prepared once per connection (`prepare_cached`) and built once per process.
+//! statement, prepared once per connection (`prepare_cached`) and built once per process;
+//! or, for a row the command loaded, an `UPDATE` of the columns its decision changed.
 //!
 //! Corrupt values surface as `rusqlite` conversion errors, which the store already turns
 //! into a `StoreError`.
@@ -87,4 +88,32 @@ pub(super) fn write<T: Stored>(conn: &Connection, row: &T) -> rusqlite::Result<(
     let values = row.values().map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
     conn.prepare_cached(&WRITE[T::TABLE.name])?.execute(rusqlite::params_from_iter(values))?;
     Ok(())
+}
+
+/// Writes `row` over `known`, the same row as the database holds it now: an `UPDATE` of
+/// only the columns that differ, or nothing when none does. SQLite maintains an index,
+/// and checks a `CHECK`, only for the columns an `UPDATE` sets; the upsert sets them all,
+/// which made a renewal rewrite every index of its attempt.
+pub(super) fn update_changed<T: Stored>(conn: &Connection, row: &T, known: &T) -> rusqlite::Result<()> {
+    let conversion = |e| rusqlite::Error::ToSqlConversionFailure(Box::new(e));
+    let (new, old) = (row.values().map_err(conversion)?, known.values().map_err(conversion)?);
+    let table = T::TABLE;
+    let key = table.key.expect("only keyed tables are updated in place");
+    let names = &NAMES[table.name];
+    let at = names.iter().position(|n| *n == key).expect("the key is a column");
+    if new[at] != old[at] {
+        return write(conn, row);
+    }
+    let changed: Vec<usize> = (0..new.len()).filter(|&i| new[i] != old[i]).collect();
+    if changed.is_empty() {
+        return Ok(());
+    }
+    let sets: Vec<String> = changed.iter().enumerate().map(|(n, &i)| format!("{} = ?{}", names[i], n + 1)).collect();
+    let sql = format!("UPDATE {} SET {} WHERE {key} = ?{}", table.name, sets.join(", "), changed.len() + 1);
+    let params = changed.iter().map(|&i| &new[i]).chain([&new[at]]);
+    match conn.prepare_cached(&sql)?.execute(rusqlite::params_from_iter(params))? {
+        1 => Ok(()),
+        // The row was loaded in this transaction and nothing deletes: a lost write.
+        n => Err(rusqlite::Error::StatementChangedRows(n)),
+    }
 }

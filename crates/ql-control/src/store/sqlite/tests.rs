@@ -230,6 +230,45 @@ fn every_field_round_trips_through_its_row() {
 }
 
 #[test]
+fn a_loaded_row_is_written_in_the_columns_its_decision_changed_and_only_those() {
+    let dir = TempDir::new("changed");
+    let mut c = conn(&dir);
+    write_all(&mut c, &world()).unwrap();
+    let known = full_session();
+    // Behind the model's back: a column the next write does not change.
+    c.execute("UPDATE sessions SET agent_version = 'marker' WHERE id = 'ses_1'", []).unwrap();
+    let seen = Session { seen_at: 2_500, expires_at: 3_500, ..known.clone() };
+    rows::update_changed(&c, &seen, &known).unwrap();
+    let (version, seen_at, expires_at): (String, i64, i64) = c
+        .query_row("SELECT agent_version, seen_at, expires_at FROM sessions WHERE id = 'ses_1'", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .unwrap();
+    assert_eq!((version.as_str(), seen_at, expires_at), ("marker", 2_500, 3_500));
+    // Nothing changed: no statement at all.
+    let before = c.total_changes();
+    rows::update_changed(&c, &seen, &seen).unwrap();
+    assert_eq!(c.total_changes(), before);
+    // A row it believed loaded but the table lacks is a lost write, refused loudly.
+    let ghost = |s: &Session| Session { id: SessionId::parse("ses_ghost").unwrap(), ..s.clone() };
+    let err = rows::update_changed(&c, &ghost(&seen), &ghost(&known)).unwrap_err();
+    assert!(matches!(err, rusqlite::Error::StatementChangedRows(0)), "{err}");
+}
+
+#[test]
+fn a_row_written_twice_by_one_decision_is_compared_with_its_first_write() {
+    let loaded_rows = crate::core::Rows { session: Some(full_session()), ..Default::default() };
+    let mut loaded = Loaded::of(&loaded_rows);
+    let first = Write::Session(Session { seen_at: 9_000, ..full_session() });
+    let second = Write::Session(full_session());
+    assert!(matches!(loaded.known(&first), Some(Known::Session(_, old)) if *old == full_session()));
+    loaded.wrote(&first);
+    // Back to the loaded value: a comparison with the loaded row would find nothing to write.
+    assert!(matches!(loaded.known(&second), Some(Known::Session(_, old)) if old.seen_at == 9_000));
+    assert!(loaded.known(&Write::Event(full_event())).is_none(), "history is only appended");
+}
+
+#[test]
 fn empty_optional_fields_round_trip_as_null() {
     let dir = TempDir::new("nulls");
     let mut c = conn(&dir);
@@ -581,6 +620,7 @@ fn writer(dir: &TempDir) -> Writer {
         wants_pending: Vec::new(),
         queue: queue::Queue::default(),
         commit_window: Duration::ZERO,
+        commit_window_min_batch: 2,
         last_batch: 0,
         path: dir.db(),
         wal: None,
@@ -702,18 +742,23 @@ fn a_batch_waits_in_its_window_only_for_concurrent_callers() {
     let dir = TempDir::new("window");
     let (tx, rx) = std::sync::mpsc::channel();
     let noop = |w: &mut Writer| -> Result<(), StoreError> { w.control("SELECT 1") };
-    let mut w = Writer { commit_window: Duration::from_secs(3600), ..writer(&dir) };
+    let mut w = Writer { commit_window: Duration::from_secs(3600), commit_window_min_batch: 3, ..writer(&dir) };
     let (jobs, queue) = mpsc::channel::<Job>();
-    // A lone caller (the last batch held one job): committed at once, the window unused.
-    w.last_batch = 1;
-    assert_eq!(w.gather(&queue, job(noop, tx.clone())).len(), 1);
-    // After a batch of two, a batch waits for a second caller, however late it comes.
-    w.last_batch = 2;
+    // A lone caller, or fewer callers than the window's minimum batch: committed at once,
+    // the window unused.
+    for few in [1, 2] {
+        w.last_batch = few;
+        assert_eq!(w.gather(&queue, job(noop, tx.clone())).len(), 1, "after a batch of {few}");
+    }
+    // After a batch of three, a batch waits for more callers, however late they come,
+    // until there are as many as last time.
+    w.last_batch = 3;
+    jobs.send(job(noop, tx.clone())).unwrap();
     let late = std::thread::spawn({
         let (jobs, tx) = (jobs.clone(), tx.clone());
         move || jobs.send(job(noop, tx)).map_err(drop)
     });
-    assert_eq!(w.gather(&queue, job(noop, tx.clone())).len(), 2);
+    assert_eq!(w.gather(&queue, job(noop, tx.clone())).len(), 3);
     late.join().unwrap().unwrap();
     // What is queued already joins without waiting, up to the batch's bound.
     for _ in 0..BATCH_MAX + 1 {
