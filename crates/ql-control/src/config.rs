@@ -91,6 +91,9 @@ pub struct Config {
     /// SQLite: while callers keep coming, how many batches commit one after another before
     /// the one sync their answers wait for (1: every batch syncs on its own).
     pub sync_hold_batches: u64,
+    /// SQLite: right after a batch that decided nothing (idle polls), how long the next
+    /// batch gathers before it begins, so idle agents' polls share a commit (0: at once).
+    pub idle_batch_window_ms: u64,
     /// SQLite: how often a thread of its own checkpoints the WAL into the database file
     /// while the writer goes on committing (0: the writer checkpoints inside its commits,
     /// as SQLite does by default).
@@ -182,6 +185,7 @@ impl Default for Config {
             commit_window_min_batch: crate::store::sqlite::COMMIT_WINDOW_MIN_BATCH as u64,
             lazy_sync_ms: 1_000,
             sync_hold_batches: 1,
+            idle_batch_window_ms: 10,
             checkpoint_ms: 1_000,
             wal_autocheckpoint_pages: u64::from(crate::store::sqlite::WAL_BACKSTOP_PAGES),
             runtime_threads: 1,

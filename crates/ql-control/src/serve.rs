@@ -219,6 +219,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                     commit_window_min_batch: usize::try_from(config.commit_window_min_batch).unwrap_or(usize::MAX),
                     lazy_sync: Duration::from_millis(config.lazy_sync_ms),
                     hold_batches: usize::try_from(config.sync_hold_batches).unwrap_or(usize::MAX),
+                    idle_window: Duration::from_millis(config.idle_batch_window_ms),
                     checkpoint_interval: Duration::from_millis(config.checkpoint_ms),
                     wal_autocheckpoint_pages: u32::try_from(config.wal_autocheckpoint_pages).unwrap_or(u32::MAX),
                     ..SqliteOptions::default()

@@ -21,7 +21,11 @@
 //! The writer takes every job already queued (up to [`BATCH_MAX`]) into one
 //! `BEGIN IMMEDIATE` transaction (taking the file's write lock up front, so no other
 //! process can interleave) and commits them together: group commit, so concurrent agents
-//! share one fsync. If the commit fails, every command of the batch answers
+//! share one fsync. Two windows let a batch gather first: right after a batch that decided
+//! nothing (an idle fleet's polls, which arrive one by one) the writer sleeps
+//! [`SqliteOptions::idle_window`], and once the last batch showed many concurrent callers
+//! it waits up to [`SqliteOptions::commit_window`] for as many again; a lone caller, or one
+//! after a quiet, never waits. If the commit fails, every command of the batch answers
 //! [`StoreError`] (503, safe to repeat) and nothing of the batch is kept.
 //!
 //! # Durability
@@ -123,6 +127,12 @@ pub struct SqliteOptions {
     /// Most batches committed one after another, while callers keep coming, before the
     /// sync their answers wait for (1: each batch synced on its own).
     pub hold_batches: usize,
+    /// After a batch that decided nothing (an idle fleet's polls), how long the writer
+    /// lets the next batch gather before it begins (default 10 ms). Idle agents' polls
+    /// arrive one by one; committed together they share their pages and WAL writes, and
+    /// the writer and the connections' thread wake once per batch, not once per poll.
+    /// Zero begins at once.
+    pub idle_window: Duration,
     /// How often a thread of its own checkpoints the WAL into the database file, when
     /// something was committed ([`checkpoint`]). Zero: no such thread, and the writer
     /// checkpoints inside its commits every `wal_autocheckpoint_pages`.
@@ -143,6 +153,7 @@ impl Default for SqliteOptions {
             commit_window_min_batch: COMMIT_WINDOW_MIN_BATCH,
             lazy_sync: Duration::from_secs(1),
             hold_batches: HOLD_MAX,
+            idle_window: Duration::from_millis(10),
             checkpoint_interval: Duration::from_secs(1),
             wal_autocheckpoint_pages: WAL_BACKSTOP_PAGES,
         }
@@ -218,6 +229,12 @@ struct Writer {
     commit_window_min_batch: usize,
     /// Jobs in the last batch: how many callers a new batch waits for.
     last_batch: usize,
+    /// The last batch decided nothing (see [`SqliteOptions::idle_window`]), and when it
+    /// ended.
+    last_idle: bool,
+    last_end: Option<Instant>,
+    /// See [`SqliteOptions::idle_window`].
+    idle_window: Duration,
     /// The database file, beside which SQLite keeps its WAL.
     path: PathBuf,
     /// The WAL, held open to sync it ([`Writer::sync`]).
@@ -292,6 +309,9 @@ impl SqliteStore {
             commit_window: options.commit_window,
             commit_window_min_batch: options.commit_window_min_batch.max(2),
             last_batch: 0,
+            last_idle: false,
+            last_end: None,
+            idle_window: options.idle_window,
             path: path.clone(),
             wal: None,
             lazy_sync: options.lazy_sync,
@@ -394,6 +414,11 @@ impl Writer {
     /// until there are as many as last time. Their commands share one fsync; a disk that syncs
     /// fast would otherwise commit each cohort of callers in several small pieces.
     fn gather(&self, queue: &mpsc::Receiver<Job>, first: Job) -> Vec<Job> {
+        if let Some(pause) = self.idle_pause(Instant::now()) {
+            // Asleep, not waiting on the queue: callers that queue meanwhile do not wake
+            // the thread one by one.
+            std::thread::sleep(pause);
+        }
         let mut batch = vec![first];
         let deadline = Instant::now() + self.commit_window;
         while batch.len() < BATCH_MAX {
@@ -416,6 +441,14 @@ impl Writer {
             }
         }
         batch
+    }
+
+    /// How long a batch whose first job came at `now` gathers before it begins: the idle
+    /// window, when the last batch decided nothing and ended within that window (polls
+    /// are arriving one by one). A job after a longer quiet has no company to wait for.
+    fn idle_pause(&self, now: Instant) -> Option<Duration> {
+        let recent = self.last_end.is_some_and(|end| now.saturating_duration_since(end) < self.idle_window);
+        (self.last_idle && recent).then_some(self.idle_window)
     }
 
     /// Runs `batch` in one transaction, each job under its own savepoint, then answers.
@@ -471,6 +504,8 @@ impl Writer {
             lazy &= !keep || self.job_lazy;
             answers.extend(answer);
         }
+        self.last_idle = lazy;
+        self.last_end = Some(Instant::now());
         let committed = self.control("COMMIT");
         if committed.is_err() {
             let _ = self.conn.execute_batch("ROLLBACK");

@@ -622,6 +622,9 @@ fn writer(dir: &TempDir) -> Writer {
         commit_window: Duration::ZERO,
         commit_window_min_batch: 2,
         last_batch: 0,
+        last_idle: false,
+        last_end: None,
+        idle_window: Duration::ZERO,
         path: dir.db(),
         wal: None,
         lazy_sync: Duration::ZERO,
@@ -767,6 +770,21 @@ fn a_batch_waits_in_its_window_only_for_concurrent_callers() {
     let first = queue.recv().unwrap();
     assert_eq!(w.gather(&queue, first).len(), BATCH_MAX);
     drop(rx);
+}
+
+#[test]
+fn a_batch_pauses_to_gather_only_right_after_a_batch_that_decided_nothing() {
+    let dir = TempDir::new("idle");
+    let window = Duration::from_millis(10);
+    let end = Instant::now();
+    let w = Writer { idle_window: window, last_idle: true, last_end: Some(end), ..writer(&dir) };
+    assert_eq!(w.idle_pause(end + window / 2), Some(window), "polls arriving one by one");
+    assert_eq!(w.idle_pause(end + window), None, "a job after a quiet has no company to wait for");
+    assert_eq!(Writer { last_idle: false, ..w }.idle_pause(end), None, "the last batch decided something");
+    let w = Writer { idle_window: Duration::ZERO, last_idle: true, last_end: Some(end), ..writer(&dir) };
+    assert_eq!(w.idle_pause(end), None, "no window");
+    let w = Writer { idle_window: window, last_idle: true, ..writer(&dir) };
+    assert_eq!(w.idle_pause(end), None, "no batch yet");
 }
 
 /// A job that writes an audit record alone (a refusal's): it says it may wait for its sync.
