@@ -65,14 +65,14 @@ use tokio_postgres::{Config, Row};
 use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
-use super::loaded::Loaded;
+use super::loaded::{Known, Loaded};
 use super::records::{
     ATTEMPTS, AUDIT_COLS, CERTIFICATES, DELIVERIES, ENROLMENTS, EVENTS, EVENT_COLS, FIRES, LEASES, LOG_CHUNKS,
     LOG_CHUNK_COLS, OFFERS, OPERATORS, RUNS, SCHEDULES, SESSIONS, WORKERS,
 };
 use super::wakes::Wakes;
 use super::{Audit, AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
-use crate::core::{self, Command, IdGen, Reply, Timings, Write};
+use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
 use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
 use pool::{Pool, Pooled};
@@ -306,12 +306,10 @@ impl PgStore {
         // fails, PostgreSQL refuses every later one in the aborted transaction and turns
         // the COMMIT into a rollback; the failure surfaces from the pipeline, and the
         // connection is discarded.
-        let params = decision.writes.iter().map(write_params).collect::<Result<Vec<_>, _>>()?;
-        let loaded = Loaded::of(&rows);
-        let sqls: Vec<(&str, bool)> = decision.writes.iter().map(|w| write_sql(&loaded, w)).collect();
+        let writes = plan(&rows, &decision.writes)?;
         let mut batch = admitted;
         let audited = batch.len();
-        batch.extend(sqls.iter().zip(&params).map(|((sql, _), p)| (*sql, refs(p))));
+        batch.extend(writes.iter().map(|w| (w.sql.as_ref(), refs(&w.params))));
         if decision.wake || !decision.wants.is_empty() {
             batch.push(("SELECT pg_notify($1, $2)", vec![&CHANNEL, &self.inner.nonce]));
         }
@@ -320,7 +318,7 @@ impl PgStore {
         // An UPDATE of a loaded row that found none would be a lost write. It cannot
         // happen (the row was locked and nothing deletes), but if it did the COMMIT has
         // already run: fail loudly rather than answer as if it had been written.
-        if sqls.iter().zip(&answers[audited..]).any(|((_, update), rows)| *update && rows.len() != 1) {
+        if writes.iter().zip(&answers[audited..]).any(|(w, rows)| w.update && rows.len() != 1) {
             return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));
         }
         if self.inner.kill_after_commit.as_ref().is_some_and(|hook| hook(cmd)) {
@@ -415,11 +413,47 @@ impl Tx<'_> {
     }
 }
 
-/// The statement that applies one write, and whether it is an UPDATE that must report
-/// its row. A row the command loaded exists and is locked in this transaction, so
-/// writing it is a plain UPDATE.
-fn write_sql(loaded: &Loaded<'_>, write: &Write) -> (&'static str, bool) {
-    let known = loaded.known(write).is_some();
+/// One write's statement and parameters, and whether it is an UPDATE that must report
+/// its row.
+struct Planned {
+    sql: std::borrow::Cow<'static, str>,
+    params: rows::Params,
+    update: bool,
+}
+
+/// The statements of a decision's writes, in order. A row the command loaded exists and
+/// is locked in this transaction: it is updated, in the columns that changed (nothing is
+/// sent for a row written as it was); a new one is upserted, history inserted.
+fn plan(loaded_rows: &Rows, writes: &[Write]) -> Result<Vec<Planned>, Error> {
+    let mut loaded = Loaded::of(loaded_rows);
+    let mut planned = Vec::with_capacity(writes.len());
+    for write in writes {
+        let (sql, params, update) = match loaded.known(write) {
+            None => (write_sql(write).into(), write_params(write)?, false),
+            Some(known) => {
+                let changed = match known {
+                    Known::Session(new, old) => rows::update_changed(new, old)?,
+                    Known::Run(new, old) => rows::update_changed(new, old)?,
+                    Known::Attempt(new, old) => rows::update_changed(new, old)?,
+                    Known::Offer(new, old) => rows::update_changed(new, old)?,
+                    Known::Lease(new, old) => rows::update_changed(new, old)?,
+                };
+                // Written as it was: nothing to send.
+                let Some((sql, params)) = changed else { continue };
+                (sql.into(), params, true)
+            }
+        };
+        // A row written is known from here on, so a second write of it is compared
+        // with the first.
+        loaded.wrote(write);
+        planned.push(Planned { sql, params, update });
+    }
+    Ok(planned)
+}
+
+/// The statement that writes a row the command did not load: an upsert, for history an
+/// insert.
+fn write_sql(write: &Write) -> &'static str {
     let table = match write {
         Write::Session(_) => &SESSIONS,
         Write::Run(_) => &RUNS,
@@ -434,17 +468,13 @@ fn write_sql(loaded: &Loaded<'_>, write: &Write) -> (&'static str, bool) {
         Write::Enrolment(_) => &ENROLMENTS,
         Write::Schedule(_) => &SCHEDULES,
         Write::Fire(_) => &FIRES,
-        Write::RemoveSchedule(_) => return ("DELETE FROM schedules WHERE name = $1", false),
+        Write::RemoveSchedule(_) => return "DELETE FROM schedules WHERE name = $1",
         Write::Operator(_) => &OPERATORS,
         Write::Delivery(_) => &DELIVERIES,
-        Write::RemoveOperator(_) => return ("DELETE FROM operators WHERE name = $1", false),
-        Write::Alive(_) => return (ALIVE, false),
+        Write::RemoveOperator(_) => return "DELETE FROM operators WHERE name = $1",
+        Write::Alive(_) => return ALIVE,
     };
-    if known {
-        (rows::update(table), true)
-    } else {
-        (rows::upsert(table), false)
-    }
+    rows::upsert(table)
 }
 
 /// Its parameters.

@@ -1,6 +1,7 @@
 //! The PostgreSQL side of the shared row mapping ([`crate::store::records`]):
 //! `tokio_postgres`'s row read as [`Columns`], a [`Value`] as a parameter, and each
-//! table's select list, upsert and update.
+//! table's select list and upsert, or for a row the command loaded, an update of the
+//! columns its decision changed.
 //!
 //! What differs from SQLite: labels are JSONB, so they are selected as `labels::text`
 //! and sent as text cast to JSONB (no serde feature of the driver is needed); the other
@@ -52,13 +53,14 @@ pub(super) type Params = Vec<Box<dyn ToSql + Sync + Send>>;
 /// The parameters of a write, in column order.
 pub(super) fn params<T: Stored>(row: &T) -> Result<Params, Error> {
     let values = row.values().map_err(|e| Error::Corrupt(e.to_string()))?;
-    let param = |v| -> Box<dyn ToSql + Sync + Send> {
-        match v {
-            Value::Text(t) => Box::new(t),
-            Value::Int(n) => Box::new(n),
-        }
-    };
     Ok(values.into_iter().map(param).collect())
+}
+
+fn param(v: Value) -> Box<dyn ToSql + Sync + Send> {
+    match v {
+        Value::Text(t) => Box::new(t),
+        Value::Int(n) => Box::new(n),
+    }
 }
 
 /// Columns sent as text and stored as JSONB.
@@ -80,36 +82,36 @@ fn select_list(table: &Table) -> String {
     list.join(", ")
 }
 
-/// Builds `UPDATE ... SET` of every non-key column `WHERE key = $1 RETURNING 1`, with
-/// the parameters in the same order as the upsert's (the key is every table's first
-/// column). The store uses it for rows it loaded under a lock in this transaction: a
-/// plain update skips the upsert's speculative insertion, and `RETURNING` lets the store
-/// prove the row was there.
-fn build_update(table: &Table) -> Option<String> {
-    let key = table.key?;
+/// An `UPDATE` of `row` over `known`, the same row as the command loaded it under a lock
+/// in this transaction: `SET` of only the columns that differ (the key is every table's
+/// first column, `$1`), `RETURNING 1` so the store can prove the row was there; `None`
+/// when no column differs. A renewal then sends its lease's times, not the whole attempt,
+/// and a run's labels are not parsed into JSONB again when they did not change.
+pub(super) fn update_changed<T: Stored>(row: &T, known: &T) -> Result<Option<(String, Params)>, Error> {
+    let values = |r: &T| r.values().map_err(|e| Error::Corrupt(e.to_string()));
+    let (new, old) = (values(row)?, values(known)?);
+    let table = T::TABLE;
     let names: Vec<&str> = table.names().collect();
-    assert_eq!(names[0], key, "the key is the first column");
+    let key = table.key.filter(|k| *k == names[0]).expect("a keyed table, its key the first column");
+    let changed: Vec<usize> = (1..new.len()).filter(|&i| new[i] != old[i]).collect();
+    if changed.is_empty() {
+        return Ok(None);
+    }
     let sets: Vec<String> =
-        names.iter().enumerate().skip(1).map(|(i, c)| format!("{c} = {}", placeholder(i + 1, c))).collect();
-    Some(format!("UPDATE {} SET {} WHERE {key} = $1 RETURNING 1", table.name, sets.join(", ")))
+        changed.iter().enumerate().map(|(n, &i)| format!("{} = {}", names[i], placeholder(n + 2, names[i]))).collect();
+    let sql = format!("UPDATE {} SET {} WHERE {key} = $1 RETURNING 1", table.name, sets.join(", "));
+    let mut new: Vec<Option<Value>> = new.into_iter().map(Some).collect();
+    let params = std::iter::once(0).chain(changed).map(|i| param(new[i].take().expect("each column once")));
+    Ok(Some((sql, params.collect())))
 }
 
 /// Each table's upsert (for history, its insert), by table name.
 static WRITE: LazyLock<HashMap<&str, String>> =
     LazyLock::new(|| TABLES.iter().map(|t| (t.name, t.write_sql(placeholder))).collect());
 
-/// Each keyed table's update (see [`build_update`]), by table name.
-static UPDATE: LazyLock<HashMap<&str, String>> =
-    LazyLock::new(|| TABLES.iter().filter_map(|t| Some((t.name, build_update(t)?))).collect());
-
 /// The statement that writes a new row of `table`: an upsert, or for history an insert.
 pub(super) fn upsert(table: &Table) -> &'static str {
     &WRITE[table.name]
-}
-
-/// The statement that updates a row of `table` the command loaded (see [`build_update`]).
-pub(super) fn update(table: &Table) -> &'static str {
-    &UPDATE[table.name]
 }
 
 /// The select list of `sessions`.
@@ -126,3 +128,43 @@ pub(super) static LEASE_COLS: LazyLock<String> = LazyLock::new(|| select_list(&L
 pub(super) static SCHEDULE_COLS: LazyLock<String> = LazyLock::new(|| select_list(&SCHEDULES));
 /// The select list of `workers`.
 pub(super) static WORKER_COLS: LazyLock<String> = LazyLock::new(|| select_list(&WORKERS));
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use ql_wire::ids::{Counter, SessionId, WorkerId};
+
+    use super::*;
+    use crate::model::{Session, SessionState};
+
+    fn session() -> Session {
+        Session {
+            id: SessionId::parse("ses_1").unwrap(),
+            worker: WorkerId::parse("router-1").unwrap(),
+            generation: Counter::new(1).unwrap(),
+            state: SessionState::Online,
+            capacity: 2,
+            labels: BTreeMap::from([("arch".to_owned(), "mipsel".to_owned())]),
+            agent_version: "0.1.0".into(),
+            arch: "mipsel".into(),
+            created_at: 1_000,
+            seen_at: 2_000,
+            expires_at: 3_000,
+        }
+    }
+
+    #[test]
+    fn a_loaded_row_is_updated_in_the_columns_that_changed() {
+        let known = session();
+        let seen = Session { seen_at: 2_500, expires_at: 3_500, ..known.clone() };
+        let (sql, params) = update_changed(&seen, &known).unwrap().unwrap();
+        assert_eq!(sql, "UPDATE sessions SET seen_at = $2, expires_at = $3 WHERE id = $1 RETURNING 1");
+        assert_eq!(params.len(), 3, "the key, then each changed column");
+        // JSONB columns keep their cast when they change.
+        let relabelled = Session { labels: BTreeMap::new(), ..known.clone() };
+        let (sql, _) = update_changed(&relabelled, &known).unwrap().unwrap();
+        assert_eq!(sql, "UPDATE sessions SET labels = $2::text::jsonb WHERE id = $1 RETURNING 1");
+        assert!(update_changed(&known, &known).unwrap().is_none(), "written as it was: no statement");
+    }
+}
