@@ -45,10 +45,11 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use ql_wire::ids::{AttemptId, RunId, SessionId, WorkerId};
+use ql_wire::ErrorCode;
 
 use super::rows::SCHEDULE_COLS;
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
-use super::{schema, Error, Tx};
+use super::{schema, Admit, Error, Tx, STAMP_ADMIT};
 use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
 use crate::model::{Millis, Session, SessionState, Worker};
 use crate::store::records::EVENT_COLS;
@@ -259,13 +260,15 @@ async fn current_attempt(tx: &mut Tx<'_>, run: &RunId, out: &mut Rows) -> Result
 }
 
 /// Begins the transaction and loads what `keys` names, taking the locks in the
-/// protocol's order; then reads DB time. Returns the rows and DB time.
+/// protocol's order; then reads DB time and, with `admit`, the request's admission.
+/// Returns the rows, DB time and the admission's refusal, if any.
 pub(super) async fn load(
     tx: &mut Tx<'_>,
     keys: &Keys,
     offset: i64,
     timings: &Timings,
-) -> Result<(Rows, Millis), Error> {
+    admit: Option<Admit<'_>>,
+) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
     let fenced = Keys {
         attempt: keys.attempt.clone(),
         session: keys.session.clone(),
@@ -275,17 +278,28 @@ pub(super) async fn load(
         ..Keys::default()
     };
     if keys.attempt.is_some() && keys.session.is_some() && keys.run.is_some() && *keys == fenced {
-        return pipelined(tx, keys, offset).await;
+        return pipelined(tx, keys, offset, admit).await;
     }
     tx.exec("BEGIN", &[]).await?;
     let rows = load_in_order(tx, keys, offset, timings).await?;
     // DB time from a statement issued after every lock is held.
-    let now = tx.now(offset).await?;
-    Ok((rows, now))
+    let (now, refused) = match admit {
+        None => (tx.now(offset).await?, None),
+        Some(a) => {
+            let row = tx.one(STAMP_ADMIT, &[&offset, &a.principal.as_str(), &a.serial]).await?;
+            a.read(&row.ok_or_else(|| Error::Corrupt("DB time read no row".to_owned()))?)?
+        }
+    };
+    Ok((rows, now, refused))
 }
 
 /// The pipelined load of a fenced command (see the module doc).
-async fn pipelined(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<(Rows, Millis), Error> {
+async fn pipelined(
+    tx: &mut Tx<'_>,
+    keys: &Keys,
+    offset: i64,
+    admit: Option<Admit<'_>>,
+) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
     const LOCK: &str = "FOR UPDATE";
     let (Some(attempt), Some(session), Some(run)) = (&keys.attempt, &keys.session, &keys.run) else {
         unreachable!("checked by load");
@@ -317,7 +331,11 @@ async fn pipelined(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<(Rows, M
     if keys.completion_event {
         batch.push((&sqls[7], vec![&a, &COMPLETION_EVENT]));
     }
-    batch.push((&sqls[8], vec![&offset]));
+    let admitted = admit.map(|a| (a.principal.as_str(), a.serial));
+    match &admitted {
+        None => batch.push((&sqls[8], vec![&offset])),
+        Some((principal, serial)) => batch.push((STAMP_ADMIT, vec![&offset, principal, serial])),
+    }
     let mut answers = tx.pipeline(&batch).await?.into_iter().skip(2);
     let mut next = || answers.next().unwrap_or_default();
     let first = |rows: Vec<Row>| rows.into_iter().next();
@@ -337,8 +355,12 @@ async fn pipelined(tx: &mut Tx<'_>, keys: &Keys, offset: i64) -> Result<(Rows, M
     if keys.completion_event {
         out.completion_event = first(next()).as_ref().map(rows::read).transpose()?;
     }
-    let now = first(next()).map_or(0, |r| r.get(0));
-    Ok((out, now))
+    let stamp = first(next()).ok_or_else(|| Error::Corrupt("DB time read no row".to_owned()))?;
+    let (now, refused) = match admit {
+        None => (stamp.get(0), None),
+        Some(a) => a.read(&stamp)?,
+    };
+    Ok((out, now, refused))
 }
 
 /// The schedules due by DB time, each locked without waiting (a replica firing one right

@@ -18,7 +18,11 @@
 //! Rows the command loaded are written with a plain UPDATE, new ones with an upsert.
 //!
 //! Round trips: a fenced command sends its whole load (BEGIN, locks, loads, DB time) as
-//! one pipeline and its writes, NOTIFY and COMMIT as a second. The server executes a
+//! one pipeline and its writes, NOTIFY and COMMIT as a second. A request whose admission
+//! is decided with its command ([`Audit::admit`]) reads it in the statement that reads DB
+//! time, after the locks: no round trip of its own, and a revocation that committed while
+//! the command waited for a lock is seen. Refused, the transaction commits only the
+//! refusal's audit record. The server executes a
 //! connection's statements strictly in order, so pipelining changes neither the lock
 //! order nor when DB time is stamped ([`load`] explains).
 //!
@@ -73,7 +77,7 @@ use super::records::{
 use super::wakes::Wakes;
 use super::{Audit, AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
-use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
+use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Millis, Operator, Run, Schedule, Session, Worker};
 use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
@@ -264,20 +268,33 @@ impl PgStore {
     async fn execute_once(&self, cmd: &Command, audit: Option<&Audit>) -> Result<Result<Reply, ErrorCode>, Error> {
         let mut conn = self.inner.pool.get().await?;
         let offset = self.offset();
-        if let Some(Audit { record, admit: Some(serial) }) = audit {
-            // The admission, on the connection the command then runs on: a plain read.
-            if let Some(code) = refusal(&conn, record, serial, offset).await? {
-                append_audit(&mut conn, record, code.as_str(), offset).await?;
-                conn.keep();
-                return Ok(Err(code));
-            }
-        }
+        // The admission still to be decided is read with the command's last load
+        // statement, after its locks: one round trip less, and a revocation committed
+        // while the command waited for a lock is seen.
+        let admit = match audit {
+            Some(Audit { record, admit: Some(serial) }) => match &record.principal {
+                Some(principal) => Some(Admit { principal, serial }),
+                None => {
+                    append_audit(&mut conn, record, ErrorCode::Unauthenticated.as_str(), offset).await?;
+                    conn.keep();
+                    return Ok(Err(ErrorCode::Unauthenticated));
+                }
+            },
+            _ => None,
+        };
         let audit = audit.map(|a| &a.record);
-        let mut tx = Tx { conn: &mut conn };
-        let (rows, now) = load::load(&mut tx, &cmd.keys(), offset, &self.inner.timings).await?;
-        let decision = core::decide(cmd, &rows, now, &self.inner.timings, &mut IdGen::random());
         let principal = audit.and_then(|a| a.principal.as_ref()).map(|p| p.as_str());
         let route = audit.map(|a| a.route.as_str());
+        let mut tx = Tx { conn: &mut conn };
+        let (rows, now, refused) = load::load(&mut tx, &cmd.keys(), offset, &self.inner.timings, admit).await?;
+        if let Some(code) = refused {
+            // Refused admission: the refusal alone goes on record, and the locks go.
+            let refused = Some(code.as_str());
+            tx.pipeline(&[(AUDIT_SQL, vec![&offset, &principal, &route, &refused]), ("COMMIT", vec![])]).await?;
+            conn.keep();
+            return Ok(Err(code));
+        }
+        let decision = core::decide(cmd, &rows, now, &self.inner.timings, &mut IdGen::random());
         let outcome = audit.map(|a| a.outcome.as_str());
         let admitted: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = match audit {
             Some(_) => vec![(AUDIT_SQL, vec![&offset, &principal, &route, &outcome])],
@@ -590,39 +607,59 @@ fn map_all<T>(rows: Vec<Row>, f: fn(&Row) -> Result<T, Error>) -> Result<Vec<T>,
 const AUDIT_SQL: &str = "INSERT INTO audit (at, principal, route, outcome) VALUES \
      ((floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint, $2, $3, $4)";
 
+/// DB time and what the admission of a request reads ([`core::admission`]): `$1` the
+/// clock offset, `$2` the principal, `$3` the serial of the certificate it presented. Only
+/// what the worker-ingress role may read: the worker's switches and the certificate's
+/// record. A command reads it as its last load statement, after every lock ([`load`]).
+pub(super) const STAMP_ADMIT: &str = "SELECT (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint \
+     + $1::bigint, w.disabled_at, w.revoked_at, c.worker, c.issued_at, c.not_after, c.revoked_at \
+     FROM (SELECT 1) one LEFT JOIN workers w ON w.id = $2 LEFT JOIN certificates c ON c.serial = $3";
+
+/// A request to admit with a command: its principal and its certificate's serial.
+#[derive(Clone, Copy)]
+pub(super) struct Admit<'a> {
+    principal: &'a WorkerId,
+    serial: &'a str,
+}
+
+impl Admit<'_> {
+    /// DB time and the admission's refusal, if any, from a row of [`STAMP_ADMIT`].
+    pub(super) fn read(&self, row: &Row) -> Result<(Millis, Option<ErrorCode>), Error> {
+        let now: Millis = row.get(0);
+        let (disabled_at, revoked_at): (Option<i64>, Option<i64>) = (row.get(1), row.get(2));
+        let worker = (disabled_at.is_some() || revoked_at.is_some()).then(|| Worker {
+            disabled_at,
+            revoked_at,
+            ..Worker::new(self.principal.clone(), 0)
+        });
+        let cert = match row.get::<_, Option<String>>(3) {
+            None => None,
+            Some(w) => Some(Certificate {
+                serial: self.serial.to_owned(),
+                worker: WorkerId::parse(w.as_str()).map_err(|e| Error::Corrupt(e.to_string()))?,
+                issued_at: row.get(4),
+                not_after: row.get(5),
+                revoked_at: row.get(6),
+            }),
+        };
+        Ok((now, core::admission(self.principal, worker.as_ref(), cert.as_ref(), now).err()))
+    }
+}
+
 /// Whether the request `record` is of, presenting the certificate `serial`, is refused
-/// ([`core::admission`]). Reads only what the worker-ingress role may: the worker's
-/// switches and the certificate's record.
+/// ([`core::admission`]), decided on its own (before a request's body).
 async fn refusal(
-    conn: &pool::Conn,
+    conn: &mut pool::Conn,
     record: &AuditRecord,
     serial: &str,
     offset: i64,
 ) -> Result<Option<ErrorCode>, Error> {
-    const STATE: &str = "SELECT w.disabled_at, w.revoked_at, c.worker, c.issued_at, c.not_after, c.revoked_at, \
-         (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $3::bigint \
-         FROM (SELECT 1) one LEFT JOIN workers w ON w.id = $1 LEFT JOIN certificates c ON c.serial = $2";
-    let Some(p) = &record.principal else {
+    let Some(principal) = &record.principal else {
         return Ok(Some(ErrorCode::Unauthenticated));
     };
-    let row = conn.client().query_one(STATE, &[&p.as_str(), &serial, &offset]).await.map_err(Error::Pg)?;
-    let (disabled_at, revoked_at): (Option<i64>, Option<i64>) = (row.get(0), row.get(1));
-    let worker = (disabled_at.is_some() || revoked_at.is_some()).then(|| Worker {
-        disabled_at,
-        revoked_at,
-        ..Worker::new(p.clone(), 0)
-    });
-    let cert = match row.get::<_, Option<String>>(2) {
-        None => None,
-        Some(w) => Some(Certificate {
-            serial: serial.to_owned(),
-            worker: WorkerId::parse(w.as_str()).map_err(|e| Error::Corrupt(e.to_string()))?,
-            issued_at: row.get(3),
-            not_after: row.get(4),
-            revoked_at: row.get(5),
-        }),
-    };
-    Ok(core::admission(p, worker.as_ref(), cert.as_ref(), row.get(6)).err())
+    let stmt = conn.prepare(STAMP_ADMIT).await?;
+    let row = conn.client().query_one(&stmt, &[&offset, &principal.as_str(), &serial]).await.map_err(Error::Pg)?;
+    Ok(Admit { principal, serial }.read(&row)?.1)
 }
 
 /// Appends `record` with `outcome`, on its own (outside any transaction of a command).
@@ -662,7 +699,7 @@ impl Store for PgStore {
     async fn admit(&self, record: AuditRecord, serial: String) -> Result<Option<ErrorCode>, StoreError> {
         let pool = self.inner.audit.as_ref().unwrap_or(&self.inner.pool);
         let mut conn = pool.get().await?;
-        let refused = refusal(&conn, &record, &serial, self.offset()).await?;
+        let refused = refusal(&mut conn, &record, &serial, self.offset()).await?;
         if let Some(code) = refused {
             append_audit(&mut conn, &record, code.as_str(), self.offset()).await?;
         }
