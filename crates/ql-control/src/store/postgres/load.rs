@@ -20,16 +20,15 @@
 //! that attempt's fence, then locks the run; if the current attempt changed in between,
 //! the transaction is retried ([`Error::Retry`]) rather than taking a fence out of order.
 //!
-//! # The fenced load in one call
+//! # Pipelining
 //!
 //! Commands that name their attempt, session and run up front (every fenced command and
-//! claim) load everything with one call of `ql_load_fenced` (migration 0012), sent
-//! with `BEGIN` as one pipeline: the function takes the fence, then the session, run,
-//! attempt, lease and offer locks in the order above, reads the completion event, then
-//! DB time (`clock_timestamp()`, read after the last lock) and what the request's
-//! admission needs. The rows come back as JSON text ([`rows::JsonRow`]). One round trip
-//! and two statements instead of nine; the protocol's lock order is the function's
-//! statement order, written once in SQL beside the sequential load below.
+//! claim) send the whole load — `BEGIN`, fence, session, run, attempt, lease, offer,
+//! completion event, DB time — in one pipeline, without waiting for each answer.
+//! PostgreSQL executes a connection's statements strictly one after another, so the
+//! locks are still taken in the order above, and the DB-time statement still starts
+//! only after the last lock is held (`statement_timestamp()` is stamped when the server
+//! begins that statement). One round trip instead of nine.
 //!
 //! # Placement and the sweeper never wait
 //!
@@ -50,7 +49,7 @@ use ql_wire::ErrorCode;
 
 use super::rows::SCHEDULE_COLS;
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
-use super::{Admit, Error, Tx, STAMP_ADMIT};
+use super::{schema, Admit, Error, Tx, STAMP_ADMIT};
 use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
 use crate::model::{Millis, Session, SessionState, Worker};
 use crate::store::records::EVENT_COLS;
@@ -288,16 +287,11 @@ pub(super) async fn load(
         None => (tx.now(offset).await?, None),
         Some(a) => {
             let row = tx.one(STAMP_ADMIT, &[&offset, &a.principal.as_str(), &a.serial]).await?;
-            a.read(&row.ok_or_else(|| Error::Corrupt("DB time read no row".to_owned()))?, 0)?
+            a.read(&row.ok_or_else(|| Error::Corrupt("DB time read no row".to_owned()))?)?
         }
     };
     Ok((rows, now, refused))
 }
-
-/// The fenced load: the attempt's fence, its session, run, attempt, lease and offer
-/// locked in this order, the completion event, DB time and the admission's reads, by one
-/// call of `ql_load_fenced` (migration 0012), sent with BEGIN as one pipeline.
-const FENCED_LOAD: &str = "SELECT * FROM ql_load_fenced($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// The pipelined load of a fenced command (see the module doc).
 async fn pipelined(
@@ -306,34 +300,65 @@ async fn pipelined(
     offset: i64,
     admit: Option<Admit<'_>>,
 ) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
+    const LOCK: &str = "FOR UPDATE";
     let (Some(attempt), Some(session), Some(run)) = (&keys.attempt, &keys.session, &keys.run) else {
         unreachable!("checked by load");
     };
     let (a, s, r) = (attempt.as_str(), session.as_str(), run.as_str());
     let offer = keys.offer.as_ref().map(|o| o.as_str());
-    let event = keys.completion_event.then_some(COMPLETION_EVENT);
-    let (principal, serial) = match admit {
-        Some(x) => (Some(x.principal.as_str()), Some(x.serial)),
-        None => (None, None),
-    };
-    let batch: [(&str, Vec<&(dyn ToSql + Sync)>); 2] =
-        [("BEGIN", vec![]), (FENCED_LOAD, vec![&a, &s, &r, &offer, &event, &offset, &principal, &serial])];
-    let answers = tx.pipeline(&batch).await?;
-    let row = answers.get(1).and_then(|rows| rows.first());
-    let row = row.ok_or_else(|| Error::Corrupt("the fenced load returned no row".to_owned()))?;
-    let text = |i: usize| row.try_get::<_, Option<String>>(i).map_err(Error::Pg);
-    let out = Rows {
-        session: rows::read_json(text(0)?)?,
-        run: rows::read_json(text(1)?)?,
-        attempt: rows::read_json(text(2)?)?,
-        lease: rows::read_json(text(3)?)?,
-        offer: rows::read_json(text(4)?)?,
-        completion_event: rows::read_json(text(5)?)?,
+    let sqls = [
+        "BEGIN".to_owned(),
+        FENCE.to_owned(),
+        by_id("sessions", &SESSION_COLS, "id", LOCK),
+        by_id("runs", &RUN_COLS, "id", LOCK),
+        by_id("attempts", &ATTEMPT_COLS, "id", LOCK),
+        by_id("leases", &LEASE_COLS, "attempt_id", LOCK),
+        by_id("offers", &OFFER_COLS, "id", LOCK),
+        format!("SELECT {EVENT_COLS} FROM events WHERE attempt_id = $1 AND kind = $2"),
+        schema::DB_NOW.to_owned(),
+    ];
+    let mut batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = vec![
+        (&sqls[0], vec![]),
+        (&sqls[1], vec![&a]),
+        (&sqls[2], vec![&s]),
+        (&sqls[3], vec![&r]),
+        (&sqls[4], vec![&a]),
+        (&sqls[5], vec![&a]),
+    ];
+    if let Some(o) = &offer {
+        batch.push((&sqls[6], vec![o]));
+    }
+    if keys.completion_event {
+        batch.push((&sqls[7], vec![&a, &COMPLETION_EVENT]));
+    }
+    let admitted = admit.map(|a| (a.principal.as_str(), a.serial));
+    match &admitted {
+        None => batch.push((&sqls[8], vec![&offset])),
+        Some((principal, serial)) => batch.push((STAMP_ADMIT, vec![&offset, principal, serial])),
+    }
+    let mut answers = tx.pipeline(&batch).await?.into_iter().skip(2);
+    let mut next = || answers.next().unwrap_or_default();
+    let first = |rows: Vec<Row>| rows.into_iter().next();
+    let mut out = Rows {
+        session: first(next()).as_ref().map(rows::read).transpose()?,
+        run: first(next()).as_ref().map(rows::read).transpose()?,
+        attempt: first(next()).as_ref().map(rows::read).transpose()?,
+        lease: first(next()).as_ref().map(rows::read).transpose()?,
         ..Rows::default()
     };
+    if out.attempt.is_none() {
+        out.lease = None; // as the sequential load: no attempt, no lease
+    }
+    if offer.is_some() {
+        out.offer = first(next()).as_ref().map(rows::read).transpose()?;
+    }
+    if keys.completion_event {
+        out.completion_event = first(next()).as_ref().map(rows::read).transpose()?;
+    }
+    let stamp = first(next()).ok_or_else(|| Error::Corrupt("DB time read no row".to_owned()))?;
     let (now, refused) = match admit {
-        None => (row.try_get(6).map_err(Error::Pg)?, None),
-        Some(x) => x.read(row, 6)?,
+        None => (stamp.get(0), None),
+        Some(a) => a.read(&stamp)?,
     };
     Ok((out, now, refused))
 }

@@ -4,11 +4,10 @@
 //!
 //! [`Store::execute`] takes a pooled connection and runs, in one transaction:
 //! the command's locks and loads in the protocol's fixed order (attempt advisory fence,
-//! worker session, run and attempt, run lease — see [`load`]); then DB time, read *after*
-//! the last lock (a statement of its own, `statement_timestamp()`, or in the fenced load's
-//! function `clock_timestamp()`), so it is a moment every lock was held; then the shared
-//! pure [`core::decide`] (no decision logic lives here); then the decision's rows and
-//! events as one statement ([`writes`]), with the request's
+//! worker session, run and attempt, run lease — see [`load`]); then DB time, read with a
+//! statement of its own issued *after* the last lock, so it is the `statement_timestamp()`
+//! of a moment every lock was held; then the shared pure [`core::decide`] (no decision
+//! logic lives here); then the decision's rows and events, in order, with the request's
 //! audit record when it has one ([`Store::execute_audited`]); then COMMIT. A refusal
 //! rolls back (it carries no writes), or commits only its request's audit records. Any SQL error — a constraint, a lost
 //! connection, a failed COMMIT — closes the connection, which makes the server roll the
@@ -18,9 +17,8 @@
 //! lock, which PostgreSQL returns at its latest committed version, so no update is lost.
 //! Rows the command loaded are written with a plain UPDATE, new ones with an upsert.
 //!
-//! Round trips: a fenced command sends its whole load (BEGIN and one call that takes the
-//! locks, loads and reads DB time, see [`load`]) as one pipeline, and its writes and
-//! NOTIFY as one statement ([`writes`]) with COMMIT as a second. A request whose admission
+//! Round trips: a fenced command sends its whole load (BEGIN, locks, loads, DB time) as
+//! one pipeline and its writes, NOTIFY and COMMIT as a second. A request whose admission
 //! is decided with its command ([`Audit::admit`]) reads it in the statement that reads DB
 //! time, after the locks: no round trip of its own, and a revocation that committed while
 //! the command waited for a lock is seen. Refused, the transaction commits only the
@@ -56,7 +54,6 @@ mod load;
 mod pool;
 mod rows;
 mod schema;
-mod writes;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -72,10 +69,14 @@ use tokio_postgres::{Config, Row};
 use ql_wire::ids::{AttemptId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
-use super::records::{AUDIT_COLS, EVENT_COLS, LOG_CHUNK_COLS};
+use super::loaded::{Known, Loaded};
+use super::records::{
+    ATTEMPTS, AUDIT_COLS, CERTIFICATES, DELIVERIES, ENROLMENTS, EVENTS, EVENT_COLS, FIRES, LEASES, LOG_CHUNKS,
+    LOG_CHUNK_COLS, OFFERS, OPERATORS, RUNS, SCHEDULES, SESSIONS, WORKERS,
+};
 use super::wakes::Wakes;
 use super::{Audit, AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
-use crate::core::{self, Command, IdGen, Reply, Timings};
+use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Millis, Operator, Run, Schedule, Session, Worker};
 use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
 use pool::{Pool, Pooled};
@@ -295,6 +296,10 @@ impl PgStore {
         }
         let decision = core::decide(cmd, &rows, now, &self.inner.timings, &mut IdGen::random());
         let outcome = audit.map(|a| a.outcome.as_str());
+        let admitted: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = match audit {
+            Some(_) => vec![(AUDIT_SQL, vec![&offset, &principal, &route, &outcome])],
+            None => Vec::new(),
+        };
         let reply = match decision.reply {
             Ok(reply) => reply,
             Err(code) if audit.is_none() => {
@@ -306,35 +311,31 @@ impl PgStore {
             Err(code) => {
                 // Only the request's audit records: the admission and the refusal.
                 let refused = Some(code.as_str());
-                let batch = [
-                    (AUDIT_SQL, vec![&offset as &(dyn ToSql + Sync), &principal, &route, &outcome]),
-                    (AUDIT_SQL, vec![&offset, &principal, &route, &refused]),
-                    ("COMMIT", vec![]),
-                ];
+                let mut batch = admitted;
+                batch.push((AUDIT_SQL, vec![&offset, &principal, &route, &refused]));
+                batch.push(("COMMIT", vec![]));
                 tx.pipeline(&batch).await?;
                 conn.keep();
                 return Ok(Err(code));
             }
         };
-        // The writes and the notification as one statement ([`writes`]), then COMMIT, in
-        // one pipeline. If the statement fails, PostgreSQL refuses the COMMIT in the
-        // aborted transaction (it rolls back); the failure surfaces from the pipeline, and
-        // the connection is discarded.
-        let planned = writes::plan(&rows, &decision.writes)?;
-        let audit_params = audit.map(|_| vec![&offset as &(dyn ToSql + Sync), &principal, &route, &outcome]);
-        let notify =
-            (decision.wake || !decision.wants.is_empty()).then(|| [&CHANNEL as &(dyn ToSql + Sync), &self.inner.nonce]);
-        let combined = writes::Combined::of(audit_params, &planned, notify);
-        let mut batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = Vec::with_capacity(2);
-        if let Some(c) = &combined {
-            batch.push((&c.sql, c.params.clone()));
+        // The writes, the notification and COMMIT in one pipeline. If any statement
+        // fails, PostgreSQL refuses every later one in the aborted transaction and turns
+        // the COMMIT into a rollback; the failure surfaces from the pipeline, and the
+        // connection is discarded.
+        let writes = plan(&rows, &decision.writes)?;
+        let mut batch = admitted;
+        let audited = batch.len();
+        batch.extend(writes.iter().map(|w| (w.sql.as_ref(), refs(&w.params))));
+        if decision.wake || !decision.wants.is_empty() {
+            batch.push(("SELECT pg_notify($1, $2)", vec![&CHANNEL, &self.inner.nonce]));
         }
         batch.push(("COMMIT", vec![]));
         let answers = tx.pipeline(&batch).await?;
         // An UPDATE of a loaded row that found none would be a lost write. It cannot
         // happen (the row was locked and nothing deletes), but if it did the COMMIT has
         // already run: fail loudly rather than answer as if it had been written.
-        if combined.as_ref().is_some_and(|c| !c.found_every_row(&answers[0])) {
+        if writes.iter().zip(&answers[audited..]).any(|(w, rows)| w.update && rows.len() != 1) {
             return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));
         }
         if self.inner.kill_after_commit.as_ref().is_some_and(|hook| hook(cmd)) {
@@ -426,6 +427,92 @@ impl Tx<'_> {
     pub(crate) async fn now(&mut self, offset: i64) -> Result<i64, Error> {
         let row = self.one(schema::DB_NOW, &[&offset]).await?;
         Ok(row.map_or(0, |r| r.get(0)))
+    }
+}
+
+/// One write's statement and parameters, and whether it is an UPDATE that must report
+/// its row.
+struct Planned {
+    sql: std::borrow::Cow<'static, str>,
+    params: rows::Params,
+    update: bool,
+}
+
+/// The statements of a decision's writes, in order. A row the command loaded exists and
+/// is locked in this transaction: it is updated, in the columns that changed (nothing is
+/// sent for a row written as it was); a new one is upserted, history inserted.
+fn plan(loaded_rows: &Rows, writes: &[Write]) -> Result<Vec<Planned>, Error> {
+    let mut loaded = Loaded::of(loaded_rows);
+    let mut planned = Vec::with_capacity(writes.len());
+    for write in writes {
+        let (sql, params, update) = match loaded.known(write) {
+            None => (write_sql(write).into(), write_params(write)?, false),
+            Some(known) => {
+                let changed = match known {
+                    Known::Session(new, old) => rows::update_changed(new, old)?,
+                    Known::Run(new, old) => rows::update_changed(new, old)?,
+                    Known::Attempt(new, old) => rows::update_changed(new, old)?,
+                    Known::Offer(new, old) => rows::update_changed(new, old)?,
+                    Known::Lease(new, old) => rows::update_changed(new, old)?,
+                };
+                // Written as it was: nothing to send.
+                let Some((sql, params)) = changed else { continue };
+                (sql.into(), params, true)
+            }
+        };
+        // A row written is known from here on, so a second write of it is compared
+        // with the first.
+        loaded.wrote(write);
+        planned.push(Planned { sql, params, update });
+    }
+    Ok(planned)
+}
+
+/// The statement that writes a row the command did not load: an upsert, for history an
+/// insert.
+fn write_sql(write: &Write) -> &'static str {
+    let table = match write {
+        Write::Session(_) => &SESSIONS,
+        Write::Run(_) => &RUNS,
+        Write::Attempt(_) => &ATTEMPTS,
+        Write::Offer(_) => &OFFERS,
+        Write::Lease(_) => &LEASES,
+        // History is only ever appended.
+        Write::Event(_) => &EVENTS,
+        Write::LogChunk(_) => &LOG_CHUNKS,
+        Write::Worker(_) => &WORKERS,
+        Write::Certificate(_) => &CERTIFICATES,
+        Write::Enrolment(_) => &ENROLMENTS,
+        Write::Schedule(_) => &SCHEDULES,
+        Write::Fire(_) => &FIRES,
+        Write::RemoveSchedule(_) => return "DELETE FROM schedules WHERE name = $1",
+        Write::Operator(_) => &OPERATORS,
+        Write::Delivery(_) => &DELIVERIES,
+        Write::RemoveOperator(_) => return "DELETE FROM operators WHERE name = $1",
+        Write::Alive(_) => return ALIVE,
+    };
+    rows::upsert(table)
+}
+
+/// Its parameters.
+fn write_params(write: &Write) -> Result<rows::Params, Error> {
+    match write {
+        Write::Session(s) => rows::params(s),
+        Write::Run(r) => rows::params(r),
+        Write::Attempt(a) => rows::params(a),
+        Write::Offer(o) => rows::params(o),
+        Write::Lease(l) => rows::params(l),
+        Write::Event(e) => rows::params(e),
+        Write::LogChunk(c) => rows::params(c),
+        Write::Worker(w) => rows::params(w),
+        Write::Certificate(c) => rows::params(c),
+        Write::Enrolment(e) => rows::params(e),
+        Write::Schedule(x) => rows::params(x),
+        Write::Fire(f) => rows::params(f),
+        Write::RemoveSchedule(name) | Write::RemoveOperator(name) => Ok(vec![Box::new(name.clone())]),
+        Write::Operator(o) => rows::params(o),
+        Write::Delivery(d) => rows::params(d),
+        Write::Alive(at) => Ok(vec![Box::new(*at)]),
     }
 }
 
@@ -536,24 +623,23 @@ pub(super) struct Admit<'a> {
 }
 
 impl Admit<'_> {
-    /// DB time and the admission's refusal, if any, from a row of [`STAMP_ADMIT`]'s
-    /// columns, starting at column `at`.
-    pub(super) fn read(&self, row: &Row, at: usize) -> Result<(Millis, Option<ErrorCode>), Error> {
-        let now: Millis = row.get(at);
-        let (disabled_at, revoked_at): (Option<i64>, Option<i64>) = (row.get(at + 1), row.get(at + 2));
+    /// DB time and the admission's refusal, if any, from a row of [`STAMP_ADMIT`].
+    pub(super) fn read(&self, row: &Row) -> Result<(Millis, Option<ErrorCode>), Error> {
+        let now: Millis = row.get(0);
+        let (disabled_at, revoked_at): (Option<i64>, Option<i64>) = (row.get(1), row.get(2));
         let worker = (disabled_at.is_some() || revoked_at.is_some()).then(|| Worker {
             disabled_at,
             revoked_at,
             ..Worker::new(self.principal.clone(), 0)
         });
-        let cert = match row.get::<_, Option<String>>(at + 3) {
+        let cert = match row.get::<_, Option<String>>(3) {
             None => None,
             Some(w) => Some(Certificate {
                 serial: self.serial.to_owned(),
                 worker: WorkerId::parse(w.as_str()).map_err(|e| Error::Corrupt(e.to_string()))?,
-                issued_at: row.get(at + 4),
-                not_after: row.get(at + 5),
-                revoked_at: row.get(at + 6),
+                issued_at: row.get(4),
+                not_after: row.get(5),
+                revoked_at: row.get(6),
             }),
         };
         Ok((now, core::admission(self.principal, worker.as_ref(), cert.as_ref(), now).err()))
@@ -573,7 +659,7 @@ async fn refusal(
     };
     let stmt = conn.prepare(STAMP_ADMIT).await?;
     let row = conn.client().query_one(&stmt, &[&offset, &principal.as_str(), &serial]).await.map_err(Error::Pg)?;
-    Ok(Admit { principal, serial }.read(&row, 0)?.1)
+    Ok(Admit { principal, serial }.read(&row)?.1)
 }
 
 /// Appends `record` with `outcome`, on its own (outside any transaction of a command).

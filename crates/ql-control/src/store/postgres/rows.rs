@@ -42,63 +42,6 @@ impl Columns for Row {
     }
 }
 
-/// A row read as a JSON object (`to_jsonb(row)::text`), as the fenced load returns
-/// several tables' rows in one answer: TEXT columns are strings, BIGINT numbers, JSONB
-/// columns objects (handed on as their JSON text).
-pub(super) struct JsonRow(serde_json::Map<String, serde_json::Value>);
-
-impl JsonRow {
-    /// Parses `text`, which must be a JSON object.
-    pub(super) fn parse(text: &str) -> Result<Self, Error> {
-        match serde_json::from_str(text) {
-            Ok(serde_json::Value::Object(map)) => Ok(Self(map)),
-            _ => Err(Error::Corrupt("a row read as JSON is not an object".to_owned())),
-        }
-    }
-
-    fn get(&self, col: &str) -> Result<&serde_json::Value, Error> {
-        self.0.get(col).ok_or_else(|| Error::Corrupt(format!("column {col} is missing")))
-    }
-}
-
-impl Columns for JsonRow {
-    type Error = Error;
-
-    fn text(&self, col: &str) -> Result<String, Error> {
-        self.opt_text(col)?.ok_or_else(|| Error::Corrupt(format!("column {col} is null")))
-    }
-
-    fn opt_text(&self, col: &str) -> Result<Option<String>, Error> {
-        use serde_json::Value as J;
-        match self.get(col)? {
-            J::Null => Ok(None),
-            J::String(s) => Ok(Some(s.clone())),
-            v @ (J::Object(_) | J::Array(_)) => Ok(Some(v.to_string())),
-            _ => Err(Error::Corrupt(format!("column {col} is not text"))),
-        }
-    }
-
-    fn int(&self, col: &str) -> Result<i64, Error> {
-        self.opt_int(col)?.ok_or_else(|| Error::Corrupt(format!("column {col} is null")))
-    }
-
-    fn opt_int(&self, col: &str) -> Result<Option<i64>, Error> {
-        match self.get(col)? {
-            serde_json::Value::Null => Ok(None),
-            v => v.as_i64().map(Some).ok_or_else(|| Error::Corrupt(format!("column {col} is not an integer"))),
-        }
-    }
-
-    fn corrupt(&self, err: Corrupt) -> Error {
-        Error::Corrupt(err.to_string())
-    }
-}
-
-/// Reads a row of JSON text, `None` for SQL NULL (no such row).
-pub(super) fn read_json<T: Stored>(text: Option<String>) -> Result<Option<T>, Error> {
-    text.map(|t| T::read(&JsonRow::parse(&t)?)).transpose()
-}
-
 /// Reads a row selected with its table's select list.
 pub(super) fn read<T: Stored>(row: &Row) -> Result<T, Error> {
     T::read(row)
@@ -169,20 +112,6 @@ static WRITE: LazyLock<HashMap<&str, String>> =
 /// The statement that writes a new row of `table`: an upsert, or for history an insert.
 pub(super) fn upsert(table: &Table) -> &'static str {
     &WRITE[table.name]
-}
-
-/// An insert of `n` rows of a table without a key (history), in order: one statement
-/// that appends them in the order of its `VALUES`.
-pub(super) fn insert_many(table: &Table, n: usize) -> String {
-    let names: Vec<&str> = table.names().collect();
-    let tuples: Vec<String> = (0..n)
-        .map(|r| {
-            let values: Vec<String> =
-                names.iter().enumerate().map(|(i, c)| placeholder(r * names.len() + i + 1, c)).collect();
-            format!("({})", values.join(", "))
-        })
-        .collect();
-    format!("INSERT INTO {} ({}) VALUES {}", table.name, names.join(", "), tuples.join(", "))
 }
 
 /// The select list of `sessions`.
