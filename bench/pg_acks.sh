@@ -7,6 +7,12 @@
 # HTTP or TLS), which isolates the database transaction from the transport.
 #
 #   bench/pg_acks.sh            # prints the figures and the commands behind them
+#   CYCLES_8=25 CYCLES_64=4 bench/pg_acks.sh   # shorter rounds
+#
+# Each client count runs CYCLES_8 / CYCLES_64 cycles of eight ACKs per client (by default
+# 9,600 and 10,240 ACKs, several seconds each, as pgbench's 10 s), after a warm-up round
+# of 8 clients that is not counted: a serving replica's pooled connections have their
+# statements prepared and planned, as pgbench's have once it starts counting.
 #
 # The PostgreSQL server is a throwaway cluster (scripts/pg) started --durable: fsync and
 # synchronous_commit on, as a deployment would run it (SQLite syncs its WAL before every answer that decides something).
@@ -55,9 +61,12 @@ pg_url=$(sed -n 's/^listening on //p' "$work/pg-state/serve.out")
 
 echo "# $(uname -m), $(nproc) cores; PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') (fsync on),"
 echo "# server: $bin serve --database (one replica, pool of 16 connections)"
+cycles_for() { if [ "$1" = 64 ]; then echo "${CYCLES_64:-20}"; else echo "${CYCLES_8:-150}"; fi; }
+fresh_workers "$work/pg-state"
+"$bench" --dir "$work/pg-state" --url "$pg_url" --clients 8 --cycles 10 --renewals 5 --database "$QL_PG_URL" >/dev/null
 declare -A ack tps direct
 for clients in 8 64; do
-  cycles=$(( clients == 64 ? 4 : 25 ))
+  cycles=$(cycles_for "$clients")
   echo "\$ $bench --clients $clients --cycles $cycles --renewals 5 --database \$QL_PG_URL"
   fresh_workers "$work/pg-state"
   line=$("$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals 5 \
@@ -78,9 +87,11 @@ kill -TERM "$pg_server"; wait "$pg_server" 2>/dev/null || true; pg_server=
 
 sqlite_server=$(start_server "$work/sqlite-state")
 sqlite_url=$(sed -n 's/^listening on //p' "$work/sqlite-state/serve.out")
+fresh_workers "$work/sqlite-state"
+"$bench" --dir "$work/sqlite-state" --url "$sqlite_url" --clients 8 --cycles 10 --renewals 5 >/dev/null
 declare -A lite
 for clients in 8 64; do
-  cycles=$(( clients == 64 ? 4 : 25 ))
+  cycles=$(cycles_for "$clients")
   echo "\$ $bench --clients $clients --cycles $cycles --renewals 5   # SQLite"
   fresh_workers "$work/sqlite-state"
   line=$("$bench" --dir "$work/sqlite-state" --url "$sqlite_url" --clients "$clients" --cycles "$cycles" --renewals 5)

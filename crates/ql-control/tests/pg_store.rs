@@ -1,7 +1,8 @@
 //! PostgreSQL-only proofs beyond the shared contract suite: the three roles are enforced
 //! by PostgreSQL itself, a connection that dies right after a completion's COMMIT loses
 //! only the reply, two sweepers on two replicas at once never double-expire, and a
-//! commit on one replica wakes the other's long-polls through LISTEN/NOTIFY.
+//! commit on one replica wakes the other's long-polls through LISTEN/NOTIFY, and a
+//! request's admission decided with its command is read after the command's locks.
 //!
 //! Each test has a database of its own on the server `QL_TEST_PG_URL` names (see
 //! `contract/pg.rs`; `scripts/test` provides one).
@@ -15,7 +16,7 @@ use std::time::Duration;
 use ql_control::core::{Command, Reply};
 use ql_control::model::{AuditRecord, LeaseState};
 use ql_control::store::postgres::PgOptions;
-use ql_control::store::Store;
+use ql_control::store::{Audit, Snapshot, Store};
 use ql_wire::completion::TerminalStatus;
 use ql_wire::offer::PollOffers;
 use ql_wire::{ErrorCode, Outcome};
@@ -214,4 +215,59 @@ async fn a_commit_on_one_replica_wakes_the_other() {
     let refusal = exec(&a, Command::Cancel("run_missing".parse().unwrap())).await;
     assert_eq!(refusal, Err(ErrorCode::NotFound));
     assert!(tokio::time::timeout(Duration::from_millis(300), rx.changed()).await.is_err());
+}
+
+/// A request whose admission is decided with its command reads it after the command's
+/// locks: a worker disabled while the command waited for its attempt's fence is refused,
+/// and only the refusal is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_disabled_while_its_command_waits_for_a_lock_is_refused() {
+    let b = Pg::new().await;
+    let store = b.store();
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    to_running(&store, &h).await;
+    let audits = store.audits().await.unwrap().len();
+    let before = store.snapshot().await.unwrap();
+
+    // Another transaction holds the attempt's fence, as a command in flight would.
+    let other = connect(&b.db().url("ql_owner")).await;
+    let fence = format!("BEGIN; SELECT pg_advisory_xact_lock(hashtextextended('attempt:' || '{}', 0))", h.attempt());
+    other.batch_execute(&fence).await.unwrap();
+    let record = AuditRecord {
+        at: 0,
+        principal: Some(worker("router-1")),
+        route: "lease.renew".into(),
+        outcome: "admitted".into(),
+    };
+    let renewal = tokio::spawn({
+        let (store, cmd) = (store.clone(), h.renew());
+        async move { store.execute_audited(cmd, Some(Audit { record, admit: Some("0a".into()) })).await }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = other
+            .query_one("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted", &[])
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the renewal never waited for the fence");
+        tokio::task::yield_now().await;
+    }
+    // The worker is disabled in the same transaction that releases the fence.
+    other
+        .batch_execute(
+            "INSERT INTO workers (id, labels, disabled_at, revoked_at, created_at, updated_at) \
+             VALUES ('router-1', '{}', 1, NULL, 0, 0) ON CONFLICT (id) DO UPDATE SET disabled_at = 1; COMMIT",
+        )
+        .await
+        .unwrap();
+
+    assert_eq!(renewal.await.unwrap().unwrap(), Err(ErrorCode::WorkerDisabled));
+    let after = store.snapshot().await.unwrap();
+    assert_eq!(Snapshot { workers: before.workers.clone(), ..after }, before, "nothing but the worker changed");
+    let written: Vec<String> = store.audits().await.unwrap()[audits..].iter().map(|a| a.outcome.clone()).collect();
+    assert_eq!(written, ["worker_disabled"], "the refusal alone is on record");
 }
