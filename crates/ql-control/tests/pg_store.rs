@@ -271,3 +271,59 @@ async fn a_worker_disabled_while_its_command_waits_for_a_lock_is_refused() {
     let written: Vec<String> = store.audits().await.unwrap()[audits..].iter().map(|a| a.outcome.clone()).collect();
     assert_eq!(written, ["worker_disabled"], "the refusal alone is on record");
 }
+
+/// Submits a run that needs the declared labels `agent`; returns its id.
+async fn submit_for(store: &ql_control::store::postgres::PgStore, agent: &[(&str, &str)]) -> ql_wire::ids::RunId {
+    let submit = ql_control::core::Submit {
+        project: project(),
+        spec: spec(LONG_TIMEOUT_MS),
+        labels: std::collections::BTreeMap::new(),
+        agent_labels: agent.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+        retry_budget: 0,
+        notify: None,
+    };
+    match exec(store, Command::Submit(submit)).await {
+        Ok(Reply::Submitted(run)) => run,
+        other => panic!("submit: {other:?}"),
+    }
+}
+
+/// The runs a session declaring `labels` is offered from one queue, in order: runs for
+/// other workers first, then some it fits and some it does not, interleaved.
+async fn placed(labels: &[(&str, &str)]) -> (Vec<ql_wire::ids::RunId>, Vec<ql_wire::ids::RunId>) {
+    let b = Pg::new().await;
+    let store = b.store();
+    for i in 0..40 {
+        submit_for(&store, &[("site", &format!("other-{i}"))]).await;
+    }
+    let mut fitting = Vec::new();
+    fitting.push(submit_for(&store, &[("arch", "mipsel"), ("site", "a")]).await);
+    submit_for(&store, &[("arch", "arm")]).await;
+    fitting.push(submit_for(&store, &[]).await);
+    submit_for(&store, &[("arch", "mipsel"), ("site", "b")]).await;
+    fitting.push(submit_for(&store, &[("arch", "mipsel")]).await);
+    fitting.push(submit_for(&store, &[("site", "a")]).await);
+    submit_for(&store, &[("arch", "mipsel"), ("site", "a"), ("gpu", "yes")]).await;
+    let agent = open_with(&store, "router-1", 10, labels).await;
+    let poll = PollOffers { generation: agent.generation, wait_ms: 0, max: 10 };
+    let offered = match exec(&store, Command::PollOffers(agent.worker.clone(), agent.session.clone(), poll)).await {
+        Ok(Reply::Offers(o, _)) => o.offers.into_iter().map(|o| o.run_id).collect(),
+        other => panic!("poll: {other:?}"),
+    };
+    check_invariants(&store.snapshot().await.unwrap());
+    (offered, fitting)
+}
+
+/// Placement looks runs up by every subset of a session's labels: it offers exactly the
+/// runs those labels cover, oldest first, past runs waiting for other workers; a session
+/// declaring more labels than it probes subsets for is matched by the scan of the queue,
+/// with the same answer.
+#[tokio::test]
+async fn placement_offers_exactly_the_runs_a_sessions_labels_cover_oldest_first() {
+    let (offered, fitting) = placed(&[("arch", "mipsel"), ("site", "a")]).await;
+    assert_eq!(offered, fitting, "by subsets");
+    let many = [("arch", "mipsel"), ("site", "a"), ("x1", "1"), ("x2", "2"), ("x3", "3"), ("x4", "4"), ("x5", "5")];
+    assert!(many.len() > ql_control::store::postgres::SUBSET_LABELS);
+    let (offered, fitting) = placed(&many).await;
+    assert_eq!(offered, fitting, "by the scan");
+}

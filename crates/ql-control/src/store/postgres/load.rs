@@ -167,9 +167,34 @@ async fn worker_work(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Work, Error> 
     Ok(out)
 }
 
+/// Most labels a session may declare for placement to look its queued runs up by every
+/// subset of them (2^6 = 64 index probes); a session with more is matched by a scan of
+/// the queue in age order.
+pub const SUBSET_LABELS: usize = 6;
+
+/// Every subset of `labels`, each as a JSON object.
+fn subsets(labels: &std::collections::BTreeMap<String, String>) -> Vec<String> {
+    let all: Vec<(&String, &String)> = labels.iter().collect();
+    (0..1usize << all.len())
+        .map(|mask| {
+            let subset: std::collections::BTreeMap<&String, &String> =
+                all.iter().enumerate().filter(|(i, _)| mask & (1 << i) != 0).map(|(_, kv)| *kv).collect();
+            serde_json::to_string(&subset).expect("a map of strings serialises")
+        })
+        .collect()
+}
+
 /// Queued runs the worker fits (its trusted labels cover the run's `labels`, the
 /// session's declared ones its `agent_labels`), oldest first, locked with SKIP LOCKED.
 /// Only as many as the session has room for.
+///
+/// A run fits a session's declared labels exactly when its `agent_labels` is one of their
+/// subsets, so placement probes the queue's index by `agent_labels` once per subset, each
+/// probe taking at most `room` runs in age order (skipping locked ones), then keeps the
+/// oldest `room` of them: its cost follows the session's labels and room, not how many
+/// runs wait for other workers. The runs a probe locked beyond those stay queued and are
+/// released at COMMIT (another replica's poll skips them meanwhile, as any run being
+/// placed). A session declaring more than [`SUBSET_LABELS`] labels scans the queue.
 async fn queued_for(
     tx: &mut Tx<'_>,
     session: &Session,
@@ -180,9 +205,21 @@ async fn queued_for(
     if session.state != SessionState::Online || room == 0 {
         return Ok(Vec::new());
     }
-    let json = |labels| serde_json::to_string(labels).map_err(|e| Error::Corrupt(e.to_string()));
-    let declared = json(&session.labels)?;
+    let json = |labels: &std::collections::BTreeMap<String, String>| {
+        serde_json::to_string(labels).map_err(|e| Error::Corrupt(e.to_string()))
+    };
     let trusted = json(&trusted.map(|w| w.labels.clone()).unwrap_or_default())?;
+    if session.labels.len() <= SUBSET_LABELS {
+        let sql = format!(
+            "SELECT c.* FROM unnest($2::text[]) AS s (fit) CROSS JOIN LATERAL (SELECT {} FROM runs r \
+             WHERE r.status = 'queued' AND r.agent_labels = s.fit::jsonb AND $1::text::jsonb @> r.labels \
+             ORDER BY r.created_at, r.id LIMIT $3 FOR UPDATE SKIP LOCKED) c ORDER BY c.created_at, c.id LIMIT $3",
+            *RUN_COLS
+        );
+        let fits = subsets(&session.labels);
+        return tx.all(&sql, &[&trusted, &fits, &room]).await?.iter().map(rows::read).collect();
+    }
+    let declared = json(&session.labels)?;
     let sql = format!(
         "SELECT {} FROM runs WHERE status = 'queued' AND $1::text::jsonb @> labels \
          AND $2::text::jsonb @> agent_labels ORDER BY created_at, id LIMIT $3 FOR UPDATE SKIP LOCKED",

@@ -25,6 +25,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0010_webhooks.sql"),
     include_str!("../../../migrations/postgres/0011_artifact_claim.sql"),
     include_str!("../../../migrations/postgres/0012_hot_renewals.sql"),
+    include_str!("../../../migrations/postgres/0013_placement_by_labels.sql"),
 ];
 
 /// The schema version this build reads and writes.
