@@ -323,7 +323,7 @@ async fn placement_offers_exactly_the_runs_a_sessions_labels_cover_oldest_first(
     let (offered, fitting) = placed(&[("arch", "mipsel"), ("site", "a")]).await;
     assert_eq!(offered, fitting, "by subsets");
     let many = [("arch", "mipsel"), ("site", "a"), ("x1", "1"), ("x2", "2"), ("x3", "3"), ("x4", "4"), ("x5", "5")];
-    assert!(many.len() > ql_control::store::postgres::SUBSET_LABELS);
+    assert!(many.len() > ql_control::core::SUBSET_LABELS);
     let (offered, fitting) = placed(&many).await;
     assert_eq!(offered, fitting, "by the scan");
 }

@@ -40,6 +40,10 @@ pub struct Want {
     pub agent_labels: BTreeMap<String, String>,
 }
 
+/// Most declared labels a session may have for stores to find the runs it takes by the
+/// subsets of its labels ([`Fit::declared_subsets`]): 2^6 = 64 lookups per poll at most.
+pub const SUBSET_LABELS: usize = 6;
+
 /// What a session takes: its worker's labels as the operator set them, and the ones its
 /// agent declared. A poll's answer carries it to the wait that follows.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -56,6 +60,22 @@ impl Fit {
     /// for a trusted one.
     pub fn takes(&self, want: &Want) -> bool {
         self.takes_labels(&want.labels, &want.agent_labels)
+    }
+
+    /// Every subset of the declared labels, when there are at most [`SUBSET_LABELS`] of
+    /// them: a run's `agent_labels` are within the declared ones exactly when they are one
+    /// of these, so a store can look the runs a session may take up by them instead of
+    /// testing every queued run. `None` past the bound (2^n subsets).
+    pub fn declared_subsets(&self) -> Option<Vec<BTreeMap<String, String>>> {
+        let all: Vec<(&String, &String)> = self.declared.iter().collect();
+        (all.len() <= SUBSET_LABELS).then(|| {
+            (0..1usize << all.len())
+                .map(|mask| {
+                    let chosen = all.iter().enumerate().filter(|(i, _)| mask & (1 << i) != 0);
+                    chosen.map(|(_, (k, v))| ((*k).clone(), (*v).clone())).collect()
+                })
+                .collect()
+        })
     }
 
     fn takes_labels(&self, labels: &BTreeMap<String, String>, agent_labels: &BTreeMap<String, String>) -> bool {
@@ -323,6 +343,33 @@ mod tests {
             Ok(Reply::Offers(o, _)) => o.offers.clone(),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn agent_labels_fit_exactly_when_they_are_a_subset_of_the_declared_ones() {
+        let map = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+        };
+        // Every agent_labels over two keys and three values each (absent, "a", "b").
+        let mut wanted = Vec::new();
+        for x in [None, Some("a"), Some("b")] {
+            for y in [None, Some("a"), Some("b")] {
+                let pairs: Vec<(&str, &str)> =
+                    [("x", x), ("y", y)].into_iter().filter_map(|(k, v)| Some((k, v?))).collect();
+                wanted.push(map(&pairs));
+            }
+        }
+        for declared in [map(&[]), map(&[("x", "a")]), map(&[("x", "a"), ("y", "b")]), map(&[("y", "a"), ("z", "c")])] {
+            let fit = Fit { trusted: BTreeMap::new(), declared };
+            let subsets = fit.declared_subsets().expect("within the bound");
+            assert_eq!(subsets.len(), 1 << fit.declared.len());
+            for agent_labels in &wanted {
+                let want = Want { labels: BTreeMap::new(), agent_labels: agent_labels.clone() };
+                assert_eq!(fit.takes(&want), subsets.contains(agent_labels), "{fit:?} {agent_labels:?}");
+            }
+        }
+        let many = (0..=SUBSET_LABELS).map(|i| (format!("k{i}"), "v".to_owned())).collect();
+        assert_eq!(Fit { trusted: BTreeMap::new(), declared: many }.declared_subsets(), None);
     }
 
     #[test]

@@ -50,7 +50,7 @@ use ql_wire::ErrorCode;
 use super::rows::SCHEDULE_COLS;
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 use super::{schema, Admit, Error, Tx, STAMP_ADMIT};
-use crate::core::{Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
+use crate::core::{Fit, Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
 use crate::model::{Millis, Session, SessionState, Worker};
 use crate::store::records::EVENT_COLS;
 use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS};
@@ -167,23 +167,6 @@ async fn worker_work(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Work, Error> 
     Ok(out)
 }
 
-/// Most labels a session may declare for placement to look its queued runs up by every
-/// subset of them (2^6 = 64 index probes); a session with more is matched by a scan of
-/// the queue in age order.
-pub const SUBSET_LABELS: usize = 6;
-
-/// Every subset of `labels`, each as a JSON object.
-fn subsets(labels: &std::collections::BTreeMap<String, String>) -> Vec<String> {
-    let all: Vec<(&String, &String)> = labels.iter().collect();
-    (0..1usize << all.len())
-        .map(|mask| {
-            let subset: std::collections::BTreeMap<&String, &String> =
-                all.iter().enumerate().filter(|(i, _)| mask & (1 << i) != 0).map(|(_, kv)| *kv).collect();
-            serde_json::to_string(&subset).expect("a map of strings serialises")
-        })
-        .collect()
-}
-
 /// Queued runs the worker fits (its trusted labels cover the run's `labels`, the
 /// session's declared ones its `agent_labels`), oldest first, locked with SKIP LOCKED.
 /// Only as many as the session has room for.
@@ -194,7 +177,8 @@ fn subsets(labels: &std::collections::BTreeMap<String, String>) -> Vec<String> {
 /// oldest `room` of them: its cost follows the session's labels and room, not how many
 /// runs wait for other workers. The runs a probe locked beyond those stay queued and are
 /// released at COMMIT (another replica's poll skips them meanwhile, as any run being
-/// placed). A session declaring more than [`SUBSET_LABELS`] labels scans the queue.
+/// placed). A session declaring more than [`SUBSET_LABELS`](crate::core::SUBSET_LABELS)
+/// labels scans the queue.
 async fn queued_for(
     tx: &mut Tx<'_>,
     session: &Session,
@@ -209,14 +193,15 @@ async fn queued_for(
         serde_json::to_string(labels).map_err(|e| Error::Corrupt(e.to_string()))
     };
     let trusted = json(&trusted.map(|w| w.labels.clone()).unwrap_or_default())?;
-    if session.labels.len() <= SUBSET_LABELS {
+    let fit = Fit { trusted: Default::default(), declared: session.labels.clone() };
+    if let Some(subsets) = fit.declared_subsets() {
         let sql = format!(
             "SELECT c.* FROM unnest($2::text[]) AS s (fit) CROSS JOIN LATERAL (SELECT {} FROM runs r \
              WHERE r.status = 'queued' AND r.agent_labels = s.fit::jsonb AND $1::text::jsonb @> r.labels \
              ORDER BY r.created_at, r.id LIMIT $3 FOR UPDATE SKIP LOCKED) c ORDER BY c.created_at, c.id LIMIT $3",
             *RUN_COLS
         );
-        let fits = subsets(&session.labels);
+        let fits = subsets.iter().map(json).collect::<Result<Vec<_>, _>>()?;
         return tx.all(&sql, &[&trusted, &fits, &room]).await?.iter().map(rows::read).collect();
     }
     let declared = json(&session.labels)?;

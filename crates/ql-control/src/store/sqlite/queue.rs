@@ -7,12 +7,18 @@
 //! matches them with the decision core's own rule ([`Fit::takes`]); the runs that fit are
 //! then read by id and checked to be queued still.
 //!
+//! Runs are also kept by their `agent_labels`: a session declaring a few labels takes a
+//! run only if the run's `agent_labels` is one of their subsets
+//! ([`Fit::declared_subsets`]), so a poll looks those subsets up and walks only their
+//! runs, in placement order, instead of every queued run; a session declaring more
+//! labels walks them all.
+//!
 //! The index follows every run the writer writes ([`Queue::note`]). A job whose savepoint
 //! rolls back after it noted a run, or a failed batch, drops the index; so does a commit
 //! by another process (`PRAGMA data_version` is read before each use: the CLI submits
 //! into the same file). A dropped index is read again, whole, at its next use.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use rusqlite::Connection;
 
@@ -23,11 +29,54 @@ use crate::model::{Millis, Run, RunStatus};
 
 use super::load;
 
-/// Queued runs by (submitted at, id): placement's order.
+/// A queued run's key: placement's order (submitted at, then id).
+type Key = (Millis, RunId);
+
+/// The queued runs, in placement order and by their `agent_labels`.
+#[derive(Default)]
+struct Index {
+    runs: BTreeMap<Key, Want>,
+    by_agent_labels: HashMap<BTreeMap<String, String>, BTreeSet<Key>>,
+}
+
+impl Index {
+    fn insert(&mut self, key: Key, want: Want) {
+        self.remove(&key);
+        self.by_agent_labels.entry(want.agent_labels.clone()).or_default().insert(key.clone());
+        self.runs.insert(key, want);
+    }
+
+    fn remove(&mut self, key: &Key) {
+        let Some(want) = self.runs.remove(key) else { return };
+        if let Some(keys) = self.by_agent_labels.get_mut(&want.agent_labels) {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.by_agent_labels.remove(&want.agent_labels);
+            }
+        }
+    }
+
+    /// The oldest `limit` runs `fit` takes.
+    fn fitting(&self, fit: &Fit, limit: usize) -> Vec<RunId> {
+        let Some(subsets) = fit.declared_subsets() else {
+            let fitting = self.runs.iter().filter(|(_, want)| fit.takes(want));
+            return fitting.take(limit).map(|((_, id), _)| id.clone()).collect();
+        };
+        let mut found: Vec<&Key> = subsets
+            .iter()
+            .filter_map(|subset| self.by_agent_labels.get(subset))
+            .flat_map(|keys| keys.iter().filter(|k| fit.takes(&self.runs[*k])).take(limit))
+            .collect();
+        found.sort();
+        found.into_iter().take(limit).map(|(_, id)| id.clone()).collect()
+    }
+}
+
+/// The writer's index of queued runs.
 #[derive(Default)]
 pub(super) struct Queue {
     /// The index, when it is known to be current.
-    runs: Option<BTreeMap<(Millis, RunId), Want>>,
+    runs: Option<Index>,
     /// The connection's `data_version` when the index was last known current.
     version: Option<i64>,
     /// A run was noted since [`Queue::mark`]: a rollback from there must drop the index.
@@ -76,14 +125,7 @@ impl Queue {
         if self.runs.is_none() {
             self.runs = Some(read(conn)?);
         }
-        let ids: Vec<RunId> = self
-            .runs
-            .iter()
-            .flatten()
-            .filter(|(_, want)| fit.takes(want))
-            .take(limit)
-            .map(|((_, id), _)| id.clone())
-            .collect();
+        let ids = self.runs.as_ref().map(|index| index.fitting(fit, limit)).unwrap_or_default();
         let mut runs = Vec::with_capacity(ids.len());
         for id in ids {
             // The index is a guide; the row is the truth.
@@ -96,11 +138,11 @@ impl Queue {
 }
 
 /// Every queued run's labels, from the table.
-fn read(conn: &Connection) -> rusqlite::Result<BTreeMap<(Millis, RunId), Want>> {
+fn read(conn: &Connection) -> rusqlite::Result<Index> {
     let mut stmt =
         conn.prepare_cached("SELECT id, created_at, labels, agent_labels FROM runs WHERE status = 'queued'")?;
     let mut rows = stmt.query([])?;
-    let mut runs = BTreeMap::new();
+    let mut runs = Index::default();
     while let Some(row) = rows.next()? {
         let text = |i: usize| row.get::<_, String>(i);
         let labels = |i: usize| {
@@ -112,4 +154,54 @@ fn read(conn: &Connection) -> rusqlite::Result<BTreeMap<(Millis, RunId), Want>> 
         runs.insert((row.get(1)?, id), Want { labels: labels(2)?, agent_labels: labels(3)? });
     }
     Ok(runs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    #[test]
+    fn lookups_by_label_subsets_find_what_a_scan_finds_in_the_same_order() {
+        let mut index = Index::default();
+        let agent =
+            [map(&[]), map(&[("arch", "mipsel")]), map(&[("arch", "arm")]), map(&[("arch", "mipsel"), ("site", "a")])];
+        let trusted = [map(&[]), map(&[("tier", "gold")])];
+        for i in 0..48_i64 {
+            let want =
+                Want { labels: trusted[(i % 5 % 2) as usize].clone(), agent_labels: agent[(i % 4) as usize].clone() };
+            // Submitted out of order: the index keeps placement order whatever came first.
+            index.insert(((i * 7) % 48, format!("run_{i:02}").parse().unwrap()), want);
+        }
+        // A run that left the queue, and one noted twice.
+        index.remove(&(0, "run_00".parse().unwrap()));
+        index.insert((7, "run_01".parse().unwrap()), Want { labels: map(&[]), agent_labels: map(&[("arch", "arm")]) });
+
+        let declared_many =
+            map(&[("arch", "mipsel"), ("site", "a"), ("a", "1"), ("b", "2"), ("c", "3"), ("d", "4"), ("e", "5")]);
+        for declared in [map(&[]), map(&[("arch", "mipsel")]), map(&[("arch", "mipsel"), ("site", "a")]), declared_many]
+        {
+            for trusted in &trusted {
+                let fit = Fit { trusted: trusted.clone(), declared: declared.clone() };
+                for limit in [1, 3, 100] {
+                    let scan: Vec<RunId> = index
+                        .runs
+                        .iter()
+                        .filter(|(_, want)| fit.takes(want))
+                        .take(limit)
+                        .map(|((_, id), _)| id.clone())
+                        .collect();
+                    assert_eq!(index.fitting(&fit, limit), scan, "{fit:?}, {limit}");
+                }
+            }
+        }
+        assert_eq!(
+            index.by_agent_labels.values().map(BTreeSet::len).sum::<usize>(),
+            index.runs.len(),
+            "one entry per run"
+        );
+    }
 }
