@@ -8,6 +8,7 @@
 #
 #   bench/pg_acks.sh            # prints the figures and the commands behind them
 #   CYCLES_8=25 CYCLES_64=4 bench/pg_acks.sh   # shorter rounds
+#   PG_POOL=64 bench/pg_acks.sh                # the replica's pg_pool_size
 #
 # Each client count runs CYCLES_8 / CYCLES_64 cycles of eight ACKs per client (by default
 # 9,600 and 10,240 ACKs, several seconds each, as pgbench's 10 s), after a warm-up round
@@ -52,6 +53,17 @@ start_server() { # DIR [--database URL] -> prints the pid
 
 "$bin" init --dir "$work/pg-state" --host 127.0.0.1 >/dev/null
 "$bin" init --dir "$work/sqlite-state" --host 127.0.0.1 >/dev/null
+# 64 clients connect at once from one address: more than the per-address handshake cap
+# that protects a real server. PG_POOL sets pg_pool_size (16 by default).
+for state in "$work/pg-state" "$work/sqlite-state"; do
+  python3 - "$state/control.json" "${PG_POOL:-16}" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["max_handshakes_per_ip"] = c["max_handshakes"]
+c["pg_pool_size"] = int(sys.argv[2])
+json.dump(c, open(sys.argv[1], "w"), indent=2)
+PY
+done
 pg_server=$(start_server "$work/pg-state" --database "$QL_PG_URL")
 pg_url=$(sed -n 's/^listening on //p' "$work/pg-state/serve.out")
 
@@ -60,7 +72,7 @@ pg_url=$(sed -n 's/^listening on //p' "$work/pg-state/serve.out")
 "$pgbin/pgbench" -q -i -s 10 -h "$QL_PG_SOCKET" -U postgres pgbench >/dev/null 2>&1
 
 echo "# $(uname -m), $(nproc) cores; PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') (fsync on),"
-echo "# server: $bin serve --database (one replica, pool of 16 connections)"
+echo "# server: $bin serve --database (one replica, pool of ${PG_POOL:-16} connections)"
 cycles_for() { if [ "$1" = 64 ]; then echo "${CYCLES_64:-20}"; else echo "${CYCLES_8:-150}"; fi; }
 fresh_workers "$work/pg-state"
 "$bench" --dir "$work/pg-state" --url "$pg_url" --clients 8 --cycles 10 --renewals 5 --database "$QL_PG_URL" >/dev/null

@@ -105,6 +105,9 @@ pub struct Config {
     /// hand-off between threads is a wake-up: one thread made an idle fleet of 10,000
     /// cost 40 % less CPU than two (README, Benchmarks).
     pub runtime_threads: u64,
+    /// PostgreSQL (`serve --database`): most connections this replica holds to the
+    /// database, beside its LISTEN connection; commands beyond wait for one.
+    pub pg_pool_size: u64,
     /// Longest wait for the next piece of a request body.
     pub read_timeout_ms: u64,
     /// A request head must be complete this long after its first byte.
@@ -189,6 +192,7 @@ impl Default for Config {
             checkpoint_ms: 1_000,
             wal_autocheckpoint_pages: u64::from(crate::store::sqlite::WAL_BACKSTOP_PAGES),
             runtime_threads: 1,
+            pg_pool_size: 16,
             read_timeout_ms: 60_000,
             header_timeout_ms: 10_000,
             idle_timeout_ms: 300_000,
@@ -330,6 +334,7 @@ impl Config {
             ("handshake_timeout_ms", self.handshake_timeout_ms),
             ("max_connections", self.max_connections),
             ("runtime_threads", self.runtime_threads),
+            ("pg_pool_size", self.pg_pool_size),
             ("sync_hold_batches", self.sync_hold_batches),
             ("wal_autocheckpoint_pages", self.wal_autocheckpoint_pages),
             ("max_handshakes", self.max_handshakes),

@@ -206,7 +206,8 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                 if !crate::admin::is_postgres(&url) {
                     return Err("--database takes a postgres://... URL".to_owned());
                 }
-                let options = PgOptions { timings: config.timings(), ..PgOptions::default() };
+                let pool_size = usize::try_from(config.pg_pool_size).unwrap_or(usize::MAX);
+                let options = PgOptions { timings: config.timings(), pool_size, ..PgOptions::default() };
                 let store = PgStore::open(&url, options).await.map_err(|e| e.to_string())?;
                 serve_on(store, blobs, &layout, &config, tls, &addr).await
             }
