@@ -288,8 +288,9 @@ async fn submit_for(store: &ql_control::store::postgres::PgStore, agent: &[(&str
     }
 }
 
-/// The runs a session declaring `labels` is offered from one queue, in order: runs for
-/// other workers first, then some it fits and some it does not, interleaved.
+/// The runs a session declaring `labels` is offered from one queue, and the runs it fits
+/// in placement order: runs for other workers first, then some it fits and some it does
+/// not, interleaved.
 async fn placed(labels: &[(&str, &str)]) -> (Vec<ql_wire::ids::RunId>, Vec<ql_wire::ids::RunId>) {
     let b = Pg::new().await;
     let store = b.store();
@@ -310,7 +311,14 @@ async fn placed(labels: &[(&str, &str)]) -> (Vec<ql_wire::ids::RunId>, Vec<ql_wi
         Ok(Reply::Offers(o, _)) => o.offers.into_iter().map(|o| o.run_id).collect(),
         other => panic!("poll: {other:?}"),
     };
-    check_invariants(&store.snapshot().await.unwrap());
+    let snapshot = store.snapshot().await.unwrap();
+    check_invariants(&snapshot);
+    // Placement's order is (submitted at, id): runs submitted in one millisecond go by id.
+    let order = |id: &ql_wire::ids::RunId| {
+        let run = snapshot.runs.iter().find(|r| &r.id == id).expect("a submitted run");
+        (run.created_at, run.id.clone())
+    };
+    fitting.sort_by_key(order);
     (offered, fitting)
 }
 
