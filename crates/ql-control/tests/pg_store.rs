@@ -274,18 +274,8 @@ async fn a_worker_disabled_while_its_command_waits_for_a_lock_is_refused() {
 
 /// Submits a run that needs the declared labels `agent`; returns its id.
 async fn submit_for(store: &ql_control::store::postgres::PgStore, agent: &[(&str, &str)]) -> ql_wire::ids::RunId {
-    let submit = ql_control::core::Submit {
-        project: project(),
-        spec: spec(LONG_TIMEOUT_MS),
-        labels: std::collections::BTreeMap::new(),
-        agent_labels: agent.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
-        retry_budget: 0,
-        notify: None,
-    };
-    match exec(store, Command::Submit(submit)).await {
-        Ok(Reply::Submitted(run)) => run,
-        other => panic!("submit: {other:?}"),
-    }
+    let agent = agent.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    submit_with(store, LONG_TIMEOUT_MS, 0, std::collections::BTreeMap::new(), agent).await
 }
 
 /// The runs a session declaring `labels` is offered from one queue, and the runs it fits

@@ -192,8 +192,8 @@ async fn queued_for(
     let json = |labels: &std::collections::BTreeMap<String, String>| {
         serde_json::to_string(labels).map_err(|e| Error::Corrupt(e.to_string()))
     };
-    let trusted = json(&trusted.map(|w| w.labels.clone()).unwrap_or_default())?;
-    let fit = Fit { trusted: Default::default(), declared: session.labels.clone() };
+    let fit = Fit { trusted: trusted.map(|w| w.labels.clone()).unwrap_or_default(), declared: session.labels.clone() };
+    let trusted = json(&fit.trusted)?;
     if let Some(subsets) = fit.declared_subsets() {
         let sql = format!(
             "SELECT c.* FROM unnest($2::text[]) AS s (fit) CROSS JOIN LATERAL (SELECT {} FROM runs r \
@@ -204,7 +204,7 @@ async fn queued_for(
         let fits = subsets.iter().map(json).collect::<Result<Vec<_>, _>>()?;
         return tx.all(&sql, &[&trusted, &fits, &room]).await?.iter().map(rows::read).collect();
     }
-    let declared = json(&session.labels)?;
+    let declared = json(&fit.declared)?;
     let sql = format!(
         "SELECT {} FROM runs WHERE status = 'queued' AND $1::text::jsonb @> labels \
          AND $2::text::jsonb @> agent_labels ORDER BY created_at, id LIMIT $3 FOR UPDATE SKIP LOCKED",

@@ -58,6 +58,9 @@ impl Index {
 
     /// The oldest `limit` runs `fit` takes.
     fn fitting(&self, fit: &Fit, limit: usize) -> Vec<RunId> {
+        if self.runs.is_empty() {
+            return Vec::new(); // an idle fleet's polls: no subsets to make
+        }
         let Some(subsets) = fit.declared_subsets() else {
             let fitting = self.runs.iter().filter(|(_, want)| fit.takes(want));
             return fitting.take(limit).map(|((_, id), _)| id.clone()).collect();
