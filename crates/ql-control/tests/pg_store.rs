@@ -2,7 +2,8 @@
 //! by PostgreSQL itself, a connection that dies right after a completion's COMMIT loses
 //! only the reply, two sweepers on two replicas at once never double-expire, and a
 //! commit on one replica wakes the other's long-polls through LISTEN/NOTIFY, and a
-//! request's admission decided with its command is read after the command's locks.
+//! request's admission decided with its command is read after the command's locks, and
+//! the hot tables' row rules refuse what their CHECK constraints used to.
 //!
 //! Each test has a database of its own on the server `QL_TEST_PG_URL` names (see
 //! `contract/pg.rs`; `scripts/test` provides one).
@@ -324,4 +325,69 @@ async fn placement_offers_exactly_the_runs_a_sessions_labels_cover_oldest_first(
     assert!(many.len() > ql_control::core::SUBSET_LABELS);
     let (offered, fitting) = placed(&many).await;
     assert_eq!(offered, fitting, "by the scan");
+}
+
+const CHECK_VIOLATION: &str = "23514";
+/// Text that must be JSON and is not fails its cast.
+const NOT_JSON: &str = "22P02";
+
+/// The hot tables' rules (migration 0014 moved them from CHECK constraints into row
+/// triggers): each row that breaks one is refused as a check violation, on insert and on
+/// update, whether the rule is checked always or only when its column changes, and
+/// nothing of the refused statement is written; an update that leaves a costly column as
+/// it was still passes.
+#[tokio::test]
+async fn a_row_that_breaks_a_hot_tables_rule_is_refused_and_changes_nothing() {
+    let b = Pg::new().await;
+    let store = b.store();
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    let (run, attempt) = (h.run().as_str().to_owned(), h.attempt().as_str().to_owned());
+    let before = store.snapshot().await.unwrap();
+    let runtime = connect(&b.db().runtime_url()).await;
+    let digest = "0".repeat(64);
+    let refused = [
+        "UPDATE sessions SET state = 'asleep'".to_owned(),
+        "UPDATE sessions SET generation = 0".to_owned(),
+        "UPDATE sessions SET capacity = -1".to_owned(),
+        "UPDATE sessions SET labels = '[]'".to_owned(),
+        format!("UPDATE runs SET status = 'paused' WHERE id = '{run}'"),
+        format!("UPDATE runs SET stop = 'halt' WHERE id = '{run}'"),
+        format!("UPDATE runs SET retries_used = -1 WHERE id = '{run}'"),
+        format!("UPDATE runs SET agent_labels = '\"x\"' WHERE id = '{run}'"),
+        format!("UPDATE attempts SET status = 'paused' WHERE id = '{attempt}'"),
+        format!("UPDATE attempts SET end_kind = 'vanished' WHERE id = '{attempt}'"),
+        format!("UPDATE attempts SET log_sealed = 2 WHERE id = '{attempt}'"),
+        format!("UPDATE attempts SET lease_version = NULL WHERE id = '{attempt}'"),
+        format!("UPDATE attempts SET lease_token_digest = 'ABC' WHERE id = '{attempt}'"),
+        format!("UPDATE attempts SET callback_digest = 'xyz' WHERE id = '{attempt}'"),
+        "UPDATE offers SET state = 'lost'".to_owned(),
+        "UPDATE offers SET claim_lease_ttl_ms = NULL".to_owned(),
+        "UPDATE offers SET claim_token_digest = 'nope'".to_owned(),
+        format!("UPDATE leases SET state = 'stolen' WHERE attempt_id = '{attempt}'"),
+        format!("UPDATE leases SET version = 0 WHERE attempt_id = '{attempt}'"),
+        format!("UPDATE leases SET token_digest = upper('{digest}a') WHERE attempt_id = '{attempt}'"),
+    ];
+    for sql in &refused {
+        assert_eq!(sqlstate(&runtime, sql).await.as_deref(), Some(CHECK_VIOLATION), "{sql}");
+    }
+    let not_json = [
+        format!("UPDATE runs SET spec = 'not json' WHERE id = '{run}'"),
+        "INSERT INTO runs (id, project, spec, labels, status, retry_budget, retries_used, attempts, \
+         lease_generations, created_at) VALUES ('run_bad', 'default', '{', '{}', 'queued', 0, 0, 0, 0, 0)"
+            .to_owned(),
+        format!("UPDATE attempts SET artifact = '{{' WHERE id = '{attempt}'"),
+        format!("UPDATE attempts SET claimed_artifact = '[' WHERE id = '{attempt}'"),
+    ];
+    for sql in &not_json {
+        assert_eq!(sqlstate(&runtime, sql).await.as_deref(), Some(NOT_JSON), "{sql}");
+    }
+    assert_eq!(store.snapshot().await.unwrap(), before, "a refused statement changed something");
+    // Rows within the rules still write, a costly column left as it was or set anew.
+    for sql in [
+        format!("UPDATE runs SET spec = spec, summary = 'kept' WHERE id = '{run}'"),
+        format!("UPDATE leases SET token_digest = '{digest}' WHERE attempt_id = '{attempt}'"),
+        format!("UPDATE attempts SET artifact = '{{}}' WHERE id = '{attempt}'"),
+    ] {
+        assert_eq!(sqlstate(&runtime, &sql).await, None, "{sql}");
+    }
 }

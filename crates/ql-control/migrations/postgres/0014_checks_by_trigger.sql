@@ -1,0 +1,168 @@
+-- PostgreSQL evaluates every CHECK constraint of a table on every row an UPDATE writes,
+-- whichever columns it sets, and reads each constraint's expression back from the
+-- catalog for every statement: a lease renewal re-validated the attempt's two digests
+-- with a regular expression, and every status change of a run re-parsed its whole spec
+-- as JSON. On the tables every ACK writes (sessions, runs, attempts, offers, leases) the
+-- same rules move into one row trigger each, compiled once per connection, where a
+-- costly rule (a JSON parse, a pattern) runs only when its column is inserted or
+-- changed. A row that breaks a rule is refused as before: SQLSTATE 23514
+-- (check_violation), the table and the rule named in the message; text that must be
+-- JSON and is not fails its cast (22P02), as it did inside the CHECK.
+
+ALTER TABLE sessions
+    DROP CONSTRAINT sessions_generation_check,
+    DROP CONSTRAINT sessions_capacity_check,
+    DROP CONSTRAINT sessions_labels_check,
+    DROP CONSTRAINT sessions_state_check;
+
+CREATE FUNCTION sessions_checked() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT (NEW.generation >= 1) THEN
+        RAISE EXCEPTION 'sessions: generation must be at least 1' USING ERRCODE = 'check_violation', TABLE = 'sessions';
+    END IF;
+    IF NOT (NEW.capacity >= 0) THEN
+        RAISE EXCEPTION 'sessions: capacity must not be negative' USING ERRCODE = 'check_violation', TABLE = 'sessions';
+    END IF;
+    IF NOT (NEW.state IN ('online', 'draining', 'replaced', 'expired', 'closed')) THEN
+        RAISE EXCEPTION 'sessions: unknown state %', NEW.state USING ERRCODE = 'check_violation', TABLE = 'sessions';
+    END IF;
+    IF (TG_OP = 'INSERT' OR NEW.labels IS DISTINCT FROM OLD.labels) AND NOT (jsonb_typeof(NEW.labels) = 'object') THEN
+        RAISE EXCEPTION 'sessions: labels must be a JSON object' USING ERRCODE = 'check_violation', TABLE = 'sessions';
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER sessions_checked BEFORE INSERT OR UPDATE ON sessions
+    FOR EACH ROW EXECUTE FUNCTION sessions_checked();
+
+ALTER TABLE runs
+    DROP CONSTRAINT runs_spec_check,
+    DROP CONSTRAINT runs_labels_check,
+    DROP CONSTRAINT runs_agent_labels_check,
+    DROP CONSTRAINT runs_status_check,
+    DROP CONSTRAINT runs_stop_check,
+    DROP CONSTRAINT runs_retry_budget_check,
+    DROP CONSTRAINT runs_retries_used_check,
+    DROP CONSTRAINT runs_attempts_check,
+    DROP CONSTRAINT runs_lease_generations_check;
+
+CREATE FUNCTION runs_checked() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT (NEW.status IN ('queued', 'dispatching', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out')) THEN
+        RAISE EXCEPTION 'runs: unknown status %', NEW.status USING ERRCODE = 'check_violation', TABLE = 'runs';
+    END IF;
+    IF NOT (NEW.stop IN ('cancel', 'timeout')) THEN
+        RAISE EXCEPTION 'runs: unknown stop %', NEW.stop USING ERRCODE = 'check_violation', TABLE = 'runs';
+    END IF;
+    IF NOT (NEW.retry_budget >= 0 AND NEW.retries_used >= 0 AND NEW.attempts >= 0 AND NEW.lease_generations >= 0) THEN
+        RAISE EXCEPTION 'runs: a count is negative' USING ERRCODE = 'check_violation', TABLE = 'runs';
+    END IF;
+    IF TG_OP = 'INSERT' OR NEW.spec IS DISTINCT FROM OLD.spec THEN
+        PERFORM NEW.spec::jsonb;
+    END IF;
+    IF (TG_OP = 'INSERT' OR NEW.labels IS DISTINCT FROM OLD.labels OR NEW.agent_labels IS DISTINCT FROM OLD.agent_labels)
+        AND NOT (jsonb_typeof(NEW.labels) = 'object' AND jsonb_typeof(NEW.agent_labels) = 'object') THEN
+        RAISE EXCEPTION 'runs: labels must be JSON objects' USING ERRCODE = 'check_violation', TABLE = 'runs';
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER runs_checked BEFORE INSERT OR UPDATE ON runs
+    FOR EACH ROW EXECUTE FUNCTION runs_checked();
+
+ALTER TABLE attempts
+    DROP CONSTRAINT attempts_number_check,
+    DROP CONSTRAINT attempts_status_check,
+    DROP CONSTRAINT attempts_end_kind_check,
+    DROP CONSTRAINT attempts_check,
+    DROP CONSTRAINT attempts_lease_token_digest_check,
+    DROP CONSTRAINT attempts_callback_digest_check,
+    DROP CONSTRAINT attempts_artifact_check,
+    DROP CONSTRAINT attempts_claimed_artifact_check,
+    DROP CONSTRAINT attempts_log_acked_check,
+    DROP CONSTRAINT attempts_log_sealed_check;
+
+CREATE FUNCTION attempts_checked() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT (NEW.status IN ('offered', 'claimed', 'starting', 'running', 'succeeded', 'failed', 'cancelled',
+                           'timed_out', 'lost')) THEN
+        RAISE EXCEPTION 'attempts: unknown status %', NEW.status USING ERRCODE = 'check_violation', TABLE = 'attempts';
+    END IF;
+    IF NOT (NEW.end_kind IN ('start_failure', 'completion', 'lease_lost', 'offer_expired', 'withdrawn')) THEN
+        RAISE EXCEPTION 'attempts: unknown end kind %', NEW.end_kind USING ERRCODE = 'check_violation', TABLE = 'attempts';
+    END IF;
+    IF NOT (NEW.number >= 1 AND NEW.log_acked >= 0 AND NEW.log_sealed IN (0, 1)) THEN
+        RAISE EXCEPTION 'attempts: number, log_acked or log_sealed out of range'
+            USING ERRCODE = 'check_violation', TABLE = 'attempts';
+    END IF;
+    -- The lease the attempt projects is whole or absent.
+    IF NOT (num_nulls(NEW.lease_worker, NEW.lease_session_id, NEW.lease_session_generation, NEW.lease_offer_id,
+                      NEW.lease_generation, NEW.lease_token_digest, NEW.lease_version, NEW.lease_expires_at) IN (0, 8)) THEN
+        RAISE EXCEPTION 'attempts: the lease is partly set' USING ERRCODE = 'check_violation', TABLE = 'attempts';
+    END IF;
+    IF (TG_OP = 'INSERT' OR NEW.lease_token_digest IS DISTINCT FROM OLD.lease_token_digest)
+        AND NOT (NEW.lease_token_digest ~ '^[0-9a-f]{64}$') THEN
+        RAISE EXCEPTION 'attempts: lease_token_digest is not a digest' USING ERRCODE = 'check_violation', TABLE = 'attempts';
+    END IF;
+    IF (TG_OP = 'INSERT' OR NEW.callback_digest IS DISTINCT FROM OLD.callback_digest)
+        AND NOT (NEW.callback_digest ~ '^[0-9a-f]{64}$') THEN
+        RAISE EXCEPTION 'attempts: callback_digest is not a digest' USING ERRCODE = 'check_violation', TABLE = 'attempts';
+    END IF;
+    IF TG_OP = 'INSERT' OR NEW.artifact IS DISTINCT FROM OLD.artifact THEN
+        PERFORM NEW.artifact::jsonb;
+    END IF;
+    IF TG_OP = 'INSERT' OR NEW.claimed_artifact IS DISTINCT FROM OLD.claimed_artifact THEN
+        PERFORM NEW.claimed_artifact::jsonb;
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER attempts_checked BEFORE INSERT OR UPDATE ON attempts
+    FOR EACH ROW EXECUTE FUNCTION attempts_checked();
+
+ALTER TABLE offers
+    DROP CONSTRAINT offers_check,
+    DROP CONSTRAINT offers_state_check,
+    DROP CONSTRAINT offers_claim_token_digest_check;
+
+CREATE FUNCTION offers_checked() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT (NEW.state IN ('open', 'claimed', 'expired', 'withdrawn')) THEN
+        RAISE EXCEPTION 'offers: unknown state %', NEW.state USING ERRCODE = 'check_violation', TABLE = 'offers';
+    END IF;
+    IF NOT (num_nulls(NEW.claim_token_digest, NEW.claim_lease_generation, NEW.claim_lease_expires_at,
+                      NEW.claim_lease_ttl_ms) IN (0, 4)) THEN
+        RAISE EXCEPTION 'offers: the claim is partly set' USING ERRCODE = 'check_violation', TABLE = 'offers';
+    END IF;
+    IF (TG_OP = 'INSERT' OR NEW.claim_token_digest IS DISTINCT FROM OLD.claim_token_digest)
+        AND NOT (NEW.claim_token_digest ~ '^[0-9a-f]{64}$') THEN
+        RAISE EXCEPTION 'offers: claim_token_digest is not a digest' USING ERRCODE = 'check_violation', TABLE = 'offers';
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER offers_checked BEFORE INSERT OR UPDATE ON offers
+    FOR EACH ROW EXECUTE FUNCTION offers_checked();
+
+ALTER TABLE leases
+    DROP CONSTRAINT leases_state_check,
+    DROP CONSTRAINT leases_token_digest_check,
+    DROP CONSTRAINT leases_version_check;
+
+CREATE FUNCTION leases_checked() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT (NEW.state IN ('leased', 'completed', 'expired')) THEN
+        RAISE EXCEPTION 'leases: unknown state %', NEW.state USING ERRCODE = 'check_violation', TABLE = 'leases';
+    END IF;
+    IF NOT (NEW.version >= 1) THEN
+        RAISE EXCEPTION 'leases: version must be at least 1' USING ERRCODE = 'check_violation', TABLE = 'leases';
+    END IF;
+    IF (TG_OP = 'INSERT' OR NEW.token_digest IS DISTINCT FROM OLD.token_digest)
+        AND NOT (NEW.token_digest ~ '^[0-9a-f]{64}$') THEN
+        RAISE EXCEPTION 'leases: token_digest is not a digest' USING ERRCODE = 'check_violation', TABLE = 'leases';
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER leases_checked BEFORE INSERT OR UPDATE ON leases
+    FOR EACH ROW EXECUTE FUNCTION leases_checked();
