@@ -1,13 +1,18 @@
--- PostgreSQL evaluates every CHECK constraint of a table on every row an UPDATE writes,
--- whichever columns it sets, and reads each constraint's expression back from the
--- catalog for every statement: a lease renewal re-validated the attempt's two digests
--- with a regular expression, and every status change of a run re-parsed its whole spec
--- as JSON. On the tables every ACK writes (sessions, runs, attempts, offers, leases) the
--- same rules move into one row trigger each, compiled once per connection, where a
--- costly rule (a JSON parse, a pattern) runs only when its column is inserted or
--- changed. A row that breaks a rule is refused as before: SQLSTATE 23514
--- (check_violation), the table and the rule named in the message; text that must be
--- JSON and is not fails its cast (22P02), as it did inside the CHECK.
+-- PostgreSQL re-reads and evaluates every CHECK constraint of a table for every row an
+-- UPDATE writes, whichever columns it sets: a lease renewal re-ran the attempt's and the
+-- lease's digest patterns, every status change of a run re-parsed its whole spec as
+-- JSON, every heartbeat re-checked its session's labels. On the tables every ACK writes
+-- (sessions, runs, attempts, offers, leases) the rules move into one row trigger each,
+-- compiled once per connection, that fires only for a statement setting a column a rule
+-- is about, and runs a costly rule (a JSON parse, a pattern) only when its column is
+-- inserted or changed. A renewal (lease version and expiry) and a heartbeat (seen and
+-- expiry times) fire none; the two rules about the columns a renewal sets stay CHECK
+-- constraints, small ones: the attempt's projection of its lease is whole or absent,
+-- and a lease's version is at least 1.
+--
+-- A row that breaks a rule is refused as before: SQLSTATE 23514 (check_violation), the
+-- table and the rule named in the message; text that must be JSON and is not fails its
+-- cast (22P02), as it did inside the CHECK.
 
 ALTER TABLE sessions
     DROP CONSTRAINT sessions_generation_check,
@@ -32,7 +37,7 @@ BEGIN
     RETURN NEW;
 END
 $$;
-CREATE TRIGGER sessions_checked BEFORE INSERT OR UPDATE ON sessions
+CREATE TRIGGER sessions_checked BEFORE INSERT OR UPDATE OF generation, capacity, state, labels ON sessions
     FOR EACH ROW EXECUTE FUNCTION sessions_checked();
 
 ALTER TABLE runs
@@ -67,14 +72,15 @@ BEGIN
     RETURN NEW;
 END
 $$;
-CREATE TRIGGER runs_checked BEFORE INSERT OR UPDATE ON runs
+CREATE TRIGGER runs_checked
+    BEFORE INSERT OR UPDATE OF status, stop, retry_budget, retries_used, attempts, lease_generations, spec, labels,
+    agent_labels ON runs
     FOR EACH ROW EXECUTE FUNCTION runs_checked();
 
 ALTER TABLE attempts
     DROP CONSTRAINT attempts_number_check,
     DROP CONSTRAINT attempts_status_check,
     DROP CONSTRAINT attempts_end_kind_check,
-    DROP CONSTRAINT attempts_check,
     DROP CONSTRAINT attempts_lease_token_digest_check,
     DROP CONSTRAINT attempts_callback_digest_check,
     DROP CONSTRAINT attempts_artifact_check,
@@ -95,11 +101,6 @@ BEGIN
         RAISE EXCEPTION 'attempts: number, log_acked or log_sealed out of range'
             USING ERRCODE = 'check_violation', TABLE = 'attempts';
     END IF;
-    -- The lease the attempt projects is whole or absent.
-    IF NOT (num_nulls(NEW.lease_worker, NEW.lease_session_id, NEW.lease_session_generation, NEW.lease_offer_id,
-                      NEW.lease_generation, NEW.lease_token_digest, NEW.lease_version, NEW.lease_expires_at) IN (0, 8)) THEN
-        RAISE EXCEPTION 'attempts: the lease is partly set' USING ERRCODE = 'check_violation', TABLE = 'attempts';
-    END IF;
     IF (TG_OP = 'INSERT' OR NEW.lease_token_digest IS DISTINCT FROM OLD.lease_token_digest)
         AND NOT (NEW.lease_token_digest ~ '^[0-9a-f]{64}$') THEN
         RAISE EXCEPTION 'attempts: lease_token_digest is not a digest' USING ERRCODE = 'check_violation', TABLE = 'attempts';
@@ -117,7 +118,9 @@ BEGIN
     RETURN NEW;
 END
 $$;
-CREATE TRIGGER attempts_checked BEFORE INSERT OR UPDATE ON attempts
+CREATE TRIGGER attempts_checked
+    BEFORE INSERT OR UPDATE OF status, end_kind, number, log_acked, log_sealed, lease_token_digest, callback_digest,
+    artifact, claimed_artifact ON attempts
     FOR EACH ROW EXECUTE FUNCTION attempts_checked();
 
 ALTER TABLE offers
@@ -141,21 +144,19 @@ BEGIN
     RETURN NEW;
 END
 $$;
-CREATE TRIGGER offers_checked BEFORE INSERT OR UPDATE ON offers
+CREATE TRIGGER offers_checked
+    BEFORE INSERT OR UPDATE OF state, claim_token_digest, claim_lease_generation, claim_lease_expires_at,
+    claim_lease_ttl_ms ON offers
     FOR EACH ROW EXECUTE FUNCTION offers_checked();
 
 ALTER TABLE leases
     DROP CONSTRAINT leases_state_check,
-    DROP CONSTRAINT leases_token_digest_check,
-    DROP CONSTRAINT leases_version_check;
+    DROP CONSTRAINT leases_token_digest_check;
 
 CREATE FUNCTION leases_checked() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF NOT (NEW.state IN ('leased', 'completed', 'expired')) THEN
         RAISE EXCEPTION 'leases: unknown state %', NEW.state USING ERRCODE = 'check_violation', TABLE = 'leases';
-    END IF;
-    IF NOT (NEW.version >= 1) THEN
-        RAISE EXCEPTION 'leases: version must be at least 1' USING ERRCODE = 'check_violation', TABLE = 'leases';
     END IF;
     IF (TG_OP = 'INSERT' OR NEW.token_digest IS DISTINCT FROM OLD.token_digest)
         AND NOT (NEW.token_digest ~ '^[0-9a-f]{64}$') THEN
@@ -164,5 +165,5 @@ BEGIN
     RETURN NEW;
 END
 $$;
-CREATE TRIGGER leases_checked BEFORE INSERT OR UPDATE ON leases
+CREATE TRIGGER leases_checked BEFORE INSERT OR UPDATE OF state, token_digest ON leases
     FOR EACH ROW EXECUTE FUNCTION leases_checked();

@@ -41,6 +41,8 @@
 //! a sweep waits for is the `authority` row (outage grace), which only sweeps take, and
 //! first.
 
+use std::sync::LazyLock;
+
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
@@ -66,6 +68,15 @@ const FENCE: &str = "SELECT pg_advisory_xact_lock(hashtextextended('attempt:' ||
 const TRY_FENCE: &str = "SELECT pg_try_advisory_xact_lock(hashtextextended('attempt:' || $1, 0))";
 /// The lock that serialises opening sessions of one worker.
 const WORKER_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextextended('worker:' || $1, 0))";
+
+/// An attempt's event of a kind, through the index that makes it unique (its run, the
+/// attempt, the kind): `$1` the attempt, `$2` the kind.
+static COMPLETION_EVENT_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {EVENT_COLS} FROM events WHERE run_id = (SELECT run_id FROM attempts WHERE id = $1) \
+         AND COALESCE(attempt_id, '') = $1 AND kind = $2"
+    )
+});
 
 fn by_id(table: &str, cols: &str, key: &str, lock: &str) -> String {
     format!("SELECT {cols} FROM {table} WHERE {key} = $1 {lock}")
@@ -336,7 +347,7 @@ async fn pipelined(
         by_id("attempts", &ATTEMPT_COLS, "id", LOCK),
         by_id("leases", &LEASE_COLS, "attempt_id", LOCK),
         by_id("offers", &OFFER_COLS, "id", LOCK),
-        format!("SELECT {EVENT_COLS} FROM events WHERE attempt_id = $1 AND kind = $2"),
+        COMPLETION_EVENT_SQL.to_owned(),
         schema::DB_NOW.to_owned(),
     ];
     let mut batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = vec![
@@ -524,9 +535,12 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
     }
     if keys.completion_event {
         if let Some(a) = &keys.attempt {
-            let sql = format!("SELECT {EVENT_COLS} FROM events WHERE attempt_id = $1 AND kind = $2");
-            out.completion_event =
-                tx.one(&sql, &[&a.as_str(), &COMPLETION_EVENT]).await?.as_ref().map(rows::read).transpose()?;
+            out.completion_event = tx
+                .one(&COMPLETION_EVENT_SQL, &[&a.as_str(), &COMPLETION_EVENT])
+                .await?
+                .as_ref()
+                .map(rows::read)
+                .transpose()?;
         }
     }
     Ok(out)
