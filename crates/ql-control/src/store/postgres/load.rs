@@ -178,6 +178,15 @@ async fn worker_work(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Work, Error> 
     Ok(out)
 }
 
+/// Sent before the queue probe by label sets (see [`queued_for`]), in its round trip: the
+/// probe runs on the plan PostgreSQL prepared once for the connection. Left to choose,
+/// PostgreSQL plans it afresh on every poll (an estimate for the actual number of label
+/// sets always looks cheaper than the generic one), and that planning costs several
+/// times the probe itself; the generic plan follows the queue's statistics all the same
+/// (a sort of the few runs queued for a label set, or an ordered index scan of a long
+/// queue). For the rest of the poll's transaction only (its writes, by key).
+const GENERIC_PLANS: &str = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)";
+
 /// Queued runs the worker fits (its trusted labels cover the run's `labels`, the
 /// session's declared ones its `agent_labels`), oldest first, locked with SKIP LOCKED.
 /// Only as many as the session has room for.
@@ -213,7 +222,8 @@ async fn queued_for(
             *RUN_COLS
         );
         let fits = subsets.iter().map(json).collect::<Result<Vec<_>, _>>()?;
-        return tx.all(&sql, &[&trusted, &fits, &room]).await?.iter().map(rows::read).collect();
+        let answers = tx.pipeline(&[(GENERIC_PLANS, vec![]), (&sql, vec![&trusted, &fits, &room])]).await?;
+        return answers.into_iter().nth(1).unwrap_or_default().iter().map(rows::read).collect();
     }
     let declared = json(&fit.declared)?;
     let sql = format!(
@@ -225,18 +235,15 @@ async fn queued_for(
 }
 
 async fn placement(tx: &mut Tx<'_>, session: &Session, out: &mut Rows) -> Result<(), Error> {
-    let n: i64 = tx
-        .one(
-            "SELECT COUNT(*) FROM attempts WHERE session_id = $1 \
-             AND status IN ('offered', 'claimed', 'starting', 'running')",
-            &[&session.id.as_str()],
-        )
-        .await?
-        .map_or(0, |r| r.get(0));
-    out.active_attempts = u32::try_from(n).unwrap_or(u32::MAX);
-    let sql =
+    let active = "SELECT COUNT(*) FROM attempts WHERE session_id = $1 \
+                  AND status IN ('offered', 'claimed', 'starting', 'running')";
+    let open =
         format!("SELECT {} FROM offers WHERE session_id = $1 AND state = 'open' ORDER BY expires_at, id", *OFFER_COLS);
-    out.open_offers = tx.all(&sql, &[&session.id.as_str()]).await?.iter().map(rows::read).collect::<Result<_, _>>()?;
+    let id = session.id.as_str();
+    let mut answers = tx.pipeline(&[(active, vec![&id]), (&open, vec![&id])]).await?.into_iter();
+    let n: i64 = answers.next().and_then(|rows| rows.into_iter().next()).map_or(0, |r| r.get(0));
+    out.active_attempts = u32::try_from(n).unwrap_or(u32::MAX);
+    out.open_offers = answers.next().unwrap_or_default().iter().map(rows::read).collect::<Result<_, _>>()?;
     // The session's own worker, whatever the keys named.
     let trusted = out.worker.clone().filter(|w| w.id == session.worker);
     out.queued = queued_for(tx, session, trusted.as_ref(), out.active_attempts).await?;
