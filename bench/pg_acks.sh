@@ -8,7 +8,7 @@
 #
 #   bench/pg_acks.sh            # prints the figures and the commands behind them
 #   CYCLES_8=25 CYCLES_64=4 bench/pg_acks.sh   # shorter rounds
-#   PG_POOL=64 bench/pg_acks.sh                # the replica's pg_pool_size
+#   PG_POOL=8 bench/pg_acks.sh                 # the replica's pg_pool_size (and the store-level pool)
 #
 # Each client count runs CYCLES_8 / CYCLES_64 cycles of eight ACKs per client (by default
 # 9,600 and 10,240 ACKs, several seconds each, as pgbench's 10 s), after a warm-up round
@@ -85,8 +85,8 @@ for clients in 8 64; do
     --database "$QL_PG_URL")
   echo "$line"
   ack[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
-  echo "\$ QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --test pg_throughput"
-  line=$(QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --locked --quiet -p ql-control \
+  echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --test pg_throughput"
+  line=$(QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --locked --quiet -p ql-control \
     --test pg_throughput -- --nocapture 2>/dev/null | grep '^store-level')
   echo "$line"
   direct[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')

@@ -32,8 +32,10 @@ async fn concurrent_ack_transactions_keep_every_invariant() {
     let (clients, cycles, renewals) = (env("QL_BENCH_CLIENTS", 8), env("QL_BENCH_CYCLES", 5), 5);
     let db = TestDb::new("throughput").await;
     let offset = Arc::new(AtomicI64::new(0));
-    // One connection per client at most, as a replica's pool would allow.
-    let store = db.store(PgOptions { pool_size: clients.min(64), ..Pg::options(&offset) }).await;
+    // The replica's pool (`pg_pool_size`, QL_BENCH_POOL here), one connection per client
+    // at most: more clients than connections wait for one, as behind a serving replica.
+    let pool_size = env("QL_BENCH_POOL", PgOptions::default().pool_size).min(clients);
+    let store = db.store(PgOptions { pool_size, ..Pg::options(&offset) }).await;
     for i in 0..clients {
         let labels = BTreeMap::from([("bench".to_owned(), i.to_string())]);
         for _ in 0..cycles {
