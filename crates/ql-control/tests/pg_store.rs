@@ -331,11 +331,23 @@ const CHECK_VIOLATION: &str = "23514";
 /// Text that must be JSON and is not fails its cast.
 const NOT_JSON: &str = "22P02";
 
-/// The hot tables' rules (migration 0014 moved them from CHECK constraints into row
-/// triggers): each row that breaks one is refused as a check violation, on insert and on
-/// update, whether the rule is checked always or only when its column changes, and
-/// nothing of the refused statement is written; an update that leaves a costly column as
-/// it was still passes.
+/// The SQLSTATE and the constraint named by the error of a statement `client` runs, or
+/// `None` when it succeeds.
+async fn refusal(client: &tokio_postgres::Client, sql: &str) -> Option<(String, Option<String>)> {
+    let e = client.batch_execute(sql).await.err()?;
+    let db = e.as_db_error();
+    Some((
+        db.map_or_else(|| e.to_string(), |d| d.code().code().to_owned()),
+        db.and_then(|d| d.constraint().map(str::to_owned)),
+    ))
+}
+
+/// The hot tables' rules (migration 0014 moved most of them from CHECK constraints into
+/// row triggers that fire only for the columns they are about): each one refuses a row
+/// that breaks it as a check violation naming the constraint it was, when an UPDATE sets
+/// that column alone (so every rule's column is in its trigger's list) and on INSERT;
+/// nothing of a refused statement is written; an update that leaves a costly column as it
+/// was, or sets it anew within the rule, still passes.
 #[tokio::test]
 async fn a_row_that_breaks_a_hot_tables_rule_is_refused_and_changes_nothing() {
     let b = Pg::new().await;
@@ -345,49 +357,79 @@ async fn a_row_that_breaks_a_hot_tables_rule_is_refused_and_changes_nothing() {
     let before = store.snapshot().await.unwrap();
     let runtime = connect(&b.db().runtime_url()).await;
     let digest = "0".repeat(64);
+    let at_run = format!("WHERE id = '{run}'");
+    let at_attempt = format!("WHERE id = '{attempt}'");
+    let at_lease = format!("WHERE attempt_id = '{attempt}'");
     let refused = [
-        "UPDATE sessions SET state = 'asleep'".to_owned(),
-        "UPDATE sessions SET generation = 0".to_owned(),
-        "UPDATE sessions SET capacity = -1".to_owned(),
-        "UPDATE sessions SET labels = '[]'".to_owned(),
-        format!("UPDATE runs SET status = 'paused' WHERE id = '{run}'"),
-        format!("UPDATE runs SET stop = 'halt' WHERE id = '{run}'"),
-        format!("UPDATE runs SET retries_used = -1 WHERE id = '{run}'"),
-        format!("UPDATE runs SET agent_labels = '\"x\"' WHERE id = '{run}'"),
-        format!("UPDATE attempts SET status = 'paused' WHERE id = '{attempt}'"),
-        format!("UPDATE attempts SET end_kind = 'vanished' WHERE id = '{attempt}'"),
-        format!("UPDATE attempts SET log_sealed = 2 WHERE id = '{attempt}'"),
-        format!("UPDATE attempts SET lease_version = NULL WHERE id = '{attempt}'"),
-        format!("UPDATE attempts SET lease_token_digest = 'ABC' WHERE id = '{attempt}'"),
-        format!("UPDATE attempts SET callback_digest = 'xyz' WHERE id = '{attempt}'"),
-        "UPDATE offers SET state = 'lost'".to_owned(),
-        "UPDATE offers SET claim_lease_ttl_ms = NULL".to_owned(),
-        "UPDATE offers SET claim_token_digest = 'nope'".to_owned(),
-        format!("UPDATE leases SET state = 'stolen' WHERE attempt_id = '{attempt}'"),
-        format!("UPDATE leases SET version = 0 WHERE attempt_id = '{attempt}'"),
-        format!("UPDATE leases SET token_digest = upper('{digest}a') WHERE attempt_id = '{attempt}'"),
+        ("sessions_generation_check", "UPDATE sessions SET generation = 0".to_owned()),
+        ("sessions_capacity_check", "UPDATE sessions SET capacity = -1".to_owned()),
+        ("sessions_state_check", "UPDATE sessions SET state = 'asleep'".to_owned()),
+        ("sessions_labels_check", "UPDATE sessions SET labels = '[]'".to_owned()),
+        ("runs_status_check", format!("UPDATE runs SET status = 'paused' {at_run}")),
+        ("runs_stop_check", format!("UPDATE runs SET stop = 'halt' {at_run}")),
+        ("runs_retry_budget_check", format!("UPDATE runs SET retry_budget = -1 {at_run}")),
+        ("runs_retries_used_check", format!("UPDATE runs SET retries_used = -1 {at_run}")),
+        ("runs_attempts_check", format!("UPDATE runs SET attempts = -1 {at_run}")),
+        ("runs_lease_generations_check", format!("UPDATE runs SET lease_generations = -1 {at_run}")),
+        ("runs_labels_check", format!("UPDATE runs SET labels = '1' {at_run}")),
+        ("runs_agent_labels_check", format!("UPDATE runs SET agent_labels = '\"x\"' {at_run}")),
+        ("attempts_number_check", format!("UPDATE attempts SET number = 0 {at_attempt}")),
+        ("attempts_status_check", format!("UPDATE attempts SET status = 'paused' {at_attempt}")),
+        ("attempts_end_kind_check", format!("UPDATE attempts SET end_kind = 'vanished' {at_attempt}")),
+        ("attempts_log_acked_check", format!("UPDATE attempts SET log_acked = -1 {at_attempt}")),
+        ("attempts_log_sealed_check", format!("UPDATE attempts SET log_sealed = 2 {at_attempt}")),
+        ("attempts_lease_token_digest_check", format!("UPDATE attempts SET lease_token_digest = 'ABC' {at_attempt}")),
+        ("attempts_callback_digest_check", format!("UPDATE attempts SET callback_digest = 'xyz' {at_attempt}")),
+        ("attempts_check", format!("UPDATE attempts SET lease_version = NULL {at_attempt}")),
+        ("attempts_check", format!("UPDATE attempts SET lease_expires_at = NULL {at_attempt}")),
+        ("attempts_check", format!("UPDATE attempts SET lease_worker = NULL {at_attempt}")),
+        ("offers_state_check", "UPDATE offers SET state = 'lost'".to_owned()),
+        ("offers_check", "UPDATE offers SET claim_lease_generation = NULL".to_owned()),
+        ("offers_check", "UPDATE offers SET claim_lease_expires_at = NULL".to_owned()),
+        ("offers_check", "UPDATE offers SET claim_lease_ttl_ms = NULL".to_owned()),
+        ("offers_claim_token_digest_check", "UPDATE offers SET claim_token_digest = 'nope'".to_owned()),
+        ("leases_state_check", format!("UPDATE leases SET state = 'stolen' {at_lease}")),
+        ("leases_version_check", format!("UPDATE leases SET version = 0 {at_lease}")),
+        ("leases_token_digest_check", format!("UPDATE leases SET token_digest = upper('{digest}a') {at_lease}")),
     ];
-    for sql in &refused {
-        assert_eq!(sqlstate(&runtime, sql).await.as_deref(), Some(CHECK_VIOLATION), "{sql}");
+    for (constraint, sql) in &refused {
+        let expected = Some((CHECK_VIOLATION.to_owned(), Some((*constraint).to_owned())));
+        assert_eq!(refusal(&runtime, sql).await, expected, "{sql}");
+    }
+    // On INSERT too: a copy of a real row (in a temporary table) with one value broken.
+    let copy = |table: &str, key: &str, set: &str| {
+        format!(
+            "CREATE TEMP TABLE t AS SELECT * FROM {table} LIMIT 1; UPDATE t SET {key} = {key} || '_copy', {set}; \
+             INSERT INTO {table} SELECT * FROM t"
+        )
+    };
+    let inserted = [
+        ("sessions_state_check", copy("sessions", "id", "generation = 99, state = 'asleep'")),
+        ("runs_status_check", copy("runs", "id", "status = 'paused'")),
+        ("attempts_callback_digest_check", copy("attempts", "id", "number = 99, callback_digest = 'xyz'")),
+        ("offers_claim_token_digest_check", copy("offers", "id", "claim_token_digest = 'nope'")),
+        ("leases_token_digest_check", copy("leases", "attempt_id", "lease_generation = 99, token_digest = 'x'")),
+    ];
+    for (constraint, sql) in &inserted {
+        let expected = Some((CHECK_VIOLATION.to_owned(), Some((*constraint).to_owned())));
+        assert_eq!(refusal(&runtime, sql).await, expected, "{sql}");
     }
     let not_json = [
-        format!("UPDATE runs SET spec = 'not json' WHERE id = '{run}'"),
-        "INSERT INTO runs (id, project, spec, labels, status, retry_budget, retries_used, attempts, \
-         lease_generations, created_at) VALUES ('run_bad', 'default', '{', '{}', 'queued', 0, 0, 0, 0, 0)"
-            .to_owned(),
-        format!("UPDATE attempts SET artifact = '{{' WHERE id = '{attempt}'"),
-        format!("UPDATE attempts SET claimed_artifact = '[' WHERE id = '{attempt}'"),
+        format!("UPDATE runs SET spec = 'not json' {at_run}"),
+        copy("runs", "id", "spec = '{'"),
+        format!("UPDATE attempts SET artifact = '{{' {at_attempt}"),
+        format!("UPDATE attempts SET claimed_artifact = '[' {at_attempt}"),
     ];
     for sql in &not_json {
-        assert_eq!(sqlstate(&runtime, sql).await.as_deref(), Some(NOT_JSON), "{sql}");
+        assert_eq!(refusal(&runtime, sql).await.map(|r| r.0).as_deref(), Some(NOT_JSON), "{sql}");
     }
     assert_eq!(store.snapshot().await.unwrap(), before, "a refused statement changed something");
     // Rows within the rules still write, a costly column left as it was or set anew.
     for sql in [
-        format!("UPDATE runs SET spec = spec, summary = 'kept' WHERE id = '{run}'"),
-        format!("UPDATE leases SET token_digest = '{digest}' WHERE attempt_id = '{attempt}'"),
-        format!("UPDATE attempts SET artifact = '{{}}' WHERE id = '{attempt}'"),
+        format!("UPDATE runs SET spec = spec, summary = 'kept' {at_run}"),
+        format!("UPDATE leases SET token_digest = '{digest}' {at_lease}"),
+        format!("UPDATE attempts SET artifact = '{{}}' {at_attempt}"),
     ] {
-        assert_eq!(sqlstate(&runtime, &sql).await, None, "{sql}");
+        assert_eq!(refusal(&runtime, &sql).await, None, "{sql}");
     }
 }
