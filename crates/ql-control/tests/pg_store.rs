@@ -3,7 +3,8 @@
 //! only the reply, two sweepers on two replicas at once never double-expire, and a
 //! commit on one replica wakes the other's long-polls through LISTEN/NOTIFY, and a
 //! request's admission decided with its command is read after the command's locks, and
-//! the hot tables' row rules refuse what their CHECK constraints used to.
+//! the hot tables' row rules refuse what their CHECK constraints used to, and a poll's
+//! queue probe reads no run queued for other label sets.
 //!
 //! Each test has a database of its own on the server `QL_TEST_PG_URL` names (see
 //! `contract/pg.rs`; `scripts/test` provides one).
@@ -431,5 +432,66 @@ async fn a_row_that_breaks_a_hot_tables_rule_is_refused_and_changes_nothing() {
         format!("UPDATE attempts SET artifact = '{{}}' {at_attempt}"),
     ] {
         assert_eq!(refusal(&runtime, &sql).await, None, "{sql}");
+    }
+}
+
+/// Rows of `runs` a plan node and its children read: what they returned and what their
+/// filters removed, over every loop (EXPLAIN gives per-loop averages).
+fn runs_rows_read(node: &serde_json::Value) -> f64 {
+    let n = |k: &str| node.get(k).and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+    let own = if node.get("Relation Name").and_then(|r| r.as_str()) == Some("runs") {
+        (n("Actual Rows") + n("Rows Removed by Filter") + n("Rows Removed by Index Recheck")) * n("Actual Loops")
+    } else {
+        0.0
+    };
+    let children = node.get("Plans").and_then(|p| p.as_array()).map_or(0.0, |p| p.iter().map(runs_rows_read).sum());
+    own + children
+}
+
+/// A poll's queue probe, on the plan the store runs it on, reads only the runs of the
+/// session's label sets, up to its room, however many runs wait for other workers, even
+/// when every queued run has the same labels (where PostgreSQL, comparing with `=`,
+/// guessed that all of them match any set and walked the queue in age order).
+#[tokio::test]
+async fn a_polls_queue_probe_reads_no_run_queued_for_other_label_sets() {
+    let b = Pg::new().await;
+    let owner = connect(&b.db().url("ql_owner")).await;
+    owner
+        .batch_execute(
+            "INSERT INTO runs (id, project, spec, labels, agent_labels, status, retry_budget, retries_used, attempts, \
+             lease_generations, created_at) SELECT 'run_' || g, 'default', '{}', '{}', '{\"arch\":\"mipsel\"}', \
+             'queued', 0, 0, 0, 0, g FROM generate_series(1, 2000) g; ANALYZE runs",
+        )
+        .await
+        .unwrap();
+    let probe = ql_control::store::postgres::QUEUE_PROBE.as_str();
+    owner
+        .batch_execute(&format!(
+            "PREPARE probe (text, text[], bigint) AS {probe}; SET plan_cache_mode = force_generic_plan"
+        ))
+        .await
+        .unwrap();
+    // (the session's label sets, its room, the runs it is offered)
+    for (sets, room, offered) in [
+        (r#"ARRAY['{}', '{"arch":"arm"}']"#, 4.0, 0.0),
+        (r#"ARRAY['{}', '{"arch":"mipsel"}']"#, 4.0, 4.0),
+        (r#"ARRAY['{}', '{"arch":"mipsel"}']"#, 1.0, 1.0),
+    ] {
+        let sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE probe('{{}}', {sets}, {room})");
+        let text = owner
+            .simple_query(&sql)
+            .await
+            .unwrap()
+            .into_iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .expect("a plan");
+        let explained: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let plan = &explained[0]["Plan"];
+        assert_eq!(plan["Actual Rows"].as_f64(), Some(offered), "{sets}, room {room}");
+        let read = runs_rows_read(plan);
+        assert!(read <= room * 2.0, "{sets}, room {room}: the probe read {read} queued runs: {plan}");
     }
 }

@@ -187,6 +187,23 @@ async fn worker_work(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Work, Error> 
 /// queue). For the rest of the poll's transaction only (its writes, by key).
 const GENERIC_PLANS: &str = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)";
 
+/// The queue probe by label sets: `$1` the worker's trusted labels, `$2` the label sets
+/// (JSON text) a run's `agent_labels` may be, `$3` the room. Each set is probed on
+/// `runs_queue_fit` in its order (agent_labels, then age), stopping at the room. The
+/// set is compared as `= ANY (ARRAY[set])` and the order names `agent_labels`, so that
+/// index is the only one that yields the order: with `=`, PostgreSQL would treat the
+/// column as constant and could walk the whole queue in age order instead (it does when
+/// every queued run has the same labels, guessing they all match any set).
+pub static QUEUE_PROBE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT c.* FROM unnest($2::text[]) AS s (fit) CROSS JOIN LATERAL (SELECT {} FROM runs r \
+         WHERE r.status = 'queued' AND r.agent_labels = ANY (ARRAY[s.fit::jsonb]) AND $1::text::jsonb @> r.labels \
+         ORDER BY r.agent_labels, r.created_at, r.id LIMIT $3 FOR UPDATE SKIP LOCKED) c \
+         ORDER BY c.created_at, c.id LIMIT $3",
+        *RUN_COLS
+    )
+});
+
 /// Queued runs the worker fits (its trusted labels cover the run's `labels`, the
 /// session's declared ones its `agent_labels`), oldest first, locked with SKIP LOCKED.
 /// Only as many as the session has room for.
@@ -215,14 +232,8 @@ async fn queued_for(
     let fit = Fit { trusted: trusted.map(|w| w.labels.clone()).unwrap_or_default(), declared: session.labels.clone() };
     let trusted = json(&fit.trusted)?;
     if let Some(subsets) = fit.declared_subsets() {
-        let sql = format!(
-            "SELECT c.* FROM unnest($2::text[]) AS s (fit) CROSS JOIN LATERAL (SELECT {} FROM runs r \
-             WHERE r.status = 'queued' AND r.agent_labels = s.fit::jsonb AND $1::text::jsonb @> r.labels \
-             ORDER BY r.created_at, r.id LIMIT $3 FOR UPDATE SKIP LOCKED) c ORDER BY c.created_at, c.id LIMIT $3",
-            *RUN_COLS
-        );
         let fits = subsets.iter().map(json).collect::<Result<Vec<_>, _>>()?;
-        let answers = tx.pipeline(&[(GENERIC_PLANS, vec![]), (&sql, vec![&trusted, &fits, &room])]).await?;
+        let answers = tx.pipeline(&[(GENERIC_PLANS, vec![]), (&QUEUE_PROBE, vec![&trusted, &fits, &room])]).await?;
         return answers.into_iter().nth(1).unwrap_or_default().iter().map(rows::read).collect();
     }
     let declared = json(&fit.declared)?;
