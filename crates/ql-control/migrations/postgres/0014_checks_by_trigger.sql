@@ -10,6 +10,11 @@
 -- constraints, small ones: the attempt's projection of its lease is whole or absent,
 -- and a lease's version is at least 1.
 --
+-- Each function tests all its rules in one expression, and only when that fails tests
+-- them one by one to name the broken one, so every rule is written twice: PL/pgSQL
+-- prepares each expression once per transaction, every ACK is a transaction of its own,
+-- and one IF per rule cost more than the CHECKs had.
+--
 -- A row that breaks a rule is refused as before: SQLSTATE 23514 (check_violation), with
 -- the table and the name the CHECK had; text that must be JSON and is not fails its cast
 -- (22P02), as it did inside the CHECK. Functions and the pattern operator are named in
