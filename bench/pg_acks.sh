@@ -4,7 +4,9 @@
 # one short transaction), side by side with `pgbench -N` at the same client count on the
 # same server, their ratio, and the SQLite store's figure on the same machine. Also the
 # store-level rate (tests/pg_throughput.rs: the same ACK cycle through the store, no
-# HTTP or TLS), which isolates the database transaction from the transport.
+# HTTP or TLS), which isolates the database transaction from the transport. Last, what
+# one ACK costs in CPU (PostgreSQL's processes, the server, the clients) beside what one
+# pgbench transaction costs: on a machine they share, that bounds the ratio.
 #
 #   bench/pg_acks.sh            # prints the figures and the commands behind them
 #   CYCLES_8=25 CYCLES_64=4 bench/pg_acks.sh   # shorter rounds
@@ -34,6 +36,29 @@ trap cleanup EXIT
 
 eval "$(scripts/pg start "$work/cluster" --durable)"
 pgbin=$(cat "$work/cluster/bindir")
+
+# CPU seconds the cluster has used so far: the postmaster's own and its reaped children's
+# (backends of clients that have gone), and its live children's.
+cluster_cpu() {
+  python3 - "$(head -1 "$work/cluster/data/postmaster.pid")" <<'PY'
+import os, sys
+postmaster, ticks = int(sys.argv[1]), 0
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        continue
+    if int(pid) == postmaster:
+        ticks += sum(map(int, f[11:15]))  # utime, stime, cutime, cstime
+    elif int(f[1]) == postmaster:
+        ticks += int(f[11]) + int(f[12])
+print(ticks / os.sysconf("SC_CLK_TCK"))
+PY
+}
+process_cpu() { awk -v hz="$(getconf CLK_TCK)" '{ sub(/.*\) /, ""); print ($12 + $13) / hz }' "/proc/$1/stat"; }
+# Runs a command, printing its output; its own CPU seconds (user + system) go to $work/time.
+timed() { local TIMEFORMAT="%U %S"; { time "$@" 2>/dev/null; } 2>"$work/time"; }
+own_cpu() { awk '{ print $1 + $2 }' "$work/time"; }
 "$bin" migrate --database "$QL_PG_OWNER_URL" >/dev/null
 
 # ack_bench enrols its workers as bench-<i> in DIR/bench-workers, and enrolment never
@@ -76,13 +101,19 @@ echo "# server: $bin serve --database (one replica, pool of ${PG_POOL:-16} conne
 cycles_for() { if [ "$1" = 64 ]; then echo "${CYCLES_64:-20}"; else echo "${CYCLES_8:-150}"; fi; }
 fresh_workers "$work/pg-state"
 "$bench" --dir "$work/pg-state" --url "$pg_url" --clients 8 --cycles 10 --renewals 5 --database "$QL_PG_URL" >/dev/null
-declare -A ack tps direct
+declare -A ack tps direct cost pgcost
 for clients in 8 64; do
   cycles=$(cycles_for "$clients")
   echo "\$ $bench --clients $clients --cycles $cycles --renewals 5 --database \$QL_PG_URL"
   fresh_workers "$work/pg-state"
-  line=$("$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals 5 \
+  pg0=$(cluster_cpu) server0=$(process_cpu "$pg_server")
+  line=$(timed "$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals 5 \
     --database "$QL_PG_URL")
+  # What each ACK cost in CPU ms of the cluster, the server and the clients, the
+  # round's submits and enrolments included.
+  cost[$clients]=$(awk -v n="$((clients * cycles * 8))" -v pg0="$pg0" -v pg1="$(cluster_cpu)" \
+    -v server0="$server0" -v server1="$(process_cpu "$pg_server")" -v client="$(own_cpu)" \
+    'BEGIN { printf "%.3f %.3f %.3f", (pg1 - pg0) * 1e3 / n, (server1 - server0) * 1e3 / n, client * 1e3 / n }')
   echo "$line"
   ack[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
   echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --test pg_throughput"
@@ -91,8 +122,13 @@ for clients in 8 64; do
   echo "$line"
   direct[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
   echo "\$ pgbench -N -c $clients -j 2 -T 10 pgbench"
-  out=$("$pgbin/pgbench" -N -c "$clients" -j 2 -T 10 -h "$QL_PG_SOCKET" -U postgres pgbench 2>&1)
+  pg0=$(cluster_cpu)
+  TIMEFORMAT="%U %S"
+  { time out=$("$pgbin/pgbench" -N -c "$clients" -j 2 -T 10 -h "$QL_PG_SOCKET" -U postgres pgbench 2>&1); } 2>"$work/time"
   tps[$clients]=$(echo "$out" | sed -n 's/^tps = \([0-9.]*\).*/\1/p' | head -1)
+  n=$(echo "$out" | sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p')
+  pgcost[$clients]=$(awk -v n="$n" -v pg0="$pg0" -v pg1="$(cluster_cpu)" -v client="$(own_cpu)" \
+    'BEGIN { printf "%.3f %.3f", (pg1 - pg0) * 1e3 / n, client * 1e3 / n }')
   echo "pgbench -N: ${tps[$clients]} tps"
 done
 kill -TERM "$pg_server"; wait "$pg_server" 2>/dev/null || true; pg_server=
@@ -117,4 +153,15 @@ for clients in 8 64; do
   awk -v c="$clients" -v a="${ack[$clients]}" -v d="${direct[$clients]}" -v t="${tps[$clients]}" \
     -v s="${lite[$clients]}" \
     'BEGIN { printf "%7d  %23.0f  %5.2f  %17.0f  %5.2f  %14.0f  %19.0f\n", c, a, a / t, d, d / t, t, s }'
+done
+echo
+echo "CPU ms of one ACK over mTLS (PostgreSQL, the server, the clients) and of one pgbench -N"
+echo "transaction (PostgreSQL, pgbench), on the same $(nproc) cores; a ratio of 0.5 over mTLS needs"
+echo "an ACK's whole cost under twice the transaction's:"
+echo "clients  ACK: PostgreSQL  server  client  total   pgbench tx: PostgreSQL  pgbench  total"
+for clients in 8 64; do
+  read -r p s c <<<"${cost[$clients]}"
+  read -r tp tc <<<"${pgcost[$clients]}"
+  awk -v n="$clients" -v p="$p" -v s="$s" -v c="$c" -v tp="$tp" -v tc="$tc" \
+    'BEGIN { printf "%7d  %15.3f  %6.3f  %6.3f  %5.3f   %22.3f  %7.3f  %5.3f\n", n, p, s, c, p + s + c, tp, tc, tp + tc }'
 done
