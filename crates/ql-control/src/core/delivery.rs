@@ -86,6 +86,16 @@ impl Fit {
     }
 }
 
+/// How many queued runs a poll of `session` may place, with `active` attempts taking
+/// its capacity: its free capacity, and none unless it is online. The stores load no
+/// more queued runs than this for a poll.
+pub fn placement_room(session: &Session, active: u32) -> usize {
+    if session.state != SessionState::Online {
+        return 0;
+    }
+    session.capacity.saturating_sub(active) as usize
+}
+
 /// A poll is proof of life (the agent cannot heartbeat while it long-polls on its one
 /// connection), so it extends the session for the whole wait and a TTL after it, then
 /// places queued runs up to free capacity. An agent may therefore poll instead of
@@ -120,32 +130,29 @@ pub(super) fn poll(
         declared: session.labels.clone(),
     };
     let takes = |r: &Run| fit.takes_labels(&r.labels, &r.agent_labels);
-    let free = session.capacity.saturating_sub(rows.active_attempts) as usize;
-    let room = free.min(body.max as usize);
-    if session.state == SessionState::Online {
-        for run in rows.queued.iter().filter(|r| r.status == RunStatus::Queued && takes(r)).take(room) {
-            let (offer, attempt, next_run) = place(run, session, now, timings, ids);
-            writes.push(event(
-                ids,
-                &run.id,
-                Some(&attempt.id),
-                "attempt.offered",
-                (None, Some(AttemptStatus::Offered.as_str())),
-                json!({ "offerId": offer.id, "sessionId": session.id, "worker": session.worker }),
-                now,
-            ));
-            writes.push(event(
-                ids,
-                &run.id,
-                Some(&attempt.id),
-                "run.dispatching",
-                run_transition(run.status, next_run.status),
-                json!({ "attemptId": attempt.id }),
-                now,
-            ));
-            offers.push(wire_offer(&offer));
-            writes.splice(placed_at..placed_at, [Write::Run(next_run), Write::Attempt(attempt), Write::Offer(offer)]);
-        }
+    let room = placement_room(session, rows.active_attempts).min(body.max as usize);
+    for run in rows.queued.iter().filter(|r| r.status == RunStatus::Queued && takes(r)).take(room) {
+        let (offer, attempt, next_run) = place(run, session, now, timings, ids);
+        writes.push(event(
+            ids,
+            &run.id,
+            Some(&attempt.id),
+            "attempt.offered",
+            (None, Some(AttemptStatus::Offered.as_str())),
+            json!({ "offerId": offer.id, "sessionId": session.id, "worker": session.worker }),
+            now,
+        ));
+        writes.push(event(
+            ids,
+            &run.id,
+            Some(&attempt.id),
+            "run.dispatching",
+            run_transition(run.status, next_run.status),
+            json!({ "attemptId": attempt.id }),
+            now,
+        ));
+        offers.push(wire_offer(&offer));
+        writes.splice(placed_at..placed_at, [Write::Run(next_run), Write::Attempt(attempt), Write::Offer(offer)]);
     }
     offers.truncate(body.max as usize);
     Decision::apply(Reply::Offers(Offers { offers }, Box::new(fit)), writes)
@@ -405,6 +412,17 @@ mod tests {
         assert_eq!(kinds.iter().filter(|k| *k == "run.dispatching").count(), 2);
         let seen = d.writes.iter().find_map(|w| if let Write::Session(s) = w { Some(s) } else { None }).unwrap();
         assert_eq!(seen.expires_at, NOW + timings().session_ttl_ms as i64, "a poll keeps the session alive");
+    }
+
+    #[test]
+    fn a_polls_room_is_its_sessions_free_capacity_and_none_unless_online() {
+        let mut s = session(1);
+        s.capacity = 3;
+        let room = |s: &Session, active| placement_room(s, active);
+        assert_eq!([room(&s, 0), room(&s, 1), room(&s, 3), room(&s, 5)], [3, 2, 0, 0]);
+        for state in [SessionState::Draining, SessionState::Replaced, SessionState::Expired, SessionState::Closed] {
+            assert_eq!(room(&Session { state, ..s.clone() }, 0), 0, "{state:?}");
+        }
     }
 
     #[test]

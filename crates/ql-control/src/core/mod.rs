@@ -33,7 +33,7 @@ mod worker;
 
 pub use abandon::WORKER_LOST;
 pub use credential::{authorize, check_name as check_operator_name};
-pub use delivery::{Fit, Want, SUBSET_LABELS};
+pub use delivery::{placement_room, Fit, Want, SUBSET_LABELS};
 pub use finish::{terminal_status, COMPLETION_EVENT, EXECUTION_FAILED};
 pub use grace::{absence, Grace, Graced};
 pub use identity::{admission, Access, AccessChanged, Issuer, WORKER_DISABLED, WORKER_REVOKED};

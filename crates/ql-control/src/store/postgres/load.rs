@@ -53,7 +53,7 @@ use super::rows::SCHEDULE_COLS;
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 use super::{schema, Admit, Error, Tx, STAMP_ADMIT};
 use crate::core::{Fit, Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
-use crate::model::{Millis, Session, SessionState, Worker};
+use crate::model::{Millis, Session, Worker};
 use crate::store::records::EVENT_COLS;
 use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS};
 
@@ -222,8 +222,8 @@ async fn queued_for(
     trusted: Option<&Worker>,
     active: u32,
 ) -> Result<Vec<crate::model::Run>, Error> {
-    let room = i64::from(session.capacity.saturating_sub(active)).min(PLACEMENT_BATCH);
-    if session.state != SessionState::Online || room == 0 {
+    let room = i64::try_from(crate::core::placement_room(session, active)).unwrap_or(i64::MAX).min(PLACEMENT_BATCH);
+    if room == 0 {
         return Ok(Vec::new());
     }
     let json = |labels: &std::collections::BTreeMap<String, String>| {

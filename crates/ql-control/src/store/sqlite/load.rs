@@ -326,9 +326,10 @@ pub(super) fn load(
             // The session's own worker, whatever the keys named.
             let trusted = rows.worker.as_ref().filter(|w| w.id == s.worker).map(|w| w.labels.clone());
             let fit = Fit { trusted: trusted.unwrap_or_default(), declared: s.labels.clone() };
-            rows.queued = queue.fitting(conn, &fit, PLACEMENT_BATCH)?;
-            rows.open_offers = open_offers(conn, &s.id)?;
             rows.active_attempts = active_attempts(conn, &s.id)?;
+            let room = crate::core::placement_room(&s, rows.active_attempts).min(PLACEMENT_BATCH);
+            rows.queued = queue.fitting(conn, &fit, room)?;
+            rows.open_offers = open_offers(conn, &s.id)?;
         }
     }
     if keys.current_attempt {

@@ -118,25 +118,42 @@ impl Queue {
         self.runs = None;
     }
 
-    /// The oldest queued runs (at most `limit`) a session with `fit` takes.
+    /// The oldest queued runs (at most `limit`, the poll's room) a session with `fit`
+    /// takes: only those rows are read.
     pub(super) fn fitting(&mut self, conn: &Connection, fit: &Fit, limit: usize) -> rusqlite::Result<Vec<Run>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
         let version: i64 = conn.prepare_cached("PRAGMA data_version")?.query_row([], |r| r.get(0))?;
         if self.version != Some(version) {
             self.runs = None;
             self.version = Some(version);
         }
-        if self.runs.is_none() {
-            self.runs = Some(read(conn)?);
+        // The index is a guide; the row is the truth. Should a run the index holds be no
+        // longer queued, the index is read again from the table, once.
+        let (runs, current) = self.candidates(conn, fit, limit)?;
+        if current {
+            return Ok(runs);
         }
-        let ids = self.runs.as_ref().map(|index| index.fitting(fit, limit)).unwrap_or_default();
-        let mut runs = Vec::with_capacity(ids.len());
-        for id in ids {
-            // The index is a guide; the row is the truth.
-            if let Some(run) = load::run(conn, &id)?.filter(|r| r.status == RunStatus::Queued) {
-                runs.push(run);
+        self.runs = None;
+        Ok(self.candidates(conn, fit, limit)?.0)
+    }
+
+    /// The rows of the runs the index gives for `fit`, those still queued, and whether
+    /// every one was.
+    fn candidates(&mut self, conn: &Connection, fit: &Fit, limit: usize) -> rusqlite::Result<(Vec<Run>, bool)> {
+        let index = match &mut self.runs {
+            Some(index) => index,
+            none => none.insert(read(conn)?),
+        };
+        let (mut runs, mut current) = (Vec::with_capacity(limit), true);
+        for id in index.fitting(fit, limit) {
+            match load::run(conn, &id)?.filter(|r| r.status == RunStatus::Queued) {
+                Some(run) => runs.push(run),
+                None => current = false,
             }
         }
-        Ok(runs)
+        Ok((runs, current))
     }
 }
 

@@ -740,6 +740,39 @@ fn the_index_of_queued_runs_follows_commits_rollbacks_and_other_processes() {
     assert_eq!(found, vec![queued.id.clone(), theirs.id], "another process's commit is seen, in placement order");
 }
 
+/// A poll reads only as many queued runs as it has room for, the oldest, and a run the
+/// index still holds but that left the queue behind its back makes it read the table
+/// again rather than place nothing.
+#[test]
+fn placement_reads_its_room_of_queued_runs_and_a_stale_index_is_read_again() {
+    let dir = TempDir::new("queue-room");
+    let mut w = writer(&dir);
+    let fit = crate::core::Fit { trusted: BTreeMap::new(), declared: labels() };
+    let queued = |i: i64| Run {
+        id: RunId::parse(format!("run_{i}")).unwrap(),
+        status: RunStatus::Queued,
+        labels: BTreeMap::new(),
+        agent_labels: labels(),
+        current_attempt: None,
+        schedule: None,
+        created_at: 1_000 + i,
+        ..full_run()
+    };
+    for i in 1..=5 {
+        rows::write(&w.conn, &queued(i)).unwrap();
+    }
+    let fitting = |w: &mut Writer, limit| {
+        let runs = w.queue.fitting(&w.conn, &fit, limit).unwrap();
+        runs.into_iter().map(|r| r.id.to_string()).collect::<Vec<_>>()
+    };
+    assert_eq!(fitting(&mut w, 2), ["run_1", "run_2"]);
+    assert!(fitting(&mut w, 0).is_empty(), "no room: no run read");
+    // The oldest leaves the queue on the writer's own connection without the index
+    // hearing of it (the file's data version does not change for its own writes).
+    w.conn.execute("UPDATE runs SET status = 'cancelled' WHERE id = 'run_1'", []).unwrap();
+    assert_eq!(fitting(&mut w, 2), ["run_2", "run_3"], "the table read again: a full room");
+}
+
 #[test]
 fn a_batch_waits_in_its_window_only_for_concurrent_callers() {
     let dir = TempDir::new("window");
