@@ -33,13 +33,15 @@ pub(crate) fn client(enrolled: &Enrolled, timeout: Duration) -> ureq::Agent {
         .root_certs(RootCerts::new_with_certs(&[ca]))
         .client_cert(Some(ClientCert::new_with_certs(&[cert], key)))
         .build();
-    ureq::Agent::config_builder()
-        .tls_config(tls)
-        .http_status_as_error(false)
-        .max_idle_connections_per_host(1)
-        .timeout_global(Some(timeout))
-        .build()
-        .new_agent()
+    // Resolved inline, as the agent's client does (a thread per request otherwise).
+    ql_control::client::agent_of(
+        ureq::Agent::config_builder()
+            .tls_config(tls)
+            .http_status_as_error(false)
+            .max_idle_connections_per_host(1)
+            .timeout_global(Some(timeout))
+            .build(),
+    )
 }
 
 /// `worker`'s enrolment under `dir/bench-workers`: made on the first call, the same files
