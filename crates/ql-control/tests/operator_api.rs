@@ -74,11 +74,14 @@ struct Api {
     url: String,
 }
 
-/// An answer: status, JSON body (or `Null`), and the `www-authenticate` header.
+/// An answer: status, JSON body (or `Null`), the `www-authenticate` header, and whether it
+/// ends its connection.
 struct Answer {
     status: u16,
     body: Value,
     challenge: Option<String>,
+    /// The answer said `Connection: close`.
+    closes: bool,
 }
 
 impl Api {
@@ -110,8 +113,9 @@ impl Api {
         let mut response = response.unwrap_or_else(|e| panic!("{method} {path}: {e}"));
         let status = response.status().as_u16();
         let challenge = response.headers().get("www-authenticate").map(|v| v.to_str().unwrap().to_owned());
+        let closes = response.headers().get("connection").is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
         let text = response.body_mut().read_to_string().unwrap();
-        Answer { status, body: serde_json::from_str(&text).unwrap_or(Value::Null), challenge }
+        Answer { status, body: serde_json::from_str(&text).unwrap_or(Value::Null), challenge, closes }
     }
 
     fn json(&self, method: &str, path: &str, token: &str, body: Value) -> Answer {
@@ -152,6 +156,9 @@ fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
                 "{method} {path} {token:?}"
             );
             assert_eq!(a.challenge.as_deref(), Some("Bearer"));
+            // Refused before its body was read, a request with one ends its connection,
+            // and says so: the client's next request goes on a new one.
+            assert_eq!(a.closes, method == "POST", "{method} {path} {token:?}");
         }
     }
 

@@ -133,7 +133,7 @@ async fn accept_loop<S: Store, B: BlobStore>(
             };
             let service = hyper::service::service_fn(move |request| {
                 let shared = shared.clone();
-                async move { Ok::<_, std::convert::Infallible>(routes::handle(&shared, request).await) }
+                async move { Ok::<_, std::convert::Infallible>(routes::answered(&shared, request).await) }
             });
             let connection = http1::Builder::new()
                 .timer(TokioTimer::new())

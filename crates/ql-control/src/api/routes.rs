@@ -240,7 +240,23 @@ struct LabelsBody {
 struct Empty {}
 
 /// Answers one request.
-pub(super) async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, request: Request<Incoming>) -> Answer {
+/// The answer to `request` ([`handle`]). A refusal of a request that came with a body
+/// says `Connection: close`: it may have been given before the body was read (who asks
+/// and the route come first), and hyper then closes the connection after it, so a client
+/// must not send its next request on this one.
+pub(super) async fn answered<S: Store, B: BlobStore>(shared: &Shared<S, B>, request: Request<Incoming>) -> Answer {
+    let headers = request.headers();
+    let declared = headers.get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let carries_body = declared.is_some_and(|n| n > 0) || headers.contains_key("transfer-encoding");
+    let mut answer = handle(shared, request).await;
+    let refused = answer.status().is_client_error() || answer.status().is_server_error();
+    if carries_body && refused {
+        answer.headers_mut().insert("connection", "close".parse().expect("a header value"));
+    }
+    answer
+}
+
+async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, request: Request<Incoming>) -> Answer {
     // The dashboard signs its operators in with a cookie of its own (see `web`).
     if let Some(web) = &shared.web {
         if request.uri().path() == "/ui" || request.uri().path().starts_with("/ui/") {
