@@ -123,8 +123,7 @@ for clients in 8 64; do
   direct[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
   echo "\$ pgbench -N -c $clients -j 2 -T 10 pgbench"
   pg0=$(cluster_cpu)
-  TIMEFORMAT="%U %S"
-  { time out=$("$pgbin/pgbench" -N -c "$clients" -j 2 -T 10 -h "$QL_PG_SOCKET" -U postgres pgbench 2>&1); } 2>"$work/time"
+  out=$(timed "$pgbin/pgbench" -N -c "$clients" -j 2 -T 10 -h "$QL_PG_SOCKET" -U postgres pgbench)
   tps[$clients]=$(echo "$out" | sed -n 's/^tps = \([0-9.]*\).*/\1/p' | head -1)
   n=$(echo "$out" | sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p')
   pgcost[$clients]=$(awk -v n="$n" -v pg0="$pg0" -v pg1="$(cluster_cpu)" -v client="$(own_cpu)" \

@@ -183,6 +183,11 @@ fn number<T: std::str::FromStr>(q: &BTreeMap<String, String>, key: &str, default
     }
 }
 
+/// The body's length as the request's `Content-Length` declares it.
+fn declared_length(request: &Request<Incoming>) -> Option<u64> {
+    request.headers().get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
+}
+
 async fn body<T: DeserializeOwned>(request: Request<Incoming>, limits: (usize, Duration)) -> Result<T, OpError> {
     let (cap, timeout) = limits;
     let json_type = request
@@ -193,9 +198,7 @@ async fn body<T: DeserializeOwned>(request: Request<Incoming>, limits: (usize, D
     if !json_type {
         return Err(OpError::new(ErrorCode::UnsupportedMediaType, "send Content-Type: application/json"));
     }
-    let declared =
-        request.headers().get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > cap as u64) {
+    if declared_length(&request).is_some_and(|n| n > cap as u64) {
         // Read what was sent before refusing it (a bounded amount, for a bounded time):
         // closing on unread bytes makes the kernel reset the connection, which can
         // destroy the refusal before the client reads it.
@@ -239,15 +242,13 @@ struct LabelsBody {
 #[serde(deny_unknown_fields)]
 struct Empty {}
 
-/// Answers one request.
 /// The answer to `request` ([`handle`]). A refusal of a request that came with a body
 /// says `Connection: close`: it may have been given before the body was read (who asks
 /// and the route come first), and hyper then closes the connection after it, so a client
 /// must not send its next request on this one.
 pub(super) async fn answered<S: Store, B: BlobStore>(shared: &Shared<S, B>, request: Request<Incoming>) -> Answer {
-    let headers = request.headers();
-    let declared = headers.get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    let carries_body = declared.is_some_and(|n| n > 0) || headers.contains_key("transfer-encoding");
+    let carries_body =
+        declared_length(&request).is_some_and(|n| n > 0) || request.headers().contains_key("transfer-encoding");
     let mut answer = handle(shared, request).await;
     let refused = answer.status().is_client_error() || answer.status().is_server_error();
     if carries_body && refused {
@@ -256,6 +257,7 @@ pub(super) async fn answered<S: Store, B: BlobStore>(shared: &Shared<S, B>, requ
     answer
 }
 
+/// Answers one request.
 async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, request: Request<Incoming>) -> Answer {
     // The dashboard signs its operators in with a cookie of its own (see `web`).
     if let Some(web) = &shared.web {
