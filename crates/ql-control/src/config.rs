@@ -108,6 +108,13 @@ pub struct Config {
     /// PostgreSQL (`serve --database`): most connections this replica holds to the
     /// database, beside its LISTEN connection; commands beyond wait for one.
     pub pg_pool_size: u64,
+    /// PostgreSQL: lanes of group commit. A command about a worker session goes to its
+    /// session's lane, which runs the commands waiting on it in one transaction (one
+    /// commit for many concurrent agents); 0 runs every command in a transaction of its
+    /// own. At most `pg_pool_size`.
+    pub pg_lanes: u64,
+    /// PostgreSQL: most commands one lane's transaction takes.
+    pub pg_batch_max: u64,
     /// Longest wait for the next piece of a request body.
     pub read_timeout_ms: u64,
     /// A request head must be complete this long after its first byte.
@@ -193,6 +200,8 @@ impl Default for Config {
             wal_autocheckpoint_pages: u64::from(crate::store::sqlite::WAL_BACKSTOP_PAGES),
             runtime_threads: 1,
             pg_pool_size: 16,
+            pg_lanes: 8,
+            pg_batch_max: 32,
             read_timeout_ms: 60_000,
             header_timeout_ms: 10_000,
             idle_timeout_ms: 300_000,
@@ -335,6 +344,7 @@ impl Config {
             ("max_connections", self.max_connections),
             ("runtime_threads", self.runtime_threads),
             ("pg_pool_size", self.pg_pool_size),
+            ("pg_batch_max", self.pg_batch_max),
             ("sync_hold_batches", self.sync_hold_batches),
             ("wal_autocheckpoint_pages", self.wal_autocheckpoint_pages),
             ("max_handshakes", self.max_handshakes),
@@ -354,6 +364,9 @@ impl Config {
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be greater than 0"));
+        }
+        if self.pg_lanes > self.pg_pool_size {
+            return Err("pg_lanes must be at most pg_pool_size: each lane's transaction holds a connection".into());
         }
         if !["auto", "path", "virtual"].contains(&self.s3_addressing.as_str()) {
             return Err(format!("s3_addressing is {:?}: it is auto, path or virtual", self.s3_addressing));
@@ -470,5 +483,12 @@ mod tests {
         assert!(c.check().unwrap_err().contains("commit_window_min_batch"));
         let c = Config { checkpoint_ms: 0, ..Config::default() };
         assert_eq!(c.check(), Ok(()), "no checkpoint thread: the writer checkpoints as SQLite does");
+        // PostgreSQL: each lane's transaction holds a pooled connection while it runs.
+        let c = Config { pg_lanes: 17, pg_pool_size: 16, ..Config::default() };
+        assert!(c.check().unwrap_err().contains("pg_lanes"));
+        let c = Config { pg_batch_max: 0, ..Config::default() };
+        assert!(c.check().unwrap_err().contains("pg_batch_max"));
+        let c = Config { pg_lanes: 0, ..Config::default() };
+        assert_eq!(c.check(), Ok(()), "no lanes: every command in a transaction of its own");
     }
 }

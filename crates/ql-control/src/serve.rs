@@ -206,8 +206,14 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                 if !crate::admin::is_postgres(&url) {
                     return Err("--database takes a postgres://... URL".to_owned());
                 }
-                let pool_size = usize::try_from(config.pg_pool_size).unwrap_or(usize::MAX);
-                let options = PgOptions { timings: config.timings(), pool_size, ..PgOptions::default() };
+                let size = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+                let options = PgOptions {
+                    timings: config.timings(),
+                    pool_size: size(config.pg_pool_size),
+                    lanes: size(config.pg_lanes),
+                    batch_max: size(config.pg_batch_max),
+                    ..PgOptions::default()
+                };
                 let store = PgStore::open(&url, options).await.map_err(|e| e.to_string())?;
                 serve_on(store, blobs, &layout, &config, tls, &addr).await
             }

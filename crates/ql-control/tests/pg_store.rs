@@ -4,7 +4,8 @@
 //! commit on one replica wakes the other's long-polls through LISTEN/NOTIFY, and a
 //! request's admission decided with its command is read after the command's locks, and
 //! the hot tables' row rules refuse what their CHECK constraints used to, and a poll's
-//! queue probe reads no run queued for other label sets.
+//! queue probe reads no run queued for other label sets, and commands of concurrent
+//! agents commit together while a command that fails among them fails alone.
 //!
 //! Each test has a database of its own on the server `QL_TEST_PG_URL` names (see
 //! `contract/pg.rs`; `scripts/test` provides one).
@@ -16,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ql_control::core::{Command, Reply};
-use ql_control::model::{AuditRecord, LeaseState};
-use ql_control::store::postgres::PgOptions;
+use ql_control::model::{AttemptStatus, AuditRecord, LeaseState};
+use ql_control::store::postgres::{GroupCommits, PgOptions, PgStore};
 use ql_control::store::{Audit, Snapshot, Store};
 use ql_wire::completion::TerminalStatus;
 use ql_wire::offer::PollOffers;
@@ -490,4 +491,86 @@ async fn a_polls_queue_probe_reads_no_run_queued_for_other_label_sets() {
         let read = runs_rows_read(plan);
         assert!(read <= room * 2.0, "{sets}, room {room}: the probe read {read} queued runs: {plan}");
     }
+}
+
+/// A store on `b`'s database with one lane: every session's commands share it.
+async fn one_lane(b: &Pg) -> PgStore {
+    b.db().store(PgOptions { lanes: 1, ..Pg::options(&Arc::new(AtomicI64::new(0))) }).await
+}
+
+/// Four agents, each holding a claimed attempt of a run of its own.
+async fn four_held(store: &PgStore) -> Vec<Held> {
+    let mut held = Vec::new();
+    for i in 0..4 {
+        held.push(claimed_run(store, &format!("router-{i}"), LONG_TIMEOUT_MS, 0).await);
+    }
+    held
+}
+
+/// The four agents' `starting`, sent at once: on this single-threaded runtime all four
+/// are queued on the lane before it runs, so it takes them as one group.
+async fn starting_at_once(
+    store: &PgStore,
+    h: &[Held],
+) -> [Result<Result<Reply, ErrorCode>, ql_control::store::StoreError>; 4] {
+    let (a, b, c, d) = tokio::join!(
+        store.execute(h[0].starting()),
+        store.execute(h[1].starting()),
+        store.execute(h[2].starting()),
+        store.execute(h[3].starting()),
+    );
+    [a, b, c, d]
+}
+
+#[tokio::test]
+async fn commands_of_concurrent_agents_commit_together_each_with_its_own_answer() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let h = four_held(&store).await;
+    let before = store.group_commits();
+
+    let answers = starting_at_once(&store, &h).await;
+    for answer in answers {
+        assert_eq!(answer.unwrap(), Ok(ack(Outcome::Started)));
+    }
+    let after = store.group_commits();
+    assert_eq!(
+        (after.transactions - before.transactions, after.commands - before.commands, after.run_alone),
+        (1, 4, 0),
+        "one transaction carried the four commands: {after:?}"
+    );
+    for held in &h {
+        let d = detail(&store, held.run()).await;
+        assert_eq!(d.attempts[0].status, AttemptStatus::Starting);
+        assert_eq!(d.events.iter().filter(|e| e.kind == "attempt.starting").count(), 1);
+    }
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+#[tokio::test]
+async fn a_command_that_fails_among_others_fails_alone_and_the_others_commit() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let h = four_held(&store).await;
+    // The second agent's `starting` writes its attempt, then appends its event, which
+    // now collides: its statement fails inside the group's transaction.
+    b.plant_event(h[1].run(), h[1].attempt(), "attempt.starting").await;
+    let poisoned = detail(&store, h[1].run()).await;
+
+    let answers = starting_at_once(&store, &h).await;
+    for (i, answer) in answers.iter().enumerate() {
+        if i == 1 {
+            assert!(answer.is_err(), "the failing command answers unavailable: {answer:?}");
+        } else {
+            assert_eq!(answer.as_ref().unwrap(), &Ok(ack(Outcome::Started)), "agent {i}");
+        }
+    }
+    assert_eq!(store.group_commits(), GroupCommits { run_alone: 1, ..GroupCommits::default() });
+    assert_eq!(detail(&store, h[1].run()).await, poisoned, "nothing of the failed command was kept");
+    for i in [0, 2, 3] {
+        let d = detail(&store, h[i].run()).await;
+        assert_eq!(d.attempts[0].status, AttemptStatus::Starting, "agent {i}");
+        assert_eq!(d.events.iter().filter(|e| e.kind == "attempt.starting").count(), 1, "agent {i}: once");
+    }
+    check_invariants(&store.snapshot().await.unwrap());
 }

@@ -319,6 +319,7 @@ pub(super) async fn load(
     offset: i64,
     timings: &Timings,
     admit: Option<Admit<'_>>,
+    begin: bool,
 ) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
     let fenced = Keys {
         attempt: keys.attempt.clone(),
@@ -329,9 +330,11 @@ pub(super) async fn load(
         ..Keys::default()
     };
     if keys.attempt.is_some() && keys.session.is_some() && keys.run.is_some() && *keys == fenced {
-        return pipelined(tx, keys, offset, admit).await;
+        return pipelined(tx, keys, offset, admit, begin).await;
     }
-    tx.exec("BEGIN", &[]).await?;
+    if begin {
+        tx.exec("BEGIN", &[]).await?;
+    }
     let rows = load_in_order(tx, keys, offset, timings).await?;
     // DB time from a statement issued after every lock is held.
     let (now, refused) = match admit {
@@ -350,6 +353,7 @@ async fn pipelined(
     keys: &Keys,
     offset: i64,
     admit: Option<Admit<'_>>,
+    begin: bool,
 ) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
     const LOCK: &str = "FOR UPDATE";
     let (Some(attempt), Some(session), Some(run)) = (&keys.attempt, &keys.session, &keys.run) else {
@@ -368,14 +372,17 @@ async fn pipelined(
         COMPLETION_EVENT_SQL.to_owned(),
         schema::DB_NOW.to_owned(),
     ];
-    let mut batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = vec![
-        (&sqls[0], vec![]),
-        (&sqls[1], vec![&a]),
-        (&sqls[2], vec![&s]),
-        (&sqls[3], vec![&r]),
-        (&sqls[4], vec![&a]),
-        (&sqls[5], vec![&a]),
-    ];
+    let mut batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = Vec::with_capacity(9);
+    if begin {
+        batch.push((&sqls[0], vec![]));
+    }
+    let a_ = &a as &(dyn ToSql + Sync);
+    let (s_, r_) = (&s as &(dyn ToSql + Sync), &r as &(dyn ToSql + Sync));
+    batch.push((&sqls[1], vec![a_]));
+    batch.push((&sqls[2], vec![s_]));
+    batch.push((&sqls[3], vec![r_]));
+    batch.push((&sqls[4], vec![a_]));
+    batch.push((&sqls[5], vec![a_]));
     if let Some(o) = &offer {
         batch.push((&sqls[6], vec![o]));
     }
@@ -387,7 +394,7 @@ async fn pipelined(
         None => batch.push((&sqls[8], vec![&offset])),
         Some((principal, serial)) => batch.push((STAMP_ADMIT, vec![&offset, principal, serial])),
     }
-    let mut answers = tx.pipeline(&batch).await?.into_iter().skip(2);
+    let mut answers = tx.pipeline(&batch).await?.into_iter().skip(1 + usize::from(begin));
     let mut next = || answers.next().unwrap_or_default();
     let first = |rows: Vec<Row>| rows.into_iter().next();
     let mut out = Rows {

@@ -26,6 +26,21 @@
 //! connection's statements strictly in order, so pipelining changes neither the lock
 //! order nor when DB time is stamped ([`load`] explains).
 //!
+//! # Group commit
+//!
+//! Commands about a worker session (its polls, claims, heartbeats and attempt commands)
+//! go through one of [`PgOptions::lanes`] lanes, chosen by the session: a lane takes
+//! every command waiting on it (at most [`PgOptions::batch_max`]) and runs them one after
+//! another in one transaction, each exactly as above but for BEGIN and COMMIT, which the
+//! group shares ([`PgStore::execute_batch`]). Under many concurrent agents one commit —
+//! one WAL flush, one transaction's bookkeeping — serves many ACKs; a command that finds
+//! its lane idle runs alone as before. A later command of a group sees the earlier ones'
+//! writes (one transaction), so a group decides what the same commands one at a time
+//! would. A session's commands always share a lane, so they never wait for each other
+//! from two groups of one replica. If a command of a group fails, nothing of the group is
+//! kept and each command runs again alone; other commands (submits, operator commands,
+//! sweeps) run alone.
+//!
 //! # Roles
 //!
 //! The store connects as the runtime role (`ql_runtime`: SELECT, INSERT, UPDATE on the
@@ -58,7 +73,7 @@ mod schema;
 use std::future::Future;
 use std::pin::Pin;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -106,6 +121,19 @@ pub(crate) enum Error {
     Closed,
     /// The test hook of [`PgOptions::kill_after_commit`] ended the connection.
     Killed,
+    /// The transaction of a group of commands failed as it began or committed; each of
+    /// them is told so.
+    Group(String),
+}
+
+impl Error {
+    /// This error for each of `n` commands run together.
+    fn each(self, n: usize) -> Vec<Result<Result<Reply, ErrorCode>, Error>> {
+        let why = self.to_string();
+        (0..n)
+            .map(|_| Err(if matches!(self, Self::Killed) { Self::Killed } else { Self::Group(why.clone()) }))
+            .collect()
+    }
 }
 
 impl std::fmt::Display for Error {
@@ -119,6 +147,7 @@ impl std::fmt::Display for Error {
             Self::Retry => f.write_str("postgres: the run changed while cancelling, retries exhausted"),
             Self::Closed => f.write_str("postgres: the pool is closed"),
             Self::Killed => f.write_str("postgres: the connection was terminated after COMMIT (test hook)"),
+            Self::Group(why) => f.write_str(why),
         }
     }
 }
@@ -151,6 +180,13 @@ pub struct PgOptions {
     pub audit_url: Option<String>,
     /// Test-only fault injection (see [`KillAfterCommit`]).
     pub kill_after_commit: Option<KillAfterCommit>,
+    /// Lanes of group commit: a command about a worker session (its polls, claims and
+    /// attempt commands) goes to the lane of its session, which runs the commands queued
+    /// on it in one transaction each time ([`PgStore::execute_batch`]). Zero: every
+    /// command in a transaction of its own.
+    pub lanes: usize,
+    /// Most commands one lane's transaction takes.
+    pub batch_max: usize,
 }
 
 impl Default for PgOptions {
@@ -162,6 +198,8 @@ impl Default for PgOptions {
             connect_timeout: Duration::from_secs(5),
             audit_url: None,
             kill_after_commit: None,
+            lanes: 8,
+            batch_max: 32,
         }
     }
 }
@@ -171,6 +209,8 @@ impl std::fmt::Debug for PgOptions {
         f.debug_struct("PgOptions")
             .field("timings", &self.timings)
             .field("pool_size", &self.pool_size)
+            .field("lanes", &self.lanes)
+            .field("batch_max", &self.batch_max)
             .field("audit_url", &self.audit_url.is_some())
             .finish_non_exhaustive()
     }
@@ -200,6 +240,23 @@ struct Inner {
     nonce: String,
     kill_after_commit: Option<KillAfterCommit>,
     listener: tokio::task::JoinHandle<()>,
+    /// Each lane's queue ([`PgOptions::lanes`]).
+    lanes: Vec<tokio::sync::mpsc::Sender<Job>>,
+    /// What the lanes did so far ([`PgStore::group_commits`]).
+    transactions: AtomicU64,
+    grouped: AtomicU64,
+    run_alone: AtomicU64,
+}
+
+/// What group commit did so far on one store ([`PgStore::group_commits`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupCommits {
+    /// Transactions that committed more than one command.
+    pub transactions: u64,
+    /// The commands they carried.
+    pub commands: u64,
+    /// Groups that failed and whose commands ran again, each alone.
+    pub run_alone: u64,
 }
 
 impl Drop for Inner {
@@ -244,18 +301,54 @@ impl PgStore {
         // Listening before the first command: a change committed elsewhere right after
         // `open` returns must not be missed.
         let _ = tokio::time::timeout(options.connect_timeout, ready_rx).await;
-        Ok(Self {
-            inner: Arc::new(Inner {
-                pool,
-                audit,
-                timings: options.timings,
-                clock_offset: options.clock_offset,
-                wakes,
-                nonce,
-                kill_after_commit: options.kill_after_commit,
-                listener,
-            }),
-        })
+        let (most, mut queues) = (options.batch_max.max(1), Vec::with_capacity(options.lanes));
+        let lanes = (0..options.lanes)
+            .map(|_| {
+                let (tx, rx) = tokio::sync::mpsc::channel(LANE_QUEUE);
+                queues.push(rx);
+                tx
+            })
+            .collect();
+        let inner = Arc::new(Inner {
+            pool,
+            audit,
+            timings: options.timings,
+            clock_offset: options.clock_offset,
+            wakes,
+            nonce,
+            kill_after_commit: options.kill_after_commit,
+            listener,
+            lanes,
+            transactions: AtomicU64::new(0),
+            grouped: AtomicU64::new(0),
+            run_alone: AtomicU64::new(0),
+        });
+        for rx in queues {
+            tokio::spawn(lane(Arc::downgrade(&inner), rx, most));
+        }
+        Ok(Self { inner })
+    }
+
+    /// How many transactions committed several commands together, how many commands
+    /// they carried, and how many groups failed and ran again command by command.
+    pub fn group_commits(&self) -> GroupCommits {
+        let i = &self.inner;
+        GroupCommits {
+            transactions: i.transactions.load(Ordering::Relaxed),
+            commands: i.grouped.load(Ordering::Relaxed),
+            run_alone: i.run_alone.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The lane of `cmd`: that of its session, if it names one and lanes are on.
+    fn lane_of(&self, cmd: &Command) -> Option<&tokio::sync::mpsc::Sender<Job>> {
+        use std::hash::{Hash, Hasher};
+        let lanes = &self.inner.lanes;
+        let keys = cmd.keys();
+        let session = keys.session.as_ref().filter(|_| !lanes.is_empty() && keys.worker_work.is_none())?;
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        session.as_str().hash(&mut h);
+        lanes.get(usize::try_from(h.finish() % lanes.len() as u64).unwrap_or(0))
     }
 
     fn offset(&self) -> i64 {
@@ -269,7 +362,100 @@ impl PgStore {
 
     async fn execute_once(&self, cmd: &Command, audit: Option<&Audit>) -> Result<Result<Reply, ErrorCode>, Error> {
         let mut conn = self.inner.pool.get().await?;
+        let mut open = false;
+        let done = self.step(&mut conn, cmd, audit, &mut open, true).await?;
+        self.committed(&mut conn, std::slice::from_ref(cmd)).await?;
+        conn.keep();
+        Ok(done.apply(&self.inner.wakes))
+    }
+
+    /// Runs commands routed to one lane ([`PgOptions::lanes`]) in one transaction: each
+    /// command's load, decision and writes in turn, in arrival order, then one COMMIT for
+    /// all (group commit: one flush of the WAL and one transaction's overhead for the
+    /// batch). Every answer waits for that COMMIT. If a command fails before it — a
+    /// statement, a lock wait PostgreSQL breaks as a deadlock — nothing of the batch is
+    /// kept and each command runs again alone, so one command's failure is only its own.
+    /// A COMMIT that fails may have committed: every command is answered with the error
+    /// (`unavailable`, safe to repeat), as a command alone would be.
+    async fn execute_batch(&self, jobs: &[Job]) -> Vec<Result<Result<Reply, ErrorCode>, Error>> {
+        let mut conn = match self.inner.pool.get().await {
+            Ok(conn) => conn,
+            Err(e) => return e.each(jobs.len()),
+        };
+        let mut open = false;
+        let mut done = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            match self.step(&mut conn, &job.cmd, job.audit.as_ref(), &mut open, false).await {
+                Ok(d) => done.push(d),
+                Err(_) => {
+                    // Nothing of the group committed: the connection is dropped (rolling
+                    // it back), and each command runs again on its own.
+                    drop(conn);
+                    self.inner.run_alone.fetch_add(1, Ordering::Relaxed);
+                    let mut out = Vec::with_capacity(jobs.len());
+                    for job in jobs {
+                        out.push(self.execute_retrying(&job.cmd, job.audit.as_ref()).await);
+                    }
+                    return out;
+                }
+            }
+        }
+        // A COMMIT that fails may or may not have committed: every caller is told the
+        // store is unavailable, and its replay finds whatever committed.
+        let committed = async {
+            if open {
+                conn.client().batch_execute("COMMIT").await.map_err(Error::Pg)?;
+            }
+            let cmds: Vec<Command> = jobs.iter().map(|j| j.cmd.clone()).collect();
+            self.committed(&mut conn, &cmds).await
+        };
+        match committed.await {
+            Ok(()) => {
+                conn.keep();
+                self.inner.transactions.fetch_add(1, Ordering::Relaxed);
+                self.inner.grouped.fetch_add(done.len() as u64, Ordering::Relaxed);
+                done.into_iter().map(|d| Ok(d.apply(&self.inner.wakes))).collect()
+            }
+            Err(e) => e.each(jobs.len()),
+        }
+    }
+
+    /// [`PgStore::execute_once`], again while cancel sees its run change under it.
+    async fn execute_retrying(&self, cmd: &Command, audit: Option<&Audit>) -> Result<Result<Reply, ErrorCode>, Error> {
+        for _ in 0..RETRIES {
+            match self.execute_once(cmd, audit).await {
+                Err(Error::Retry) => continue,
+                other => return other,
+            }
+        }
+        Err(Error::Retry)
+    }
+
+    /// The test hook of [`PgOptions::kill_after_commit`], once `cmds` committed.
+    async fn committed(&self, conn: &mut pool::Conn, cmds: &[Command]) -> Result<(), Error> {
+        if self.inner.kill_after_commit.as_ref().is_some_and(|hook| cmds.iter().any(|c| hook(c))) {
+            // The connection dies after COMMIT and before the reply: the caller must see
+            // `unavailable`, and its replay must find the committed facts.
+            let _ = conn.client().execute("SELECT pg_terminate_backend(pg_backend_pid())", &[]).await;
+            return Err(Error::Killed);
+        }
+        Ok(())
+    }
+
+    /// One command inside the transaction on `conn`: its load, decision and writes. The
+    /// load begins the transaction unless `open` says it is already open (and sets it).
+    /// With `alone`, the command ends the transaction too (COMMIT, or ROLLBACK when it
+    /// refused and has nothing to record); in a batch, the batch does.
+    async fn step(
+        &self,
+        conn: &mut pool::Conn,
+        cmd: &Command,
+        audit: Option<&Audit>,
+        open: &mut bool,
+        alone: bool,
+    ) -> Result<Done, Error> {
         let offset = self.offset();
+        let end: &[(&str, Vec<&(dyn ToSql + Sync)>)] = if alone { &[("COMMIT", vec![])] } else { &[] };
         // The admission still to be decided is read with the command's last load
         // statement, after its locks: one round trip less, and a revocation committed
         // while the command waited for a lock is seen.
@@ -277,9 +463,8 @@ impl PgStore {
             Some(Audit { record, admit: Some(serial) }) => match &record.principal {
                 Some(principal) => Some(Admit { principal, serial }),
                 None => {
-                    append_audit(&mut conn, record, ErrorCode::Unauthenticated.as_str(), offset).await?;
-                    conn.keep();
-                    return Ok(Err(ErrorCode::Unauthenticated));
+                    append_audit(conn, record, ErrorCode::Unauthenticated.as_str(), offset).await?;
+                    return Ok(Done::refused(ErrorCode::Unauthenticated));
                 }
             },
             _ => None,
@@ -287,14 +472,16 @@ impl PgStore {
         let audit = audit.map(|a| &a.record);
         let principal = audit.and_then(|a| a.principal.as_ref()).map(|p| p.as_str());
         let route = audit.map(|a| a.route.as_str());
-        let mut tx = Tx { conn: &mut conn };
-        let (rows, now, refused) = load::load(&mut tx, &cmd.keys(), offset, &self.inner.timings, admit).await?;
+        let mut tx = Tx { conn };
+        let begin = !std::mem::replace(open, true);
+        let (rows, now, refused) = load::load(&mut tx, &cmd.keys(), offset, &self.inner.timings, admit, begin).await?;
         if let Some(code) = refused {
             // Refused admission: the refusal alone goes on record, and the locks go.
             let refused = Some(code.as_str());
-            tx.pipeline(&[(AUDIT_SQL, vec![&offset, &principal, &route, &refused]), ("COMMIT", vec![])]).await?;
-            conn.keep();
-            return Ok(Err(code));
+            let mut batch = vec![(AUDIT_SQL, vec![&offset as &(dyn ToSql + Sync), &principal, &route, &refused])];
+            batch.extend(end.iter().cloned());
+            tx.pipeline(&batch).await?;
+            return Ok(Done::refused(code));
         }
         let decision = core::decide(cmd, &rows, now, &self.inner.timings, &mut IdGen::random());
         let outcome = audit.map(|a| a.outcome.as_str());
@@ -306,19 +493,19 @@ impl PgStore {
             Ok(reply) => reply,
             Err(code) if audit.is_none() => {
                 // A refusal carries no writes by contract; nothing is applied either way.
-                tx.finish("ROLLBACK").await?;
-                conn.keep();
-                return Ok(Err(code));
+                if alone {
+                    tx.finish("ROLLBACK").await?;
+                }
+                return Ok(Done::refused(code));
             }
             Err(code) => {
                 // Only the request's audit records: the admission and the refusal.
                 let refused = Some(code.as_str());
                 let mut batch = admitted;
                 batch.push((AUDIT_SQL, vec![&offset, &principal, &route, &refused]));
-                batch.push(("COMMIT", vec![]));
+                batch.extend(end.iter().cloned());
                 tx.pipeline(&batch).await?;
-                conn.keep();
-                return Ok(Err(code));
+                return Ok(Done::refused(code));
             }
         };
         // The writes, the notification and COMMIT in one pipeline. If any statement
@@ -332,7 +519,7 @@ impl PgStore {
         if decision.wake || !decision.wants.is_empty() {
             batch.push(("SELECT pg_notify($1, $2)", vec![&CHANNEL, &self.inner.nonce]));
         }
-        batch.push(("COMMIT", vec![]));
+        batch.extend(end.iter().cloned());
         let answers = tx.pipeline(&batch).await?;
         // An UPDATE of a loaded row that found none would be a lost write. It cannot
         // happen (the row was locked and nothing deletes), but if it did the COMMIT has
@@ -340,19 +527,7 @@ impl PgStore {
         if writes.iter().zip(&answers[audited..]).any(|(w, rows)| w.update && rows.len() != 1) {
             return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));
         }
-        if self.inner.kill_after_commit.as_ref().is_some_and(|hook| hook(cmd)) {
-            // The connection dies after COMMIT and before the reply: the caller must see
-            // `unavailable`, and its replay must find the committed facts.
-            let _ = conn.client().execute("SELECT pg_terminate_backend(pg_backend_pid())", &[]).await;
-            return Err(Error::Killed);
-        }
-        conn.keep();
-        if decision.wake {
-            self.inner.wakes.all();
-        } else {
-            self.inner.wakes.runs(decision.wants);
-        }
-        Ok(Ok(reply))
+        Ok(Done { answer: Ok(reply), wake: decision.wake, wants: decision.wants })
     }
 
     /// A connection inside a REPEATABLE READ, READ ONLY transaction: operator reads see
@@ -369,6 +544,37 @@ impl PgStore {
         conn.keep();
         Ok(())
     }
+}
+
+/// A command's answer and whom its decision wakes, once its transaction commits.
+struct Done {
+    answer: Result<Reply, ErrorCode>,
+    wake: bool,
+    wants: Vec<core::Want>,
+}
+
+impl Done {
+    fn refused(code: ErrorCode) -> Self {
+        Self { answer: Err(code), wake: false, wants: Vec::new() }
+    }
+
+    /// Wakes the long-polls the decision concerns (its transaction committed) and
+    /// returns the answer.
+    fn apply(self, wakes: &Wakes) -> Result<Reply, ErrorCode> {
+        if self.wake {
+            wakes.all();
+        } else if !self.wants.is_empty() {
+            wakes.runs(self.wants);
+        }
+        self.answer
+    }
+}
+
+/// A command queued on a lane, and where its answer goes.
+struct Job {
+    cmd: Command,
+    audit: Option<Audit>,
+    answer: tokio::sync::oneshot::Sender<Result<Result<Reply, ErrorCode>, Error>>,
 }
 
 /// An open transaction on a pooled connection. It has no Drop: a transaction that is not
@@ -515,6 +721,33 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
         Write::Operator(o) => rows::params(o),
         Write::Delivery(d) => rows::params(d),
         Write::Alive(at) => Ok(vec![Box::new(*at)]),
+    }
+}
+
+/// Commands waiting on one lane.
+const LANE_QUEUE: usize = 1024;
+
+/// One lane: takes every command queued on it (up to `most`) and runs them in one
+/// transaction, and again, for as long as the store lives.
+async fn lane(store: std::sync::Weak<Inner>, mut queue: tokio::sync::mpsc::Receiver<Job>, most: usize) {
+    while let Some(first) = queue.recv().await {
+        let mut jobs = vec![first];
+        while jobs.len() < most {
+            match queue.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
+            }
+        }
+        let Some(inner) = store.upgrade() else { return };
+        let store = PgStore { inner };
+        let answers = match jobs.as_slice() {
+            [job] => vec![store.execute_retrying(&job.cmd, job.audit.as_ref()).await],
+            _ => store.execute_batch(&jobs).await,
+        };
+        drop(store);
+        for (job, answer) in jobs.into_iter().zip(answers) {
+            let _ = job.answer.send(answer);
+        }
     }
 }
 
@@ -681,13 +914,12 @@ impl Store for PgStore {
         cmd: Command,
         audit: Option<Audit>,
     ) -> Result<Result<Reply, ErrorCode>, StoreError> {
-        for _ in 0..RETRIES {
-            match self.execute_once(&cmd, audit.as_ref()).await {
-                Err(Error::Retry) => continue,
-                other => return other.map_err(StoreError::from),
-            }
+        if let Some(lane) = self.lane_of(&cmd) {
+            let (answer, answered) = tokio::sync::oneshot::channel();
+            lane.send(Job { cmd, audit, answer }).await.map_err(|_| Error::Closed)?;
+            return answered.await.map_err(|_| Error::Closed)?.map_err(StoreError::from);
         }
-        Err(Error::Retry.into())
+        self.execute_retrying(&cmd, audit.as_ref()).await.map_err(StoreError::from)
     }
 
     async fn audit(&self, record: AuditRecord) -> Result<(), StoreError> {
