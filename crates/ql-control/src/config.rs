@@ -200,7 +200,7 @@ impl Default for Config {
             wal_autocheckpoint_pages: u64::from(crate::store::sqlite::WAL_BACKSTOP_PAGES),
             runtime_threads: 1,
             pg_pool_size: 16,
-            pg_lanes: 8,
+            pg_lanes: 4,
             pg_batch_max: 32,
             read_timeout_ms: 60_000,
             header_timeout_ms: 10_000,

@@ -574,3 +574,18 @@ async fn a_command_that_fails_among_others_fails_alone_and_the_others_commit() {
     }
     check_invariants(&store.snapshot().await.unwrap());
 }
+
+#[tokio::test]
+async fn an_agents_commands_in_one_group_each_see_the_one_before() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    // Queued in this order on the lane, before it runs: `running` is accepted only if it
+    // sees the `starting` the same transaction wrote just before it.
+    let (starting, running) = tokio::join!(store.execute(h.starting()), store.execute(h.running()));
+    assert_eq!(starting.unwrap(), Ok(ack(Outcome::Started)));
+    assert_eq!(running.unwrap(), Ok(ack(Outcome::Running)));
+    assert_eq!(store.group_commits(), GroupCommits { transactions: 1, commands: 2, run_alone: 0 });
+    assert_eq!(detail(&store, h.run()).await.attempts[0].status, AttemptStatus::Running);
+    check_invariants(&store.snapshot().await.unwrap());
+}

@@ -43,7 +43,6 @@
 
 use std::sync::LazyLock;
 
-use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use ql_wire::ids::{AttemptId, RunId, SessionId, WorkerId};
@@ -51,7 +50,7 @@ use ql_wire::ErrorCode;
 
 use super::rows::SCHEDULE_COLS;
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
-use super::{schema, Admit, Error, Tx, STAMP_ADMIT};
+use super::{schema, Admit, Error, Statement, Tx, STAMP_ADMIT};
 use crate::core::{Fit, Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
 use crate::model::{Millis, Session, Worker};
 use crate::store::records::EVENT_COLS;
@@ -321,15 +320,7 @@ pub(super) async fn load(
     admit: Option<Admit<'_>>,
     begin: bool,
 ) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
-    let fenced = Keys {
-        attempt: keys.attempt.clone(),
-        session: keys.session.clone(),
-        run: keys.run.clone(),
-        offer: keys.offer.clone(),
-        completion_event: keys.completion_event,
-        ..Keys::default()
-    };
-    if keys.attempt.is_some() && keys.session.is_some() && keys.run.is_some() && *keys == fenced {
+    if is_fenced(keys) {
         return pipelined(tx, keys, offset, admit, begin).await;
     }
     if begin {
@@ -347,56 +338,66 @@ pub(super) async fn load(
     Ok((rows, now, refused))
 }
 
-/// The pipelined load of a fenced command (see the module doc).
-async fn pipelined(
-    tx: &mut Tx<'_>,
-    keys: &Keys,
-    offset: i64,
-    admit: Option<Admit<'_>>,
-    begin: bool,
-) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
+/// Whether `keys` are a fenced command's (attempt, session and run named up front, an
+/// offer and the completion event perhaps, nothing else): its whole load is one pipeline
+/// ([`fenced_load`]).
+pub(super) fn is_fenced(keys: &Keys) -> bool {
+    let fenced = Keys {
+        attempt: keys.attempt.clone(),
+        session: keys.session.clone(),
+        run: keys.run.clone(),
+        offer: keys.offer.clone(),
+        completion_event: keys.completion_event,
+        ..Keys::default()
+    };
+    keys.attempt.is_some() && keys.session.is_some() && keys.run.is_some() && *keys == fenced
+}
+
+/// The load of a fenced command as statements (see the module doc), `BEGIN` not
+/// included: fence, session, run, attempt, lease, the offer and the completion event
+/// when named, and last DB time (with the admission, given one). [`read_fenced`] reads
+/// their answers.
+pub(super) fn fenced_load(keys: &Keys, offset: i64, admit: Option<Admit<'_>>) -> Vec<Statement> {
     const LOCK: &str = "FOR UPDATE";
     let (Some(attempt), Some(session), Some(run)) = (&keys.attempt, &keys.session, &keys.run) else {
-        unreachable!("checked by load");
+        unreachable!("a fenced command names its attempt, session and run");
     };
-    let (a, s, r) = (attempt.as_str(), session.as_str(), run.as_str());
-    let offer = keys.offer.as_ref().map(|o| o.as_str());
-    let sqls = [
-        "BEGIN".to_owned(),
-        FENCE.to_owned(),
-        by_id("sessions", &SESSION_COLS, "id", LOCK),
-        by_id("runs", &RUN_COLS, "id", LOCK),
-        by_id("attempts", &ATTEMPT_COLS, "id", LOCK),
-        by_id("leases", &LEASE_COLS, "attempt_id", LOCK),
-        by_id("offers", &OFFER_COLS, "id", LOCK),
-        COMPLETION_EVENT_SQL.to_owned(),
-        schema::DB_NOW.to_owned(),
+    let a = || -> rows::Params { vec![Box::new(attempt.as_str().to_owned())] };
+    let mut out: Vec<Statement> = vec![
+        (FENCE.into(), a()),
+        (by_id("sessions", &SESSION_COLS, "id", LOCK).into(), vec![Box::new(session.as_str().to_owned())]),
+        (by_id("runs", &RUN_COLS, "id", LOCK).into(), vec![Box::new(run.as_str().to_owned())]),
+        (by_id("attempts", &ATTEMPT_COLS, "id", LOCK).into(), a()),
+        (by_id("leases", &LEASE_COLS, "attempt_id", LOCK).into(), a()),
     ];
-    let mut batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = Vec::with_capacity(9);
-    if begin {
-        batch.push((&sqls[0], vec![]));
-    }
-    let a_ = &a as &(dyn ToSql + Sync);
-    let (s_, r_) = (&s as &(dyn ToSql + Sync), &r as &(dyn ToSql + Sync));
-    batch.push((&sqls[1], vec![a_]));
-    batch.push((&sqls[2], vec![s_]));
-    batch.push((&sqls[3], vec![r_]));
-    batch.push((&sqls[4], vec![a_]));
-    batch.push((&sqls[5], vec![a_]));
-    if let Some(o) = &offer {
-        batch.push((&sqls[6], vec![o]));
+    if let Some(o) = &keys.offer {
+        out.push((by_id("offers", &OFFER_COLS, "id", LOCK).into(), vec![Box::new(o.as_str().to_owned())]));
     }
     if keys.completion_event {
-        batch.push((&sqls[7], vec![&a, &COMPLETION_EVENT]));
+        out.push((
+            COMPLETION_EVENT_SQL.as_str().into(),
+            vec![Box::new(attempt.as_str().to_owned()), Box::new(COMPLETION_EVENT)],
+        ));
     }
-    let admitted = admit.map(|a| (a.principal.as_str(), a.serial));
-    match &admitted {
-        None => batch.push((&sqls[8], vec![&offset])),
-        Some((principal, serial)) => batch.push((STAMP_ADMIT, vec![&offset, principal, serial])),
-    }
-    let mut answers = tx.pipeline(&batch).await?.into_iter().skip(1 + usize::from(begin));
+    out.push(match admit {
+        None => (schema::DB_NOW.into(), vec![Box::new(offset)]),
+        Some(a) => (
+            STAMP_ADMIT.into(),
+            vec![Box::new(offset), Box::new(a.principal.as_str().to_owned()), Box::new(a.serial.to_owned())],
+        ),
+    });
+    out
+}
+
+/// Reads the answers to [`fenced_load`]'s statements, in order, from `answers`.
+pub(super) fn read_fenced(
+    keys: &Keys,
+    admit: Option<Admit<'_>>,
+    answers: &mut impl Iterator<Item = Vec<Row>>,
+) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
     let mut next = || answers.next().unwrap_or_default();
     let first = |rows: Vec<Row>| rows.into_iter().next();
+    next(); // the fence
     let mut out = Rows {
         session: first(next()).as_ref().map(rows::read).transpose()?,
         run: first(next()).as_ref().map(rows::read).transpose()?,
@@ -407,18 +408,37 @@ async fn pipelined(
     if out.attempt.is_none() {
         out.lease = None; // as the sequential load: no attempt, no lease
     }
-    if offer.is_some() {
+    if keys.offer.is_some() {
         out.offer = first(next()).as_ref().map(rows::read).transpose()?;
     }
     if keys.completion_event {
         out.completion_event = first(next()).as_ref().map(rows::read).transpose()?;
     }
     let stamp = first(next()).ok_or_else(|| Error::Corrupt("DB time read no row".to_owned()))?;
-    let (now, refused) = match admit {
-        None => (stamp.get(0), None),
-        Some(a) => a.read(&stamp)?,
-    };
-    Ok((out, now, refused))
+    match admit {
+        None => Ok((out, stamp.get(0), None)),
+        Some(a) => {
+            let (now, refused) = a.read(&stamp)?;
+            Ok((out, now, refused))
+        }
+    }
+}
+
+/// The pipelined load of a fenced command (see the module doc).
+async fn pipelined(
+    tx: &mut Tx<'_>,
+    keys: &Keys,
+    offset: i64,
+    admit: Option<Admit<'_>>,
+    begin: bool,
+) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
+    let mut batch: Vec<Statement> = Vec::with_capacity(10);
+    if begin {
+        batch.push(("BEGIN".into(), Vec::new()));
+    }
+    batch.extend(fenced_load(keys, offset, admit));
+    let mut answers = tx.run(&batch).await?.into_iter().skip(usize::from(begin));
+    read_fenced(keys, admit, &mut answers)
 }
 
 /// The schedules due by DB time, each locked without waiting (a replica firing one right

@@ -36,8 +36,13 @@
 //! one WAL flush, one transaction's bookkeeping — serves many ACKs; a command that finds
 //! its lane idle runs alone as before. A later command of a group sees the earlier ones'
 //! writes (one transaction), so a group decides what the same commands one at a time
-//! would. A session's commands always share a lane, so they never wait for each other
-//! from two groups of one replica. If a command of a group fails, nothing of the group is
+//! would. Consecutive fenced commands of a group that name no common session, attempt,
+//! run or offer form a wave ([`PgStore::wave`]): all their loads go in one pipeline and
+//! all their writes in another, two round trips for the wave. A session's commands
+//! always share a lane, so they never wait for each other from two groups of one
+//! replica. (Two groups can still wait for each other with a command that takes several
+//! fences, a revocation; PostgreSQL breaks such a deadlock, and the group it fails runs
+//! command by command.) If a command of a group fails, nothing of the group is
 //! kept and each command runs again alone; other commands (submits, operator commands,
 //! sweeps) run alone.
 //!
@@ -198,7 +203,7 @@ impl Default for PgOptions {
             connect_timeout: Duration::from_secs(5),
             audit_url: None,
             kill_after_commit: None,
-            lanes: 8,
+            lanes: 4,
             batch_max: 32,
         }
     }
@@ -384,9 +389,16 @@ impl PgStore {
         };
         let mut open = false;
         let mut done = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            match self.step(&mut conn, &job.cmd, job.audit.as_ref(), &mut open, false).await {
-                Ok(d) => done.push(d),
+        let mut next = 0;
+        while next < jobs.len() {
+            let n = wave_of(&jobs[next..]);
+            let ran = match &jobs[next..next + n] {
+                [job] => self.step(&mut conn, &job.cmd, job.audit.as_ref(), &mut open, false).await.map(|d| vec![d]),
+                wave => self.wave(&mut conn, &wave.iter().collect::<Vec<_>>(), &mut open).await,
+            };
+            next += n;
+            match ran {
+                Ok(d) => done.extend(d),
                 Err(_) => {
                     // Nothing of the group committed: the connection is dropped (rolling
                     // it back), and each command runs again on its own.
@@ -455,10 +467,6 @@ impl PgStore {
         alone: bool,
     ) -> Result<Done, Error> {
         let offset = self.offset();
-        let end: &[(&str, Vec<&(dyn ToSql + Sync)>)] = if alone { &[("COMMIT", vec![])] } else { &[] };
-        // The admission still to be decided is read with the command's last load
-        // statement, after its locks: one round trip less, and a revocation committed
-        // while the command waited for a lock is seen.
         let admit = match audit {
             Some(Audit { record, admit: Some(serial) }) => match &record.principal {
                 Some(principal) => Some(Admit { principal, serial }),
@@ -469,65 +477,110 @@ impl PgStore {
             },
             _ => None,
         };
-        let audit = audit.map(|a| &a.record);
-        let principal = audit.and_then(|a| a.principal.as_ref()).map(|p| p.as_str());
-        let route = audit.map(|a| a.route.as_str());
         let mut tx = Tx { conn };
         let begin = !std::mem::replace(open, true);
-        let (rows, now, refused) = load::load(&mut tx, &cmd.keys(), offset, &self.inner.timings, admit, begin).await?;
+        let loaded = load::load(&mut tx, &cmd.keys(), offset, &self.inner.timings, admit, begin).await?;
+        let mut concluded = self.conclude(cmd, audit.map(|a| &a.record), loaded, offset)?;
+        if alone {
+            if concluded.rollback {
+                tx.finish("ROLLBACK").await?;
+                return Ok(concluded.done);
+            }
+            concluded.record.push(("COMMIT".into(), Vec::new()));
+            concluded.checks.push(false);
+        }
+        if !concluded.record.is_empty() {
+            // If any statement fails, PostgreSQL refuses every later one in the aborted
+            // transaction and turns the COMMIT into a rollback; the failure surfaces
+            // from the pipeline, and the connection is discarded.
+            let answers = tx.run(&concluded.record).await?;
+            checked(&concluded.checks, &answers)?;
+        }
+        Ok(concluded.done)
+    }
+
+    /// Several fenced commands of a group whose rows are all different ([`wave_of`]):
+    /// every command's load in one pipeline, then every command's writes in another, so
+    /// the group costs two round trips to the database instead of two per command. In
+    /// one transaction, with rows no other command of the wave touches, each decides
+    /// what it would decide alone.
+    async fn wave(&self, conn: &mut pool::Conn, jobs: &[&Job], open: &mut bool) -> Result<Vec<Done>, Error> {
+        let offset = self.offset();
+        let keys: Vec<core::Keys> = jobs.iter().map(|j| j.cmd.keys()).collect();
+        let admits: Vec<Option<Admit<'_>>> = jobs.iter().map(|j| admit_of(j.audit.as_ref())).collect();
+        let begin = !std::mem::replace(open, true);
+        let mut loads: Vec<Statement> = Vec::with_capacity(1 + 8 * jobs.len());
+        if begin {
+            loads.push(("BEGIN".into(), Vec::new()));
+        }
+        for (k, admit) in keys.iter().zip(&admits) {
+            loads.extend(load::fenced_load(k, offset, *admit));
+        }
+        let mut tx = Tx { conn };
+        let mut answers = tx.run(&loads).await?.into_iter().skip(usize::from(begin));
+        let (mut record, mut checks, mut done) = (Vec::new(), Vec::new(), Vec::with_capacity(jobs.len()));
+        for ((job, k), admit) in jobs.iter().zip(&keys).zip(&admits) {
+            let loaded = load::read_fenced(k, *admit, &mut answers)?;
+            let concluded = self.conclude(&job.cmd, job.audit.as_ref().map(|a| &a.record), loaded, offset)?;
+            record.extend(concluded.record);
+            checks.extend(concluded.checks);
+            done.push(concluded.done);
+        }
+        if !record.is_empty() {
+            let answers = tx.run(&record).await?;
+            checked(&checks, &answers)?;
+        }
+        Ok(done)
+    }
+
+    /// What a command's load means: the shared decision ([`core::decide`]) and the
+    /// statements that record it — the request's audit records, the decision's writes
+    /// and its notification.
+    fn conclude(
+        &self,
+        cmd: &Command,
+        audit: Option<&AuditRecord>,
+        (rows, now, refused): (Rows, Millis, Option<ErrorCode>),
+        offset: i64,
+    ) -> Result<Concluded, Error> {
+        let audited = |outcome: &str| -> Statement {
+            let principal = audit.and_then(|a| a.principal.as_ref()).map(|p| p.as_str().to_owned());
+            let route = audit.map(|a| a.route.clone());
+            (
+                AUDIT_SQL.into(),
+                vec![Box::new(offset), Box::new(principal), Box::new(route), Box::new(outcome.to_owned())],
+            )
+        };
         if let Some(code) = refused {
             // Refused admission: the refusal alone goes on record, and the locks go.
-            let refused = Some(code.as_str());
-            let mut batch = vec![(AUDIT_SQL, vec![&offset as &(dyn ToSql + Sync), &principal, &route, &refused])];
-            batch.extend(end.iter().cloned());
-            tx.pipeline(&batch).await?;
-            return Ok(Done::refused(code));
+            return Ok(Concluded::refused(code, vec![audited(code.as_str())]));
         }
         let decision = core::decide(cmd, &rows, now, &self.inner.timings, &mut IdGen::random());
-        let outcome = audit.map(|a| a.outcome.as_str());
-        let admitted: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = match audit {
-            Some(_) => vec![(AUDIT_SQL, vec![&offset, &principal, &route, &outcome])],
-            None => Vec::new(),
-        };
+        let mut record: Vec<Statement> = audit.map(|a| audited(&a.outcome)).into_iter().collect();
         let reply = match decision.reply {
             Ok(reply) => reply,
+            // A refusal carries no writes by contract; nothing is applied either way.
             Err(code) if audit.is_none() => {
-                // A refusal carries no writes by contract; nothing is applied either way.
-                if alone {
-                    tx.finish("ROLLBACK").await?;
-                }
-                return Ok(Done::refused(code));
+                return Ok(Concluded { rollback: true, ..Concluded::refused(code, record) })
             }
             Err(code) => {
                 // Only the request's audit records: the admission and the refusal.
-                let refused = Some(code.as_str());
-                let mut batch = admitted;
-                batch.push((AUDIT_SQL, vec![&offset, &principal, &route, &refused]));
-                batch.extend(end.iter().cloned());
-                tx.pipeline(&batch).await?;
-                return Ok(Done::refused(code));
+                record.push(audited(code.as_str()));
+                return Ok(Concluded::refused(code, record));
             }
         };
-        // The writes, the notification and COMMIT in one pipeline. If any statement
-        // fails, PostgreSQL refuses every later one in the aborted transaction and turns
-        // the COMMIT into a rollback; the failure surfaces from the pipeline, and the
-        // connection is discarded.
-        let writes = plan(&rows, &decision.writes)?;
-        let mut batch = admitted;
-        let audited = batch.len();
-        batch.extend(writes.iter().map(|w| (w.sql.as_ref(), refs(&w.params))));
+        let mut checks = vec![false; record.len()];
+        for w in plan(&rows, &decision.writes)? {
+            record.push((w.sql, w.params));
+            checks.push(w.update);
+        }
         if decision.wake || !decision.wants.is_empty() {
-            batch.push(("SELECT pg_notify($1, $2)", vec![&CHANNEL, &self.inner.nonce]));
+            record
+                .push(("SELECT pg_notify($1, $2)".into(), vec![Box::new(CHANNEL), Box::new(self.inner.nonce.clone())]));
+            checks.push(false);
         }
-        batch.extend(end.iter().cloned());
-        let answers = tx.pipeline(&batch).await?;
-        // An UPDATE of a loaded row that found none would be a lost write. It cannot
-        // happen (the row was locked and nothing deletes), but if it did the COMMIT has
-        // already run: fail loudly rather than answer as if it had been written.
-        if writes.iter().zip(&answers[audited..]).any(|(w, rows)| w.update && rows.len() != 1) {
-            return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));
-        }
-        Ok(Done { answer: Ok(reply), wake: decision.wake, wants: decision.wants })
+        let done = Done { answer: Ok(reply), wake: decision.wake, wants: decision.wants };
+        Ok(Concluded { done, record, checks, rollback: false })
     }
 
     /// A connection inside a REPEATABLE READ, READ ONLY transaction: operator reads see
@@ -568,6 +621,82 @@ impl Done {
         }
         self.answer
     }
+}
+
+/// One statement of a pipeline, owning its parameters.
+pub(super) type Statement = (std::borrow::Cow<'static, str>, rows::Params);
+
+/// A command's decision and the statements that record it ([`PgStore::conclude`]).
+struct Concluded {
+    done: Done,
+    record: Vec<Statement>,
+    /// For each statement of `record`: an UPDATE of a loaded row, which must find it.
+    checks: Vec<bool>,
+    /// Refused with nothing to record: alone, the transaction rolls back.
+    rollback: bool,
+}
+
+impl Concluded {
+    fn refused(code: ErrorCode, record: Vec<Statement>) -> Self {
+        let checks = vec![false; record.len()];
+        Self { done: Done::refused(code), record, checks, rollback: false }
+    }
+}
+
+/// An UPDATE of a loaded row that found none would be a lost write. It cannot happen (the
+/// row was locked and nothing deletes), but if it did the COMMIT may have run already:
+/// fail loudly rather than answer as if it had been written.
+fn checked(checks: &[bool], answers: &[Vec<Row>]) -> Result<(), Error> {
+    if checks.iter().zip(answers).any(|(&update, rows)| update && rows.len() != 1) {
+        return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));
+    }
+    Ok(())
+}
+
+/// The admission a request still needs decided with its command, if it has a principal.
+fn admit_of(audit: Option<&Audit>) -> Option<Admit<'_>> {
+    match audit {
+        Some(Audit { record, admit: Some(serial) }) => {
+            record.principal.as_ref().map(|principal| Admit { principal, serial })
+        }
+        _ => None,
+    }
+}
+
+/// Whether a command of a group may join a wave ([`PgStore::wave`]): a fenced command
+/// (its load is one pipeline) that is not an unauthenticated request.
+fn wavy(job: &Job) -> bool {
+    let unauthenticated = matches!(&job.audit, Some(Audit { record, admit: Some(_) }) if record.principal.is_none());
+    !unauthenticated && load::is_fenced(&job.cmd.keys())
+}
+
+/// How many of `jobs`, from the first, form a wave: wavy commands that name no session,
+/// attempt, run or offer an earlier one of them names, so none reads a row another
+/// writes. At least one.
+fn wave_of(jobs: &[Job]) -> usize {
+    let mut named: Vec<String> = Vec::new();
+    let mut n = 0;
+    for job in jobs {
+        if !wavy(job) {
+            break;
+        }
+        let k = job.cmd.keys();
+        let ids: Vec<String> = [
+            k.session.map(|s| format!("s:{}", s.as_str())),
+            k.attempt.map(|a| format!("a:{}", a.as_str())),
+            k.run.map(|r| format!("r:{}", r.as_str())),
+            k.offer.map(|o| format!("o:{}", o.as_str())),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if ids.iter().any(|id| named.contains(id)) {
+            break;
+        }
+        named.extend(ids);
+        n += 1;
+    }
+    n.max(1)
 }
 
 /// A command queued on a lane, and where its answer goes.
@@ -629,6 +758,13 @@ impl Tx<'_> {
         let client = self.conn.client();
         let futures: Vec<_> = stmts.iter().zip(batch).map(|(stmt, (_, params))| client.query(stmt, params)).collect();
         in_order(futures).await.into_iter().map(|r| r.map_err(Error::Pg)).collect()
+    }
+
+    /// [`Tx::pipeline`] of statements that own their parameters.
+    pub(crate) async fn run(&mut self, batch: &[Statement]) -> Result<Vec<Vec<Row>>, Error> {
+        let batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> =
+            batch.iter().map(|(sql, p)| (sql.as_ref(), refs(p))).collect();
+        self.pipeline(&batch).await
     }
 
     /// DB time (see [`schema::DB_NOW`]).
