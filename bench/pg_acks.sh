@@ -11,6 +11,7 @@
 #   bench/pg_acks.sh            # prints the figures and the commands behind them
 #   CYCLES_8=25 CYCLES_64=4 bench/pg_acks.sh   # shorter rounds
 #   PG_POOL=8 bench/pg_acks.sh                 # the replica's pg_pool_size (and the store-level pool)
+#   PG_LANES=0 bench/pg_acks.sh                # the replica's pg_lanes (0: no group commit)
 #
 # Each client count runs CYCLES_8 / CYCLES_64 cycles of eight ACKs per client (by default
 # 9,600 and 10,240 ACKs, several seconds each, as pgbench's 10 s), after a warm-up round
@@ -79,13 +80,16 @@ start_server() { # DIR [--database URL] -> prints the pid
 "$bin" init --dir "$work/pg-state" --host 127.0.0.1 >/dev/null
 "$bin" init --dir "$work/sqlite-state" --host 127.0.0.1 >/dev/null
 # 64 clients connect at once from one address: more than the per-address handshake cap
-# that protects a real server. PG_POOL sets pg_pool_size (16 by default).
+# that protects a real server. PG_POOL sets pg_pool_size (16 by default), PG_LANES
+# pg_lanes (the default when unset).
 for state in "$work/pg-state" "$work/sqlite-state"; do
-  python3 - "$state/control.json" "${PG_POOL:-16}" <<'PY'
+  python3 - "$state/control.json" "${PG_POOL:-16}" "${PG_LANES:-}" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))
 c["max_handshakes_per_ip"] = c["max_handshakes"]
 c["pg_pool_size"] = int(sys.argv[2])
+if sys.argv[3]:
+    c["pg_lanes"] = int(sys.argv[3])
 json.dump(c, open(sys.argv[1], "w"), indent=2)
 PY
 done
@@ -97,7 +101,7 @@ pg_url=$(sed -n 's/^listening on //p' "$work/pg-state/serve.out")
 "$pgbin/pgbench" -q -i -s 10 -h "$QL_PG_SOCKET" -U postgres pgbench >/dev/null 2>&1
 
 echo "# $(uname -m), $(nproc) cores; PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') (fsync on),"
-echo "# server: $bin serve --database (one replica, pool of ${PG_POOL:-16} connections)"
+echo "# server: $bin serve --database (one replica, pool of ${PG_POOL:-16} connections, pg_lanes ${PG_LANES:-default})"
 cycles_for() { if [ "$1" = 64 ]; then echo "${CYCLES_64:-20}"; else echo "${CYCLES_8:-150}"; fi; }
 fresh_workers "$work/pg-state"
 "$bench" --dir "$work/pg-state" --url "$pg_url" --clients 8 --cycles 10 --renewals 5 --database "$QL_PG_URL" >/dev/null
@@ -116,8 +120,8 @@ for clients in 8 64; do
     'BEGIN { printf "%.3f %.3f %.3f", (pg1 - pg0) * 1e3 / n, (server1 - server0) * 1e3 / n, client * 1e3 / n }')
   echo "$line"
   ack[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
-  echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --test pg_throughput"
-  line=$(QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --locked --quiet -p ql-control \
+  echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --test pg_throughput"
+  line=$(QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --locked --quiet -p ql-control \
     --test pg_throughput -- --nocapture 2>/dev/null | grep '^store-level')
   echo "$line"
   direct[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')

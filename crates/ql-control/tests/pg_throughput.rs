@@ -3,7 +3,8 @@
 //! transaction rate is printed.
 //!
 //! In the test suite it is small (8 clients, 5 cycles). `bench/pg_acks.sh` runs it in
-//! release with `QL_BENCH_CLIENTS` and `QL_BENCH_CYCLES` to put the store-level figure
+//! release with `QL_BENCH_CLIENTS` and `QL_BENCH_CYCLES` (and the pool and lanes of group
+//! commit with `QL_BENCH_POOL` and `QL_BENCH_LANES`) to put the store-level figure
 //! beside `pgbench -N` at the same client count on the same server.
 
 mod contract;
@@ -35,7 +36,9 @@ async fn concurrent_ack_transactions_keep_every_invariant() {
     // The replica's pool (`pg_pool_size`, QL_BENCH_POOL here), one connection per client
     // at most: more clients than connections wait for one, as behind a serving replica.
     let pool_size = env("QL_BENCH_POOL", PgOptions::default().pool_size).min(clients);
-    let store = db.store(PgOptions { pool_size, ..Pg::options(&offset) }).await;
+    // Its lanes of group commit (`pg_lanes`, QL_BENCH_LANES here), at most one per connection.
+    let lanes = env("QL_BENCH_LANES", PgOptions::default().lanes).min(pool_size);
+    let store = db.store(PgOptions { pool_size, lanes, ..Pg::options(&offset) }).await;
     for i in 0..clients {
         let labels = BTreeMap::from([("bench".to_owned(), i.to_string())]);
         for _ in 0..cycles {
@@ -91,13 +94,16 @@ async fn concurrent_ack_transactions_keep_every_invariant() {
     let wall = started.elapsed().as_secs_f64();
     acks.sort();
     let pct = |p: f64| acks[((acks.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3;
+    let grouped = store.group_commits();
     println!(
         "store-level clients {clients:>3}: {:>6} ACK transactions in {wall:.2} s = {:>7.0} ACK/s, p50 {:.2} ms, \
-         p99 {:.2} ms",
+         p99 {:.2} ms; {} commands committed in {} groups",
         acks.len(),
         acks.len() as f64 / wall,
         pct(0.5),
-        pct(0.99)
+        pct(0.99),
+        grouped.commands,
+        grouped.transactions
     );
     let snap = store.snapshot().await.unwrap();
     check_invariants(&snap);

@@ -29,7 +29,7 @@
 //! # Group commit
 //!
 //! Commands about a worker session (its polls, claims, heartbeats and attempt commands)
-//! go through one of [`PgOptions::lanes`] lanes, chosen by the session: a lane takes
+//! go through one of [`PgOptions::lanes`] lanes, the session's (see [`group`]): a lane takes
 //! every command waiting on it (at most [`PgOptions::batch_max`]) and runs them one after
 //! another in one transaction, each exactly as above but for BEGIN and COMMIT, which the
 //! group shares ([`PgStore::execute_batch`]). Under many concurrent agents one commit —
@@ -70,6 +70,7 @@
 //! `statement_timestamp()` plus [`PgOptions::clock_offset`], zero in production; tests
 //! move time forward with the offset instead of sleeping.
 
+mod group;
 mod load;
 mod pool;
 mod rows;
@@ -78,7 +79,7 @@ mod schema;
 use std::future::Future;
 use std::pin::Pin;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -103,6 +104,7 @@ use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
 
 #[doc(hidden)]
+pub use group::GroupCommits;
 pub use load::QUEUE_PROBE;
 pub use schema::{ROLES, SCHEMA_VERSION};
 
@@ -245,23 +247,8 @@ struct Inner {
     nonce: String,
     kill_after_commit: Option<KillAfterCommit>,
     listener: tokio::task::JoinHandle<()>,
-    /// Each lane's queue ([`PgOptions::lanes`]).
-    lanes: Vec<tokio::sync::mpsc::Sender<Job>>,
-    /// What the lanes did so far ([`PgStore::group_commits`]).
-    transactions: AtomicU64,
-    grouped: AtomicU64,
-    run_alone: AtomicU64,
-}
-
-/// What group commit did so far on one store ([`PgStore::group_commits`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GroupCommits {
-    /// Transactions that committed more than one command.
-    pub transactions: u64,
-    /// The commands they carried.
-    pub commands: u64,
-    /// Groups that failed and whose commands ran again, each alone.
-    pub run_alone: u64,
+    /// Group commit's lanes ([`PgOptions::lanes`]).
+    lanes: group::Lanes,
 }
 
 impl Drop for Inner {
@@ -306,14 +293,8 @@ impl PgStore {
         // Listening before the first command: a change committed elsewhere right after
         // `open` returns must not be missed.
         let _ = tokio::time::timeout(options.connect_timeout, ready_rx).await;
-        let (most, mut queues) = (options.batch_max.max(1), Vec::with_capacity(options.lanes));
-        let lanes = (0..options.lanes)
-            .map(|_| {
-                let (tx, rx) = tokio::sync::mpsc::channel(LANE_QUEUE);
-                queues.push(rx);
-                tx
-            })
-            .collect();
+        let idle = Duration::from_millis(options.timings.session_ttl_ms);
+        let (lanes, queues) = group::Lanes::new(options.lanes, idle);
         let inner = Arc::new(Inner {
             pool,
             audit,
@@ -324,36 +305,11 @@ impl PgStore {
             kill_after_commit: options.kill_after_commit,
             listener,
             lanes,
-            transactions: AtomicU64::new(0),
-            grouped: AtomicU64::new(0),
-            run_alone: AtomicU64::new(0),
         });
-        for rx in queues {
-            tokio::spawn(lane(Arc::downgrade(&inner), rx, most));
+        for queue in queues {
+            tokio::spawn(group::lane(Arc::downgrade(&inner), queue, options.batch_max.max(1)));
         }
         Ok(Self { inner })
-    }
-
-    /// How many transactions committed several commands together, how many commands
-    /// they carried, and how many groups failed and ran again command by command.
-    pub fn group_commits(&self) -> GroupCommits {
-        let i = &self.inner;
-        GroupCommits {
-            transactions: i.transactions.load(Ordering::Relaxed),
-            commands: i.grouped.load(Ordering::Relaxed),
-            run_alone: i.run_alone.load(Ordering::Relaxed),
-        }
-    }
-
-    /// The lane of `cmd`: that of its session, if it names one and lanes are on.
-    fn lane_of(&self, cmd: &Command) -> Option<&tokio::sync::mpsc::Sender<Job>> {
-        use std::hash::{Hash, Hasher};
-        let lanes = &self.inner.lanes;
-        let keys = cmd.keys();
-        let session = keys.session.as_ref().filter(|_| !lanes.is_empty() && keys.worker_work.is_none())?;
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        session.as_str().hash(&mut h);
-        lanes.get(usize::try_from(h.finish() % lanes.len() as u64).unwrap_or(0))
     }
 
     fn offset(&self) -> i64 {
@@ -372,64 +328,6 @@ impl PgStore {
         self.committed(&mut conn, std::slice::from_ref(cmd)).await?;
         conn.keep();
         Ok(done.apply(&self.inner.wakes))
-    }
-
-    /// Runs commands routed to one lane ([`PgOptions::lanes`]) in one transaction: each
-    /// command's load, decision and writes in turn, in arrival order, then one COMMIT for
-    /// all (group commit: one flush of the WAL and one transaction's overhead for the
-    /// batch). Every answer waits for that COMMIT. If a command fails before it — a
-    /// statement, a lock wait PostgreSQL breaks as a deadlock — nothing of the batch is
-    /// kept and each command runs again alone, so one command's failure is only its own.
-    /// A COMMIT that fails may have committed: every command is answered with the error
-    /// (`unavailable`, safe to repeat), as a command alone would be.
-    async fn execute_batch(&self, jobs: &[Job]) -> Vec<Result<Result<Reply, ErrorCode>, Error>> {
-        let mut conn = match self.inner.pool.get().await {
-            Ok(conn) => conn,
-            Err(e) => return e.each(jobs.len()),
-        };
-        let mut open = false;
-        let mut done = Vec::with_capacity(jobs.len());
-        let mut next = 0;
-        while next < jobs.len() {
-            let n = wave_of(&jobs[next..]);
-            let ran = match &jobs[next..next + n] {
-                [job] => self.step(&mut conn, &job.cmd, job.audit.as_ref(), &mut open, false).await.map(|d| vec![d]),
-                wave => self.wave(&mut conn, &wave.iter().collect::<Vec<_>>(), &mut open).await,
-            };
-            next += n;
-            match ran {
-                Ok(d) => done.extend(d),
-                Err(_) => {
-                    // Nothing of the group committed: the connection is dropped (rolling
-                    // it back), and each command runs again on its own.
-                    drop(conn);
-                    self.inner.run_alone.fetch_add(1, Ordering::Relaxed);
-                    let mut out = Vec::with_capacity(jobs.len());
-                    for job in jobs {
-                        out.push(self.execute_retrying(&job.cmd, job.audit.as_ref()).await);
-                    }
-                    return out;
-                }
-            }
-        }
-        // A COMMIT that fails may or may not have committed: every caller is told the
-        // store is unavailable, and its replay finds whatever committed.
-        let committed = async {
-            if open {
-                conn.client().batch_execute("COMMIT").await.map_err(Error::Pg)?;
-            }
-            let cmds: Vec<Command> = jobs.iter().map(|j| j.cmd.clone()).collect();
-            self.committed(&mut conn, &cmds).await
-        };
-        match committed.await {
-            Ok(()) => {
-                conn.keep();
-                self.inner.transactions.fetch_add(1, Ordering::Relaxed);
-                self.inner.grouped.fetch_add(done.len() as u64, Ordering::Relaxed);
-                done.into_iter().map(|d| Ok(d.apply(&self.inner.wakes))).collect()
-            }
-            Err(e) => e.each(jobs.len()),
-        }
     }
 
     /// [`PgStore::execute_once`], again while cancel sees its run change under it.
@@ -497,40 +395,6 @@ impl PgStore {
             checked(&concluded.checks, &answers)?;
         }
         Ok(concluded.done)
-    }
-
-    /// Several fenced commands of a group whose rows are all different ([`wave_of`]):
-    /// every command's load in one pipeline, then every command's writes in another, so
-    /// the group costs two round trips to the database instead of two per command. In
-    /// one transaction, with rows no other command of the wave touches, each decides
-    /// what it would decide alone.
-    async fn wave(&self, conn: &mut pool::Conn, jobs: &[&Job], open: &mut bool) -> Result<Vec<Done>, Error> {
-        let offset = self.offset();
-        let keys: Vec<core::Keys> = jobs.iter().map(|j| j.cmd.keys()).collect();
-        let admits: Vec<Option<Admit<'_>>> = jobs.iter().map(|j| admit_of(j.audit.as_ref())).collect();
-        let begin = !std::mem::replace(open, true);
-        let mut loads: Vec<Statement> = Vec::with_capacity(1 + 8 * jobs.len());
-        if begin {
-            loads.push(("BEGIN".into(), Vec::new()));
-        }
-        for (k, admit) in keys.iter().zip(&admits) {
-            loads.extend(load::fenced_load(k, offset, *admit));
-        }
-        let mut tx = Tx { conn };
-        let mut answers = tx.run(&loads).await?.into_iter().skip(usize::from(begin));
-        let (mut record, mut checks, mut done) = (Vec::new(), Vec::new(), Vec::with_capacity(jobs.len()));
-        for ((job, k), admit) in jobs.iter().zip(&keys).zip(&admits) {
-            let loaded = load::read_fenced(k, *admit, &mut answers)?;
-            let concluded = self.conclude(&job.cmd, job.audit.as_ref().map(|a| &a.record), loaded, offset)?;
-            record.extend(concluded.record);
-            checks.extend(concluded.checks);
-            done.push(concluded.done);
-        }
-        if !record.is_empty() {
-            let answers = tx.run(&record).await?;
-            checked(&checks, &answers)?;
-        }
-        Ok(done)
     }
 
     /// What a command's load means: the shared decision ([`core::decide`]) and the
@@ -661,49 +525,6 @@ fn admit_of(audit: Option<&Audit>) -> Option<Admit<'_>> {
         }
         _ => None,
     }
-}
-
-/// Whether a command of a group may join a wave ([`PgStore::wave`]): a fenced command
-/// (its load is one pipeline) that is not an unauthenticated request.
-fn wavy(job: &Job) -> bool {
-    let unauthenticated = matches!(&job.audit, Some(Audit { record, admit: Some(_) }) if record.principal.is_none());
-    !unauthenticated && load::is_fenced(&job.cmd.keys())
-}
-
-/// How many of `jobs`, from the first, form a wave: wavy commands that name no session,
-/// attempt, run or offer an earlier one of them names, so none reads a row another
-/// writes. At least one.
-fn wave_of(jobs: &[Job]) -> usize {
-    let mut named: Vec<String> = Vec::new();
-    let mut n = 0;
-    for job in jobs {
-        if !wavy(job) {
-            break;
-        }
-        let k = job.cmd.keys();
-        let ids: Vec<String> = [
-            k.session.map(|s| format!("s:{}", s.as_str())),
-            k.attempt.map(|a| format!("a:{}", a.as_str())),
-            k.run.map(|r| format!("r:{}", r.as_str())),
-            k.offer.map(|o| format!("o:{}", o.as_str())),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        if ids.iter().any(|id| named.contains(id)) {
-            break;
-        }
-        named.extend(ids);
-        n += 1;
-    }
-    n.max(1)
-}
-
-/// A command queued on a lane, and where its answer goes.
-struct Job {
-    cmd: Command,
-    audit: Option<Audit>,
-    answer: tokio::sync::oneshot::Sender<Result<Result<Reply, ErrorCode>, Error>>,
 }
 
 /// An open transaction on a pooled connection. It has no Drop: a transaction that is not
@@ -857,33 +678,6 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
         Write::Operator(o) => rows::params(o),
         Write::Delivery(d) => rows::params(d),
         Write::Alive(at) => Ok(vec![Box::new(*at)]),
-    }
-}
-
-/// Commands waiting on one lane.
-const LANE_QUEUE: usize = 1024;
-
-/// One lane: takes every command queued on it (up to `most`) and runs them in one
-/// transaction, and again, for as long as the store lives.
-async fn lane(store: std::sync::Weak<Inner>, mut queue: tokio::sync::mpsc::Receiver<Job>, most: usize) {
-    while let Some(first) = queue.recv().await {
-        let mut jobs = vec![first];
-        while jobs.len() < most {
-            match queue.try_recv() {
-                Ok(job) => jobs.push(job),
-                Err(_) => break,
-            }
-        }
-        let Some(inner) = store.upgrade() else { return };
-        let store = PgStore { inner };
-        let answers = match jobs.as_slice() {
-            [job] => vec![store.execute_retrying(&job.cmd, job.audit.as_ref()).await],
-            _ => store.execute_batch(&jobs).await,
-        };
-        drop(store);
-        for (job, answer) in jobs.into_iter().zip(answers) {
-            let _ = job.answer.send(answer);
-        }
     }
 }
 
@@ -1050,10 +844,8 @@ impl Store for PgStore {
         cmd: Command,
         audit: Option<Audit>,
     ) -> Result<Result<Reply, ErrorCode>, StoreError> {
-        if let Some(lane) = self.lane_of(&cmd) {
-            let (answer, answered) = tokio::sync::oneshot::channel();
-            lane.send(Job { cmd, audit, answer }).await.map_err(|_| Error::Closed)?;
-            return answered.await.map_err(|_| Error::Closed)?.map_err(StoreError::from);
+        if let Some(session) = group::session_of(&cmd).filter(|_| self.inner.lanes.on()) {
+            return self.in_lane(session, cmd, audit).await.map_err(StoreError::from);
         }
         self.execute_retrying(&cmd, audit.as_ref()).await.map_err(StoreError::from)
     }

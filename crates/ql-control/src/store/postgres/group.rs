@@ -1,0 +1,338 @@
+//! Group commit on PostgreSQL: the lanes that run many agents' commands in one
+//! transaction (see the [module doc](super) for what a group decides and why).
+//!
+//! A command about a worker session goes to its session's lane. A session gets a lane
+//! when it is first seen: the lane fewest sessions have, so sessions spread evenly over
+//! the lanes whatever their ids (hashing a few agents' ids would crowd some lanes), and
+//! it keeps it, so its commands run one after another and come back to the same lane,
+//! where each group gathers the agents answered by the one before. A session not seen
+//! for a session's life, with nothing in flight, gives its place up. A lane takes every
+//! command waiting on it, up to `batch_max`, and runs them as one group
+//! ([`PgStore::execute_batch`]): one after another in one transaction, consecutive
+//! fenced commands about different rows in waves
+//! ([`PgStore::wave`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use ql_wire::ErrorCode;
+
+use super::{admit_of, checked, load, pool, Admit, Done, Error, Inner, PgStore, Statement, Tx};
+use crate::core::{self, Command, Reply};
+use crate::store::Audit;
+
+/// Commands waiting on one lane.
+const LANE_QUEUE: usize = 1024;
+
+/// A command's answer as a lane gives it.
+type Answer = Result<Result<Reply, ErrorCode>, Error>;
+
+/// What group commit did so far on one store ([`PgStore::group_commits`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupCommits {
+    /// Transactions that committed more than one command.
+    pub transactions: u64,
+    /// The commands they carried.
+    pub commands: u64,
+    /// Groups that failed and whose commands ran again, each alone.
+    pub run_alone: u64,
+}
+
+/// A command queued on a lane, and where its answer goes.
+pub(super) struct Job {
+    cmd: Command,
+    audit: Option<Audit>,
+    session: String,
+    answer: oneshot::Sender<Answer>,
+}
+
+/// The lanes of one store: their queues, each session's lane, and what they did.
+pub(super) struct Lanes {
+    queues: Vec<mpsc::Sender<Job>>,
+    places: Mutex<Places>,
+    transactions: AtomicU64,
+    grouped: AtomicU64,
+    run_alone: AtomicU64,
+}
+
+/// Which lane each session has, and how many sessions each lane has.
+struct Places {
+    lanes: Vec<usize>,
+    /// Session id: its lane, its commands in flight, when it was last seen.
+    sessions: HashMap<String, (usize, usize, Instant)>,
+    /// A session not seen for this long, with nothing in flight, gives its place up.
+    idle: Duration,
+    next_sweep: Instant,
+}
+
+impl Lanes {
+    /// `n` lanes (none: every command alone), and the queue each lane's task takes; a
+    /// session keeps its lane until it has not been seen for `idle`.
+    pub(super) fn new(n: usize, idle: Duration) -> (Self, Vec<mpsc::Receiver<Job>>) {
+        let (queues, receivers) = (0..n).map(|_| mpsc::channel(LANE_QUEUE)).unzip();
+        let places = Places { lanes: vec![0; n], sessions: HashMap::new(), idle, next_sweep: Instant::now() + idle };
+        let zero = || AtomicU64::new(0);
+        (
+            Self { queues, places: Mutex::new(places), transactions: zero(), grouped: zero(), run_alone: zero() },
+            receivers,
+        )
+    }
+
+    pub(super) fn on(&self) -> bool {
+        !self.queues.is_empty()
+    }
+
+    /// The lane of one more command of `session` (in flight until [`Lanes::done`]).
+    fn route(&self, session: &str) -> usize {
+        let now = Instant::now();
+        let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
+        let p = &mut *places;
+        if now >= p.next_sweep {
+            let idle = p.idle;
+            p.sessions.retain(|_, (_, in_flight, seen)| *in_flight > 0 || now.duration_since(*seen) < idle);
+            p.lanes.iter_mut().for_each(|n| *n = 0);
+            for (lane, ..) in p.sessions.values() {
+                p.lanes[*lane] += 1;
+            }
+            p.next_sweep = now + idle;
+        }
+        if let Some((lane, in_flight, seen)) = p.sessions.get_mut(session) {
+            *in_flight += 1;
+            *seen = now;
+            return *lane;
+        }
+        let lane = (0..p.lanes.len()).min_by_key(|&l| p.lanes[l]).unwrap_or(0);
+        p.lanes[lane] += 1;
+        p.sessions.insert(session.to_owned(), (lane, 1, now));
+        lane
+    }
+
+    /// A command of `session` was answered.
+    fn done(&self, session: &str) {
+        let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, in_flight, _)) = places.sessions.get_mut(session) {
+            *in_flight = in_flight.saturating_sub(1);
+        }
+    }
+}
+
+/// The session whose lane `cmd` goes to: the one it names, unless it is about a whole
+/// worker's work (a revocation, which takes many fences, runs alone).
+pub(super) fn session_of(cmd: &Command) -> Option<String> {
+    let keys = cmd.keys();
+    keys.session.filter(|_| keys.worker_work.is_none()).map(|s| s.as_str().to_owned())
+}
+
+impl PgStore {
+    /// How many transactions committed several commands together, how many commands
+    /// they carried, and how many groups failed and ran again command by command.
+    pub fn group_commits(&self) -> GroupCommits {
+        let l = &self.inner.lanes;
+        GroupCommits {
+            transactions: l.transactions.load(Ordering::Relaxed),
+            commands: l.grouped.load(Ordering::Relaxed),
+            run_alone: l.run_alone.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Runs `cmd` on the lane of `session` and waits for its answer.
+    pub(super) async fn in_lane(&self, session: String, cmd: Command, audit: Option<Audit>) -> Answer {
+        let lanes = &self.inner.lanes;
+        let lane = lanes.route(&session);
+        let (answer, answered) = oneshot::channel();
+        if let Err(refused) = lanes.queues[lane].send(Job { cmd, audit, session, answer }).await {
+            lanes.done(&refused.0.session);
+            return Err(Error::Closed);
+        }
+        answered.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Runs commands routed to one lane ([`PgOptions::lanes`]) in one transaction: each
+    /// command's load, decision and writes in turn, in arrival order, then one COMMIT for
+    /// all (group commit: one flush of the WAL and one transaction's overhead for the
+    /// batch). Every answer waits for that COMMIT. If a command fails before it — a
+    /// statement, a lock wait PostgreSQL breaks as a deadlock — nothing of the batch is
+    /// kept and each command runs again alone, so one command's failure is only its own.
+    /// A COMMIT that fails may have committed: every command is answered with the error
+    /// (`unavailable`, safe to repeat), as a command alone would be.
+    pub(super) async fn execute_batch(&self, jobs: &[Job]) -> Vec<Result<Result<Reply, ErrorCode>, Error>> {
+        let mut conn = match self.inner.pool.get().await {
+            Ok(conn) => conn,
+            Err(e) => return e.each(jobs.len()),
+        };
+        let mut open = false;
+        let mut done = Vec::with_capacity(jobs.len());
+        let mut next = 0;
+        while next < jobs.len() {
+            let n = wave_of(&jobs[next..]);
+            let ran = match &jobs[next..next + n] {
+                [job] => self.step(&mut conn, &job.cmd, job.audit.as_ref(), &mut open, false).await.map(|d| vec![d]),
+                wave => self.wave(&mut conn, &wave.iter().collect::<Vec<_>>(), &mut open).await,
+            };
+            next += n;
+            match ran {
+                Ok(d) => done.extend(d),
+                Err(_) => {
+                    // Nothing of the group committed: the connection is dropped (rolling
+                    // it back), and each command runs again on its own.
+                    drop(conn);
+                    self.inner.lanes.run_alone.fetch_add(1, Ordering::Relaxed);
+                    let mut out = Vec::with_capacity(jobs.len());
+                    for job in jobs {
+                        out.push(self.execute_retrying(&job.cmd, job.audit.as_ref()).await);
+                    }
+                    return out;
+                }
+            }
+        }
+        // A COMMIT that fails may or may not have committed: every caller is told the
+        // store is unavailable, and its replay finds whatever committed.
+        let committed = async {
+            if open {
+                conn.client().batch_execute("COMMIT").await.map_err(Error::Pg)?;
+            }
+            let cmds: Vec<Command> = jobs.iter().map(|j| j.cmd.clone()).collect();
+            self.committed(&mut conn, &cmds).await
+        };
+        match committed.await {
+            Ok(()) => {
+                conn.keep();
+                self.inner.lanes.transactions.fetch_add(1, Ordering::Relaxed);
+                self.inner.lanes.grouped.fetch_add(done.len() as u64, Ordering::Relaxed);
+                done.into_iter().map(|d| Ok(d.apply(&self.inner.wakes))).collect()
+            }
+            Err(e) => e.each(jobs.len()),
+        }
+    }
+
+    /// Several fenced commands of a group whose rows are all different ([`wave_of`]):
+    /// every command's load in one pipeline, then every command's writes in another, so
+    /// the group costs two round trips to the database instead of two per command. In
+    /// one transaction, with rows no other command of the wave touches, each decides
+    /// what it would decide alone.
+    async fn wave(&self, conn: &mut pool::Conn, jobs: &[&Job], open: &mut bool) -> Result<Vec<Done>, Error> {
+        let offset = self.offset();
+        let keys: Vec<core::Keys> = jobs.iter().map(|j| j.cmd.keys()).collect();
+        let admits: Vec<Option<Admit<'_>>> = jobs.iter().map(|j| admit_of(j.audit.as_ref())).collect();
+        let begin = !std::mem::replace(open, true);
+        let mut loads: Vec<Statement> = Vec::with_capacity(1 + 8 * jobs.len());
+        if begin {
+            loads.push(("BEGIN".into(), Vec::new()));
+        }
+        for (k, admit) in keys.iter().zip(&admits) {
+            loads.extend(load::fenced_load(k, offset, *admit));
+        }
+        let mut tx = Tx { conn };
+        let mut answers = tx.run(&loads).await?.into_iter().skip(usize::from(begin));
+        let (mut record, mut checks, mut done) = (Vec::new(), Vec::new(), Vec::with_capacity(jobs.len()));
+        for ((job, k), admit) in jobs.iter().zip(&keys).zip(&admits) {
+            let loaded = load::read_fenced(k, *admit, &mut answers)?;
+            let concluded = self.conclude(&job.cmd, job.audit.as_ref().map(|a| &a.record), loaded, offset)?;
+            record.extend(concluded.record);
+            checks.extend(concluded.checks);
+            done.push(concluded.done);
+        }
+        if !record.is_empty() {
+            let answers = tx.run(&record).await?;
+            checked(&checks, &answers)?;
+        }
+        Ok(done)
+    }
+}
+
+/// Whether a command of a group may join a wave ([`PgStore::wave`]): a fenced command
+/// (its load is one pipeline) that is not an unauthenticated request.
+fn wavy(job: &Job) -> bool {
+    let unauthenticated = matches!(&job.audit, Some(Audit { record, admit: Some(_) }) if record.principal.is_none());
+    !unauthenticated && load::is_fenced(&job.cmd.keys())
+}
+
+/// How many of `jobs`, from the first, form a wave: wavy commands that name no session,
+/// attempt, run or offer an earlier one of them names, so none reads a row another
+/// writes. At least one.
+fn wave_of(jobs: &[Job]) -> usize {
+    let mut named: Vec<String> = Vec::new();
+    let mut n = 0;
+    for job in jobs {
+        if !wavy(job) {
+            break;
+        }
+        let k = job.cmd.keys();
+        let ids: Vec<String> = [
+            k.session.map(|s| format!("s:{}", s.as_str())),
+            k.attempt.map(|a| format!("a:{}", a.as_str())),
+            k.run.map(|r| format!("r:{}", r.as_str())),
+            k.offer.map(|o| format!("o:{}", o.as_str())),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if ids.iter().any(|id| named.contains(id)) {
+            break;
+        }
+        named.extend(ids);
+        n += 1;
+    }
+    n.max(1)
+}
+
+/// One lane: takes every command queued on it (up to `most`) and runs them as one
+/// group, and again, for as long as the store lives.
+pub(super) async fn lane(store: Weak<Inner>, mut queue: mpsc::Receiver<Job>, most: usize) {
+    while let Some(first) = queue.recv().await {
+        let mut jobs = vec![first];
+        while jobs.len() < most {
+            match queue.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
+            }
+        }
+        let Some(inner) = store.upgrade() else { return };
+        let store = PgStore { inner };
+        let answers = match jobs.as_slice() {
+            [job] => vec![store.execute_retrying(&job.cmd, job.audit.as_ref()).await],
+            _ => store.execute_batch(&jobs).await,
+        };
+        for (job, answer) in jobs.into_iter().zip(answers) {
+            store.inner.lanes.done(&job.session);
+            let _ = job.answer.send(answer);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sessions_spread_evenly_over_the_lanes_and_keep_theirs() {
+        let (lanes, _queues) = Lanes::new(4, Duration::from_secs(3600));
+        let first: Vec<usize> = (0..8).map(|i| lanes.route(&format!("s{i}"))).collect();
+        for lane in 0..4 {
+            assert_eq!(first.iter().filter(|&&l| l == lane).count(), 2, "two sessions on lane {lane}: {first:?}");
+        }
+        for (i, lane) in first.iter().enumerate() {
+            lanes.done(&format!("s{i}"));
+            assert_eq!(lanes.route(&format!("s{i}")), *lane, "s{i} comes back to its lane");
+        }
+    }
+
+    #[test]
+    fn a_session_gone_quiet_gives_its_place_up_but_never_with_a_command_in_flight() {
+        // Idle at once: every route first lets go of the sessions with nothing in flight.
+        let (lanes, _queues) = Lanes::new(2, Duration::ZERO);
+        let a = lanes.route("a");
+        let b = lanes.route("b");
+        assert_ne!(a, b);
+        lanes.done("a");
+        // `a` had nothing in flight: its lane is free again, and the fewest-sessions lane.
+        assert_eq!(lanes.route("c"), a);
+        // `b` still has its command in flight: it keeps its lane, whoever came since.
+        assert_eq!(lanes.route("b"), b);
+        assert_eq!(lanes.places.lock().unwrap().sessions.len(), 2, "b and c: {:?}", lanes.places.lock().unwrap().lanes);
+    }
+}
