@@ -120,11 +120,22 @@ impl Lanes {
     }
 }
 
-/// The session whose lane `cmd` goes to: the one it names, unless it is about a whole
-/// worker's work (a revocation, which takes many fences, runs alone).
-pub(super) fn session_of(cmd: &Command) -> Option<String> {
+/// The lane key of `cmd` from `audit`'s principal: the session it names, as that
+/// principal — a request naming another worker's session (refused, once loaded) never
+/// waits in that session's lane. None, and the command runs alone, when it names no
+/// session, is about a whole worker's work (a revocation takes many fences), or comes
+/// from a request with no principal (refused at once, recorded on its own).
+pub(super) fn lane_key(cmd: &Command, audit: Option<&Audit>) -> Option<String> {
     let keys = cmd.keys();
-    keys.session.filter(|_| keys.worker_work.is_none()).map(|s| s.as_str().to_owned())
+    let session = keys.session.filter(|_| keys.worker_work.is_none())?;
+    match audit {
+        None => Some(session.as_str().to_owned()),
+        Some(Audit { record, admit }) => match (&record.principal, admit) {
+            (Some(principal), _) => Some(format!("{}/{}", principal.as_str(), session.as_str())),
+            (None, Some(_)) => None,
+            (None, None) => Some(session.as_str().to_owned()),
+        },
+    }
 }
 
 impl PgStore {
@@ -307,6 +318,28 @@ pub(super) async fn lane(store: Weak<Inner>, mut queue: mpsc::Receiver<Job>, mos
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_waits_in_the_lane_of_its_own_principal_and_session_only() {
+        let (worker, session) = ("router-1".parse().unwrap(), "ses_1".parse().unwrap());
+        let body = ql_wire::session::Heartbeat { generation: ql_wire::ids::Counter::ONE, draining: false };
+        let heartbeat = Command::Heartbeat(worker, session, body);
+        let from = |principal: Option<&str>, admit: Option<&str>| Audit {
+            record: crate::model::AuditRecord {
+                at: 0,
+                principal: principal.map(|p| p.parse().unwrap()),
+                route: "session.heartbeat".into(),
+                outcome: "admitted".into(),
+            },
+            admit: admit.map(str::to_owned),
+        };
+        let own = lane_key(&heartbeat, Some(&from(Some("router-1"), Some("0a"))));
+        let other = lane_key(&heartbeat, Some(&from(Some("router-2"), Some("0b"))));
+        assert!(own.is_some() && other.is_some());
+        assert_ne!(own, other, "another worker naming this session is placed as itself");
+        assert_eq!(lane_key(&heartbeat, Some(&from(None, Some("0c")))), None, "no principal: alone");
+        assert_eq!(lane_key(&heartbeat, None), Some("ses_1".to_owned()), "the store's own commands by session");
+    }
 
     #[test]
     fn sessions_spread_evenly_over_the_lanes_and_keep_theirs() {

@@ -844,7 +844,7 @@ impl Store for PgStore {
         cmd: Command,
         audit: Option<Audit>,
     ) -> Result<Result<Reply, ErrorCode>, StoreError> {
-        if let Some(session) = group::session_of(&cmd).filter(|_| self.inner.lanes.on()) {
+        if let Some(session) = group::lane_key(&cmd, audit.as_ref()).filter(|_| self.inner.lanes.on()) {
             return self.in_lane(session, cmd, audit).await.map_err(StoreError::from);
         }
         self.execute_retrying(&cmd, audit.as_ref()).await.map_err(StoreError::from)
