@@ -103,8 +103,8 @@ use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIR
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
 
-#[doc(hidden)]
 pub use group::GroupCommits;
+#[doc(hidden)]
 pub use load::QUEUE_PROBE;
 pub use schema::{ROLES, SCHEMA_VERSION};
 
