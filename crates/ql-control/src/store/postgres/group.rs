@@ -257,9 +257,9 @@ impl PgStore {
 
 /// Whether a command of a group may join a wave ([`PgStore::wave`]): a fenced command
 /// (its load is one pipeline) that is not an unauthenticated request.
-fn wavy(job: &Job) -> bool {
+fn wavy(job: &Job, keys: &core::Keys) -> bool {
     let unauthenticated = matches!(&job.audit, Some(Audit { record, admit: Some(_) }) if record.principal.is_none());
-    !unauthenticated && load::is_fenced(&job.cmd.keys())
+    !unauthenticated && load::is_fenced(keys)
 }
 
 /// How many of `jobs`, from the first, form a wave: wavy commands that name no session,
@@ -269,10 +269,10 @@ fn wave_of(jobs: &[Job]) -> usize {
     let mut named: Vec<String> = Vec::new();
     let mut n = 0;
     for job in jobs {
-        if !wavy(job) {
+        let k = job.cmd.keys();
+        if !wavy(job, &k) {
             break;
         }
-        let k = job.cmd.keys();
         let ids: Vec<String> = [
             k.session.map(|s| format!("s:{}", s.as_str())),
             k.attempt.map(|a| format!("a:{}", a.as_str())),
