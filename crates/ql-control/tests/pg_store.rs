@@ -5,7 +5,8 @@
 //! request's admission decided with its command is read after the command's locks, and
 //! the hot tables' row rules refuse what their CHECK constraints used to, and a poll's
 //! queue probe reads no run queued for other label sets, and commands of concurrent
-//! agents commit together while a command that fails among them fails alone.
+//! agents commit together while a command that fails among them fails alone, and a
+//! session named by refused commands holds no place on the lanes.
 //!
 //! Each test has a database of its own on the server `QL_TEST_PG_URL` names (see
 //! `contract/pg.rs`; `scripts/test` provides one).
@@ -565,7 +566,7 @@ async fn a_command_that_fails_among_others_fails_alone_and_the_others_commit() {
             assert_eq!(answer.as_ref().unwrap(), &Ok(ack(Outcome::Started)), "agent {i}");
         }
     }
-    assert_eq!(store.group_commits(), GroupCommits { run_alone: 1, ..GroupCommits::default() });
+    assert_eq!(store.group_commits(), GroupCommits { run_alone: 1, placed: 3, ..GroupCommits::default() });
     assert_eq!(detail(&store, h[1].run()).await, poisoned, "nothing of the failed command was kept");
     for i in [0, 2, 3] {
         let d = detail(&store, h[i].run()).await;
@@ -585,7 +586,28 @@ async fn an_agents_commands_in_one_group_each_see_the_one_before() {
     let (starting, running) = tokio::join!(store.execute(h.starting()), store.execute(h.running()));
     assert_eq!(starting.unwrap(), Ok(ack(Outcome::Started)));
     assert_eq!(running.unwrap(), Ok(ack(Outcome::Running)));
-    assert_eq!(store.group_commits(), GroupCommits { transactions: 1, commands: 2, run_alone: 0 });
+    assert_eq!(store.group_commits(), GroupCommits { transactions: 1, commands: 2, run_alone: 0, placed: 1 });
     assert_eq!(detail(&store, h.run()).await.attempts[0].status, AttemptStatus::Running);
     check_invariants(&store.snapshot().await.unwrap());
+}
+
+#[tokio::test]
+async fn sessions_named_by_refused_commands_hold_no_place_on_the_lanes() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let agent = open(&store, "router-1").await;
+    assert_eq!(heartbeat(&store, &agent, false).await.map(drop), Ok(()));
+    assert_eq!(store.group_commits().placed, 1, "the live session keeps its place");
+    let before = store.snapshot().await.unwrap();
+
+    // A worker naming sessions that are not its own, as many as it likes: each command
+    // is refused, changes nothing, and leaves no place behind.
+    for i in 0..50 {
+        let made_up =
+            Agent { session: ql_wire::ids::SessionId::parse(format!("ses_made_up_{i}")).unwrap(), ..agent.clone() };
+        assert!(heartbeat(&store, &made_up, false).await.is_err(), "session {i} refused");
+    }
+    assert_eq!(store.group_commits().placed, 1, "only the live session holds a place");
+    assert_eq!(store.snapshot().await.unwrap(), before, "refusals changed nothing");
+    assert_eq!(heartbeat(&store, &agent, false).await.map(drop), Ok(()));
 }

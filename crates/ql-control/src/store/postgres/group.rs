@@ -6,7 +6,9 @@
 //! the lanes whatever their ids (hashing a few agents' ids would crowd some lanes), and
 //! it keeps it, so its commands run one after another and come back to the same lane,
 //! where each group gathers the agents answered by the one before. A session not seen
-//! for a session's life, with nothing in flight, gives its place up. A lane takes every
+//! for a session's life, with nothing in flight, gives its place up, and so does one
+//! whose command was refused, once nothing of it is in flight: a worker naming made-up
+//! sessions leaves no place behind. A lane takes every
 //! command waiting on it, up to `batch_max`, and runs them as one group
 //! ([`PgStore::execute_batch`]): one after another in one transaction, consecutive
 //! fenced commands about different rows in waves
@@ -40,6 +42,8 @@ pub struct GroupCommits {
     pub commands: u64,
     /// Groups that failed and whose commands ran again, each alone.
     pub run_alone: u64,
+    /// Sessions holding a place on a lane now.
+    pub placed: u64,
 }
 
 /// A command queued on a lane, and where its answer goes.
@@ -111,12 +115,25 @@ impl Lanes {
         lane
     }
 
-    /// A command of `session` was answered.
-    fn done(&self, session: &str) {
+    /// A command of `session` was answered; `refused`, it was not carried out. A session
+    /// whose last command in flight was refused gives its place up at once: a request
+    /// naming a session that is not the requester's (refused) holds a place only while
+    /// it waits, so made-up session ids cannot fill the map. A real session refused
+    /// once is simply placed again by its next command.
+    fn done(&self, session: &str, refused: bool) {
         let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, in_flight, _)) = places.sessions.get_mut(session) {
-            *in_flight = in_flight.saturating_sub(1);
+        let p = &mut *places;
+        let Some((lane, in_flight, _)) = p.sessions.get_mut(session) else { return };
+        *in_flight = in_flight.saturating_sub(1);
+        if refused && *in_flight == 0 {
+            p.lanes[*lane] = p.lanes[*lane].saturating_sub(1);
+            p.sessions.remove(session);
         }
+    }
+
+    /// How many sessions hold a place.
+    fn placed(&self) -> usize {
+        self.places.lock().unwrap_or_else(|e| e.into_inner()).sessions.len()
     }
 }
 
@@ -147,6 +164,7 @@ impl PgStore {
             transactions: l.transactions.load(Ordering::Relaxed),
             commands: l.grouped.load(Ordering::Relaxed),
             run_alone: l.run_alone.load(Ordering::Relaxed),
+            placed: l.placed() as u64,
         }
     }
 
@@ -156,7 +174,7 @@ impl PgStore {
         let lane = lanes.route(&session);
         let (answer, answered) = oneshot::channel();
         if let Err(refused) = lanes.queues[lane].send(Job { cmd, audit, session, answer }).await {
-            lanes.done(&refused.0.session);
+            lanes.done(&refused.0.session, true);
             return Err(Error::Closed);
         }
         answered.await.map_err(|_| Error::Closed)?
@@ -309,7 +327,7 @@ pub(super) async fn lane(store: Weak<Inner>, mut queue: mpsc::Receiver<Job>, mos
             _ => store.execute_batch(&jobs).await,
         };
         for (job, answer) in jobs.into_iter().zip(answers) {
-            store.inner.lanes.done(&job.session);
+            store.inner.lanes.done(&job.session, !matches!(answer, Ok(Ok(_))));
             let _ = job.answer.send(answer);
         }
     }
@@ -349,7 +367,7 @@ mod tests {
             assert_eq!(first.iter().filter(|&&l| l == lane).count(), 2, "two sessions on lane {lane}: {first:?}");
         }
         for (i, lane) in first.iter().enumerate() {
-            lanes.done(&format!("s{i}"));
+            lanes.done(&format!("s{i}"), false);
             assert_eq!(lanes.route(&format!("s{i}")), *lane, "s{i} comes back to its lane");
         }
     }
@@ -361,11 +379,35 @@ mod tests {
         let a = lanes.route("a");
         let b = lanes.route("b");
         assert_ne!(a, b);
-        lanes.done("a");
+        lanes.done("a", false);
         // `a` had nothing in flight: its lane is free again, and the fewest-sessions lane.
         assert_eq!(lanes.route("c"), a);
         // `b` still has its command in flight: it keeps its lane, whoever came since.
         assert_eq!(lanes.route("b"), b);
         assert_eq!(lanes.places.lock().unwrap().sessions.len(), 2, "b and c: {:?}", lanes.places.lock().unwrap().lanes);
+    }
+
+    #[test]
+    fn a_session_whose_command_was_refused_holds_no_place_once_nothing_is_in_flight() {
+        let (lanes, _queues) = Lanes::new(2, Duration::from_secs(3600));
+        // Made-up sessions, each refused: none keeps a place, and no lane counts them.
+        for i in 0..100 {
+            lanes.route(&format!("made-up-{i}"));
+            lanes.done(&format!("made-up-{i}"), true);
+        }
+        assert_eq!(lanes.placed(), 0);
+        assert_eq!(lanes.places.lock().unwrap().lanes, vec![0, 0]);
+        // Two commands in flight: the first refused leaves the place to the second.
+        let lane = lanes.route("s");
+        assert_eq!(lanes.route("s"), lane);
+        lanes.done("s", true);
+        assert_eq!(lanes.placed(), 1, "a command of s is still in flight");
+        lanes.done("s", false);
+        assert_eq!(lanes.placed(), 1, "answered: s keeps its place");
+        // A refusal with nothing else in flight gives it up.
+        lanes.route("s");
+        lanes.done("s", true);
+        assert_eq!(lanes.placed(), 0);
+        assert_eq!(lanes.places.lock().unwrap().lanes, vec![0, 0]);
     }
 }
