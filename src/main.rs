@@ -51,7 +51,7 @@ enum Command {
 
 /// Enrol this device with a one-time token from `ql-control enroll WORKER --token`: its
 /// key is made here and never sent; the server's CA must have the fingerprint given.
-/// Writes <worker>.key (0600), <worker>.crt and ca.crt into --dir.
+/// Writes `<worker>.key` (0600), `<worker>.crt` and `ca.crt` into --dir.
 #[derive(FromArgs)]
 #[argh(subcommand, name = "enroll")]
 struct Enroll {

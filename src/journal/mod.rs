@@ -8,7 +8,7 @@
 //! callback tokens are stored; in memory they stay in zeroizing [`ql_wire::capability::Token`]s.
 //!
 //! - [`state`]: the [`Record`]s and the pure [`JournalState::apply`] that folds them.
-//! - [`file`]: the file itself ([`Journal`]): recovery, appends, compaction.
+//! - [`file`](mod@file): the file itself ([`Journal`]): recovery, appends, compaction.
 //!
 //! # On-disk format (version 1)
 //!

@@ -2,14 +2,21 @@
 //!
 //! - [`model`]: the rows of the authority;
 //! - [`core`]: every protocol decision, as pure functions of rows, request and DB time;
-//! - [`store`]: the storage seam and its SQLite implementation;
-//! - [`blob`]: the artifact store seam and its local-files implementation;
-//! - [`pki`]: the worker CA, the server certificate and worker enrolment;
+//! - [`store`]: the storage seam and its SQLite and PostgreSQL implementations;
+//! - [`blob`]: the artifact store seam and its local-files and S3 implementations;
+//! - [`pki`], [`identity`], [`keys`]: the worker CA, the server certificate and worker
+//!   enrolment; disabling and revoking workers; the server's own keys;
 //! - [`http`]: the worker ingress: TLS 1.3 mTLS, principal binding, framing, routes;
 //! - [`ops`]: the operator commands, on a store or sent to a remote `serve`; [`api`]:
-//!   the operator API that serves them;
+//!   the operator API that serves them; [`web`]: the dashboard; [`metrics`]: what
+//!   Prometheus scrapes; [`notifier`]: the webhooks; [`client`]: the HTTP client they use;
 //! - [`config`], [`admin`], [`logs`], [`serve`]: the state directory, the authority an
-//!   operator command opens, the log reader (stored or live) and the server.
+//!   operator command opens, the log reader (stored or live) and the server;
+//! - [`fault`]: the crash matrix's fault points (test builds only).
+//!
+//! These docs are for those who work on the server (`cargo doc --document-private-items`):
+//! a public item's doc may name the private code that carries it out.
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod admin;
 pub mod api;

@@ -1,7 +1,7 @@
 //! The fence: the fields that prove which lease a command speaks for.
 //!
 //! Every command after the claim carries the same five fields at the top level of its
-//! body. [`fenced_body!`] declares such a body so the fields are spelled once.
+//! body. The crate's `fenced_body!` macro declares such a body so the fields are spelled once.
 
 use serde::{Deserialize, Serialize};
 

@@ -180,7 +180,7 @@ impl PgStore {
         answered.await.map_err(|_| Error::Closed)?
     }
 
-    /// Runs commands routed to one lane ([`PgOptions::lanes`]) in one transaction: each
+    /// Runs commands routed to one lane ([`PgOptions::lanes`](super::PgOptions::lanes)) in one transaction: each
     /// command's load, decision and writes in turn, in arrival order, then one COMMIT for
     /// all (group commit: one flush of the WAL and one transaction's overhead for the
     /// batch). Every answer waits for that COMMIT. If a command fails before it — a

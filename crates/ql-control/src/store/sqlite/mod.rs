@@ -458,8 +458,9 @@ impl Writer {
         self.release();
     }
 
-    /// Runs `batch` as [`Writer::run_batch`] does, but holds the answers that wait for a
-    /// sync (all of them, once a batch decided something) for [`Writer::release`].
+    /// Runs `batch` in one transaction, each job under its own savepoint, and holds the
+    /// answers that wait for a sync (all of them, once a batch decided something) for
+    /// [`Writer::release`].
     fn run_held(&mut self, batch: Vec<Job>) {
         let begun = match &self.broken {
             Some(why) => Err(StoreError(why.clone())),
