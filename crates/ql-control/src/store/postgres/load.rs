@@ -28,7 +28,9 @@
 //! PostgreSQL executes a connection's statements strictly one after another, so the
 //! locks are still taken in the order above, and the DB-time statement still starts
 //! only after the last lock is held (`statement_timestamp()` is stamped when the server
-//! begins that statement). One round trip instead of nine.
+//! begins that statement). One round trip instead of nine. A poll takes two ([`poll`]):
+//! what its session names (the session, its worker, its active attempts and open
+//! offers), then what needs the session's labels and room (the queue probe) and DB time.
 //!
 //! # Placement and the sweeper never wait
 //!
@@ -221,9 +223,20 @@ async fn queued_for(
     trusted: Option<&Worker>,
     active: u32,
 ) -> Result<Vec<crate::model::Run>, Error> {
+    let (batch, at) = queue_probe(session, trusted, active)?;
+    if batch.is_empty() {
+        return Ok(Vec::new());
+    }
+    let answers = tx.run(&batch).await?;
+    answers.into_iter().nth(at).unwrap_or_default().iter().map(rows::read).collect()
+}
+
+/// The statements of [`queued_for`] (none when the session has no room), and which of
+/// their answers holds the runs.
+fn queue_probe(session: &Session, trusted: Option<&Worker>, active: u32) -> Result<(Vec<Statement>, usize), Error> {
     let room = i64::try_from(crate::core::placement_room(session, active)).unwrap_or(i64::MAX).min(PLACEMENT_BATCH);
     if room == 0 {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), 0));
     }
     let json = |labels: &std::collections::BTreeMap<String, String>| {
         serde_json::to_string(labels).map_err(|e| Error::Corrupt(e.to_string()))
@@ -232,8 +245,8 @@ async fn queued_for(
     let trusted = json(&fit.trusted)?;
     if let Some(subsets) = fit.declared_subsets() {
         let fits = subsets.iter().map(json).collect::<Result<Vec<_>, _>>()?;
-        let answers = tx.pipeline(&[(GENERIC_PLANS, vec![]), (&QUEUE_PROBE, vec![&trusted, &fits, &room])]).await?;
-        return answers.into_iter().nth(1).unwrap_or_default().iter().map(rows::read).collect();
+        let params: rows::Params = vec![Box::new(trusted), Box::new(fits), Box::new(room)];
+        return Ok((vec![(GENERIC_PLANS.into(), Vec::new()), (QUEUE_PROBE.as_str().into(), params)], 1));
     }
     let declared = json(&fit.declared)?;
     let sql = format!(
@@ -241,16 +254,22 @@ async fn queued_for(
          AND $2::text::jsonb @> agent_labels ORDER BY created_at, id LIMIT $3 FOR UPDATE SKIP LOCKED",
         *RUN_COLS
     );
-    tx.all(&sql, &[&trusted, &declared, &room]).await?.iter().map(rows::read).collect()
+    let params: rows::Params = vec![Box::new(trusted), Box::new(declared), Box::new(room)];
+    Ok((vec![(sql.into(), params)], 0))
 }
 
+/// A session's active attempts (`$1` the session).
+const ACTIVE_ATTEMPTS: &str =
+    "SELECT COUNT(*) FROM attempts WHERE session_id = $1 AND status IN ('offered', 'claimed', 'starting', 'running')";
+
+/// A session's open offers, oldest deadline first (`$1` the session).
+static OPEN_OFFERS: LazyLock<String> = LazyLock::new(|| {
+    format!("SELECT {} FROM offers WHERE session_id = $1 AND state = 'open' ORDER BY expires_at, id", *OFFER_COLS)
+});
+
 async fn placement(tx: &mut Tx<'_>, session: &Session, out: &mut Rows) -> Result<(), Error> {
-    let active = "SELECT COUNT(*) FROM attempts WHERE session_id = $1 \
-                  AND status IN ('offered', 'claimed', 'starting', 'running')";
-    let open =
-        format!("SELECT {} FROM offers WHERE session_id = $1 AND state = 'open' ORDER BY expires_at, id", *OFFER_COLS);
     let id = session.id.as_str();
-    let mut answers = tx.pipeline(&[(active, vec![&id]), (&open, vec![&id])]).await?.into_iter();
+    let mut answers = tx.pipeline(&[(ACTIVE_ATTEMPTS, vec![&id]), (&OPEN_OFFERS, vec![&id])]).await?.into_iter();
     let n: i64 = answers.next().and_then(|rows| rows.into_iter().next()).map_or(0, |r| r.get(0));
     out.active_attempts = u32::try_from(n).unwrap_or(u32::MAX);
     out.open_offers = answers.next().unwrap_or_default().iter().map(rows::read).collect::<Result<_, _>>()?;
@@ -323,6 +342,9 @@ pub(super) async fn load(
     if is_fenced(keys) {
         return pipelined(tx, keys, offset, admit, begin).await;
     }
+    if is_poll(keys) {
+        return poll(tx, keys, offset, admit, begin).await;
+    }
     if begin {
         tx.exec("BEGIN", &[]).await?;
     }
@@ -379,13 +401,7 @@ pub(super) fn fenced_load(keys: &Keys, offset: i64, admit: Option<Admit<'_>>) ->
             vec![Box::new(attempt.as_str().to_owned()), Box::new(COMPLETION_EVENT)],
         ));
     }
-    out.push(match admit {
-        None => (schema::DB_NOW.into(), vec![Box::new(offset)]),
-        Some(a) => (
-            STAMP_ADMIT.into(),
-            vec![Box::new(offset), Box::new(a.principal.as_str().to_owned()), Box::new(a.serial.to_owned())],
-        ),
-    });
+    out.push(stamp(offset, admit));
     out
 }
 
@@ -414,14 +430,93 @@ pub(super) fn read_fenced(
     if keys.completion_event {
         out.completion_event = first(next()).as_ref().map(rows::read).transpose()?;
     }
-    let stamp = first(next()).ok_or_else(|| Error::Corrupt("DB time read no row".to_owned()))?;
+    let (now, refused) = read_stamp(next(), admit)?;
+    Ok((out, now, refused))
+}
+
+/// The statement that reads DB time, with the admission given one; it comes after every
+/// lock of the load.
+fn stamp(offset: i64, admit: Option<Admit<'_>>) -> Statement {
     match admit {
-        None => Ok((out, stamp.get(0), None)),
-        Some(a) => {
-            let (now, refused) = a.read(&stamp)?;
-            Ok((out, now, refused))
-        }
+        None => (schema::DB_NOW.into(), vec![Box::new(offset)]),
+        Some(a) => (
+            STAMP_ADMIT.into(),
+            vec![Box::new(offset), Box::new(a.principal.as_str().to_owned()), Box::new(a.serial.to_owned())],
+        ),
     }
+}
+
+/// DB time and the admission's refusal from the answer to [`stamp`].
+fn read_stamp(rows: Vec<Row>, admit: Option<Admit<'_>>) -> Result<(Millis, Option<ErrorCode>), Error> {
+    let stamp = rows.into_iter().next().ok_or_else(|| Error::Corrupt("DB time read no row".to_owned()))?;
+    match admit {
+        None => Ok((stamp.get(0), None)),
+        Some(a) => a.read(&stamp),
+    }
+}
+
+/// Whether `keys` are a poll's (a session, its worker, placement; nothing else): its
+/// load is two pipelines ([`poll`]).
+fn is_poll(keys: &Keys) -> bool {
+    let poll = Keys { session: keys.session.clone(), worker: keys.worker.clone(), placement: true, ..Keys::default() };
+    keys.session.is_some() && keys.worker.is_some() && *keys == poll
+}
+
+/// A poll's load in two round trips, in the order [`load_in_order`] takes it: `BEGIN`,
+/// the session (locked), the worker, the session's active attempts and open offers in
+/// one pipeline; then what needs the session's labels and room — the queue probe, which
+/// locks the runs it takes — and DB time last, in another.
+async fn poll(
+    tx: &mut Tx<'_>,
+    keys: &Keys,
+    offset: i64,
+    admit: Option<Admit<'_>>,
+    begin: bool,
+) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
+    let (Some(session), Some(worker)) = (&keys.session, &keys.worker) else {
+        unreachable!("a poll names its session and worker");
+    };
+    let s = || -> rows::Params { vec![Box::new(session.as_str().to_owned())] };
+    let mut batch: Vec<Statement> = Vec::with_capacity(5);
+    if begin {
+        batch.push(("BEGIN".into(), Vec::new()));
+    }
+    batch.extend([
+        (by_id("sessions", &SESSION_COLS, "id", "FOR UPDATE").into(), s()),
+        (by_id("workers", &WORKER_COLS, "id", "").into(), vec![Box::new(worker.as_str().to_owned())]),
+        (ACTIVE_ATTEMPTS.into(), s()),
+        (OPEN_OFFERS.as_str().into(), s()),
+    ]);
+    let mut answers = tx.run(&batch).await?.into_iter().skip(usize::from(begin));
+    let mut next = || answers.next().unwrap_or_default();
+    let first = |rows: Vec<Row>| rows.into_iter().next();
+    let mut out = Rows {
+        session: first(next()).as_ref().map(rows::read).transpose()?,
+        worker: first(next()).as_ref().map(rows::read).transpose()?,
+        ..Rows::default()
+    };
+    let (active, open) = (next(), next());
+    let mut batch = Vec::with_capacity(3);
+    let mut probe = None;
+    // As the sequential load: no session, no placement.
+    if let Some(session) = &out.session {
+        let n: i64 = first(active).map_or(0, |r| r.get(0));
+        out.active_attempts = u32::try_from(n).unwrap_or(u32::MAX);
+        out.open_offers = open.iter().map(rows::read).collect::<Result<_, _>>()?;
+        // The session's own worker, whatever the keys named.
+        let trusted = out.worker.clone().filter(|w| w.id == session.worker);
+        let (statements, at) = queue_probe(session, trusted.as_ref(), out.active_attempts)?;
+        probe = (!statements.is_empty()).then_some(at);
+        batch.extend(statements);
+    }
+    batch.push(stamp(offset, admit));
+    let mut answers = tx.run(&batch).await?;
+    let (now, refused) = read_stamp(answers.pop().unwrap_or_default(), admit)?;
+    if let Some(at) = probe {
+        let runs = answers.into_iter().nth(at).unwrap_or_default();
+        out.queued = runs.iter().map(rows::read).collect::<Result<_, _>>()?;
+    }
+    Ok((out, now, refused))
 }
 
 /// The pipelined load of a fenced command (see the module doc).
@@ -692,4 +787,23 @@ async fn lapsed(tx: &mut Tx<'_>, offset: i64) -> Result<Lapsed, Error> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::Command;
+
+    #[test]
+    fn a_poll_takes_the_two_round_trip_load_and_nothing_else_does() {
+        let (worker, session) = ("router-1".parse().unwrap(), "ses_1".parse().unwrap());
+        let body = ql_wire::offer::PollOffers { generation: ql_wire::ids::Counter::ONE, wait_ms: 0, max: 1 };
+        let keys = Command::PollOffers(worker, session, body).keys();
+        assert!(is_poll(&keys), "a poll's keys: {keys:?}");
+        assert!(!is_fenced(&keys));
+        // One key more or less, and the load is the one in order.
+        assert!(!is_poll(&Keys { placement: false, ..keys.clone() }));
+        assert!(!is_poll(&Keys { worker: None, ..keys.clone() }));
+        assert!(!is_poll(&Keys { run: Some("run_1".parse().unwrap()), ..keys }));
+    }
 }

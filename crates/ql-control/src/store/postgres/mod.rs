@@ -18,7 +18,8 @@
 //! Rows the command loaded are written with a plain UPDATE, new ones with an upsert.
 //!
 //! Round trips: a fenced command sends its whole load (BEGIN, locks, loads, DB time) as
-//! one pipeline and its writes, NOTIFY and COMMIT as a second. A request whose admission
+//! one pipeline and its writes, NOTIFY and COMMIT as a second; a poll sends its load as
+//! two (the second needs the session's labels). A request whose admission
 //! is decided with its command ([`Audit::admit`]) reads it in the statement that reads DB
 //! time, after the locks: no round trip of its own, and a revocation that committed while
 //! the command waited for a lock is seen. Refused, the transaction commits only the
