@@ -12,6 +12,7 @@
 #   CYCLES_8=25 CYCLES_64=4 bench/pg_acks.sh   # shorter rounds
 #   PG_POOL=8 bench/pg_acks.sh                 # the replica's pg_pool_size (and the store-level pool)
 #   PG_LANES=0 bench/pg_acks.sh                # the replica's pg_lanes (0: no group commit)
+#   ROUNDS=3 bench/pg_acks.sh                  # three rounds in turn, a ratio for each
 #
 # Each client count runs CYCLES_8 / CYCLES_64 cycles of eight ACKs per client (by default
 # 9,600 and 10,240 ACKs, several seconds each, as pgbench's 10 s), after a warm-up round
@@ -105,34 +106,53 @@ echo "# server: $bin serve --database (one replica, pool of ${PG_POOL:-16} conne
 cycles_for() { if [ "$1" = 64 ]; then echo "${CYCLES_64:-20}"; else echo "${CYCLES_8:-150}"; fi; }
 fresh_workers "$work/pg-state"
 "$bench" --dir "$work/pg-state" --url "$pg_url" --clients 8 --cycles 10 --renewals 5 --database "$QL_PG_URL" >/dev/null
+# ROUNDS rounds in turn (ACKs, store-level, pgbench for each client count): pgbench's own
+# rate moves between runs on a shared machine, so each ratio is of figures taken together.
+rounds=${ROUNDS:-1}
+# Checkpoints the server has made so far: a phase with one inside pays for full-page
+# writes the others do not, so the summary marks such a round with `*`. (Forcing one
+# before every phase would not be fairer: right after a checkpoint pgbench's random
+# updates write a full page for nearly every row they touch.)
+checkpoints() {
+  "$pgbin/psql" -X -q -At -h "$QL_PG_SOCKET" -U postgres -d postgres \
+    -c "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"
+}
+declare -A marked
 declare -A ack tps direct cost pgcost
+for round in $(seq "$rounds"); do
 for clients in 8 64; do
+  k=$clients.$round
   cycles=$(cycles_for "$clients")
   echo "\$ $bench --clients $clients --cycles $cycles --renewals 5 --database \$QL_PG_URL"
   fresh_workers "$work/pg-state"
+  c0=$(checkpoints)
   pg0=$(cluster_cpu) server0=$(process_cpu "$pg_server")
   line=$(timed "$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals 5 \
     --database "$QL_PG_URL")
   # What each ACK cost in CPU ms of the cluster, the server and the clients, the
   # round's submits and enrolments included.
-  cost[$clients]=$(awk -v n="$((clients * cycles * 8))" -v pg0="$pg0" -v pg1="$(cluster_cpu)" \
+  cost[$k]=$(awk -v n="$((clients * cycles * 8))" -v pg0="$pg0" -v pg1="$(cluster_cpu)" \
     -v server0="$server0" -v server1="$(process_cpu "$pg_server")" -v client="$(own_cpu)" \
     'BEGIN { printf "%.3f %.3f %.3f", (pg1 - pg0) * 1e3 / n, (server1 - server0) * 1e3 / n, client * 1e3 / n }')
   echo "$line"
-  ack[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
+  ack[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
+  [ "$(checkpoints)" = "$c0" ] || marked[$k]="*"
   echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --test pg_throughput"
   line=$(QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --locked --quiet -p ql-control \
     --test pg_throughput -- --nocapture 2>/dev/null | grep '^store-level')
   echo "$line"
-  direct[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
+  direct[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
   echo "\$ pgbench -N -c $clients -j 2 -T 10 pgbench"
+  c0=$(checkpoints)
   pg0=$(cluster_cpu)
   out=$(timed "$pgbin/pgbench" -N -c "$clients" -j 2 -T 10 -h "$QL_PG_SOCKET" -U postgres pgbench)
-  tps[$clients]=$(echo "$out" | sed -n 's/^tps = \([0-9.]*\).*/\1/p' | head -1)
+  tps[$k]=$(echo "$out" | sed -n 's/^tps = \([0-9.]*\).*/\1/p' | head -1)
   n=$(echo "$out" | sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p')
-  pgcost[$clients]=$(awk -v n="$n" -v pg0="$pg0" -v pg1="$(cluster_cpu)" -v client="$(own_cpu)" \
+  pgcost[$k]=$(awk -v n="$n" -v pg0="$pg0" -v pg1="$(cluster_cpu)" -v client="$(own_cpu)" \
     'BEGIN { printf "%.3f %.3f", (pg1 - pg0) * 1e3 / n, client * 1e3 / n }')
-  echo "pgbench -N: ${tps[$clients]} tps"
+  echo "pgbench -N: ${tps[$k]} tps"
+  [ "$(checkpoints)" = "$c0" ] || marked[$k]="*"
+done
 done
 kill -TERM "$pg_server"; wait "$pg_server" 2>/dev/null || true; pg_server=
 
@@ -152,10 +172,14 @@ done
 
 echo
 echo "clients  PostgreSQL ACK/s (mTLS)  ratio  store-level ACK/s  ratio  pgbench -N tps  SQLite ACK/s (mTLS)"
+echo "(* a checkpoint fell inside the round's ACK or pgbench phase)"
 for clients in 8 64; do
-  awk -v c="$clients" -v a="${ack[$clients]}" -v d="${direct[$clients]}" -v t="${tps[$clients]}" \
-    -v s="${lite[$clients]}" \
-    'BEGIN { printf "%7d  %23.0f  %5.2f  %17.0f  %5.2f  %14.0f  %19.0f\n", c, a, a / t, d, d / t, t, s }'
+  for round in $(seq "$rounds"); do
+    k=$clients.$round
+    awk -v c="$clients" -v a="${ack[$k]}" -v d="${direct[$k]}" -v t="${tps[$k]}" \
+      -v s="${lite[$clients]}" -v m="${marked[$k]:-}" \
+      'BEGIN { printf "%7d  %23.0f  %5.2f  %17.0f  %5.2f  %14.0f  %19.0f %s\n", c, a, a / t, d, d / t, t, s, m }'
+  done
 done
 echo
 echo "CPU ms of one ACK over mTLS (PostgreSQL, the server, the clients) and of one pgbench -N"
@@ -163,8 +187,11 @@ echo "transaction (PostgreSQL, pgbench), on the same $(nproc) cores; a ratio of 
 echo "an ACK's whole cost under twice the transaction's:"
 echo "clients  ACK: PostgreSQL  server  client  total   pgbench tx: PostgreSQL  pgbench  total"
 for clients in 8 64; do
-  read -r p s c <<<"${cost[$clients]}"
-  read -r tp tc <<<"${pgcost[$clients]}"
-  awk -v n="$clients" -v p="$p" -v s="$s" -v c="$c" -v tp="$tp" -v tc="$tc" \
-    'BEGIN { printf "%7d  %15.3f  %6.3f  %6.3f  %5.3f   %22.3f  %7.3f  %5.3f\n", n, p, s, c, p + s + c, tp, tc, tp + tc }'
+  for round in $(seq "$rounds"); do
+    k=$clients.$round
+    read -r p s c <<<"${cost[$k]}"
+    read -r tp tc <<<"${pgcost[$k]}"
+    awk -v n="$clients" -v p="$p" -v s="$s" -v c="$c" -v tp="$tp" -v tc="$tc" \
+      'BEGIN { printf "%7d  %15.3f  %6.3f  %6.3f  %5.3f   %22.3f  %7.3f  %5.3f\n", n, p, s, c, p + s + c, tp, tc, tp + tc }'
+  done
 done
