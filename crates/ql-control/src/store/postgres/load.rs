@@ -29,8 +29,9 @@
 //! locks are still taken in the order above, and the DB-time statement still starts
 //! only after the last lock is held (`statement_timestamp()` is stamped when the server
 //! begins that statement). One round trip instead of nine. A poll takes two ([`poll`]):
-//! what its session names (the session, its worker, its active attempts and open
-//! offers), then what needs the session's labels and room (the queue probe) and DB time.
+//! what its keys name (the session, the worker the request names, the session's active
+//! attempts and open offers), then what needs the session's labels and room (the queue
+//! probe) and DB time.
 //!
 //! # Placement and the sweeper never wait
 //!
@@ -179,13 +180,14 @@ async fn worker_work(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Work, Error> 
     Ok(out)
 }
 
-/// Sent before the queue probe by label sets (see [`queued_for`]), in its round trip: the
+/// Sent before the queue probe by label sets (see [`queue_probe`]), in its round trip: the
 /// probe runs on the plan PostgreSQL prepared once for the connection. Left to choose,
 /// PostgreSQL plans it afresh on every poll (an estimate for the actual number of label
 /// sets always looks cheaper than the generic one), and that planning costs several
 /// times the probe itself; the generic plan follows the queue's statistics all the same
 /// (a sort of the few runs queued for a label set, or an ordered index scan of a long
-/// queue). For the rest of the poll's transaction only (its writes, by key).
+/// queue). For the rest of the transaction only (the poll's writes, by key, and in a
+/// group the commands after it, whose statements are all by key).
 const GENERIC_PLANS: &str = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)";
 
 /// The queue probe by label sets: `$1` the worker's trusted labels, `$2` the label sets
@@ -217,22 +219,9 @@ pub static QUEUE_PROBE: LazyLock<String> = LazyLock::new(|| {
 /// released at COMMIT (another replica's poll skips them meanwhile, as any run being
 /// placed). A session declaring more than [`SUBSET_LABELS`](crate::core::SUBSET_LABELS)
 /// labels scans the queue.
-async fn queued_for(
-    tx: &mut Tx<'_>,
-    session: &Session,
-    trusted: Option<&Worker>,
-    active: u32,
-) -> Result<Vec<crate::model::Run>, Error> {
-    let (batch, at) = queue_probe(session, trusted, active)?;
-    if batch.is_empty() {
-        return Ok(Vec::new());
-    }
-    let answers = tx.run(&batch).await?;
-    answers.into_iter().nth(at).unwrap_or_default().iter().map(rows::read).collect()
-}
-
-/// The statements of [`queued_for`] (none when the session has no room), and which of
-/// their answers holds the runs.
+///
+/// Returns the statements (none when the session has no room) and which of their answers
+/// holds the runs: they go in the poll's second round trip ([`poll`]).
 fn queue_probe(session: &Session, trusted: Option<&Worker>, active: u32) -> Result<(Vec<Statement>, usize), Error> {
     let room = i64::try_from(crate::core::placement_room(session, active)).unwrap_or(i64::MAX).min(PLACEMENT_BATCH);
     if room == 0 {
@@ -266,18 +255,6 @@ const ACTIVE_ATTEMPTS: &str =
 static OPEN_OFFERS: LazyLock<String> = LazyLock::new(|| {
     format!("SELECT {} FROM offers WHERE session_id = $1 AND state = 'open' ORDER BY expires_at, id", *OFFER_COLS)
 });
-
-async fn placement(tx: &mut Tx<'_>, session: &Session, out: &mut Rows) -> Result<(), Error> {
-    let id = session.id.as_str();
-    let mut answers = tx.pipeline(&[(ACTIVE_ATTEMPTS, vec![&id]), (&OPEN_OFFERS, vec![&id])]).await?.into_iter();
-    let n: i64 = answers.next().and_then(|rows| rows.into_iter().next()).map_or(0, |r| r.get(0));
-    out.active_attempts = u32::try_from(n).unwrap_or(u32::MAX);
-    out.open_offers = answers.next().unwrap_or_default().iter().map(rows::read).collect::<Result<_, _>>()?;
-    // The session's own worker, whatever the keys named.
-    let trusted = out.worker.clone().filter(|w| w.id == session.worker);
-    out.queued = queued_for(tx, session, trusted.as_ref(), out.active_attempts).await?;
-    Ok(())
-}
 
 /// Locks and loads the attempt's run, attempt and lease (in that order).
 async fn run_attempt_lease(
@@ -669,9 +646,9 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
         out.offer = one_by(tx, "offers", &OFFER_COLS, "id", o.as_str(), "FOR UPDATE", rows::read).await?;
     }
     if keys.placement {
-        if let Some(s) = out.session.clone() {
-            placement(tx, &s, &mut out).await?;
-        }
+        // Placement is a poll's, and a poll's load is [`poll`]: keys that ask for it with
+        // anything else have no load.
+        return Err(Error::Corrupt("placement is loaded only for a poll".to_owned()));
     }
     if keys.completion_event {
         if let Some(a) = &keys.attempt {
@@ -801,7 +778,7 @@ mod tests {
         let keys = Command::PollOffers(worker, session, body).keys();
         assert!(is_poll(&keys), "a poll's keys: {keys:?}");
         assert!(!is_fenced(&keys));
-        // One key more or less, and the load is the one in order.
+        // One key more or less, and it is not a poll (placement with other keys has no load).
         assert!(!is_poll(&Keys { placement: false, ..keys.clone() }));
         assert!(!is_poll(&Keys { worker: None, ..keys.clone() }));
         assert!(!is_poll(&Keys { run: Some("run_1".parse().unwrap()), ..keys }));

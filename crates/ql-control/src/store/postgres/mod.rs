@@ -19,7 +19,7 @@
 //!
 //! Round trips: a fenced command sends its whole load (BEGIN, locks, loads, DB time) as
 //! one pipeline and its writes, NOTIFY and COMMIT as a second; a poll sends its load as
-//! two (the second needs the session's labels). A request whose admission
+//! two (the second needs the session's labels and room). A request whose admission
 //! is decided with its command ([`Audit::admit`]) reads it in the statement that reads DB
 //! time, after the locks: no round trip of its own, and a revocation that committed while
 //! the command waited for a lock is seen. Refused, the transaction commits only the
