@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use ql_wire::ErrorCode;
 
-use super::{admit_of, checked, load, pool, Admit, Done, Error, Inner, PgStore, Statement, Tx};
+use super::{admit_of, checked, load, pool, Admit, Done, Error, Inner, PgStore, Tx};
 use crate::core::{self, Command, Reply};
 use crate::store::Audit;
 
@@ -248,15 +248,9 @@ impl PgStore {
         let keys: Vec<core::Keys> = jobs.iter().map(|j| j.cmd.keys()).collect();
         let admits: Vec<Option<Admit<'_>>> = jobs.iter().map(|j| admit_of(j.audit.as_ref())).collect();
         let begin = !std::mem::replace(open, true);
-        let mut loads: Vec<Statement> = Vec::with_capacity(1 + 8 * jobs.len());
-        if begin {
-            loads.push(("BEGIN".into(), Vec::new()));
-        }
-        for (k, admit) in keys.iter().zip(&admits) {
-            loads.extend(load::fenced_load(k, offset, *admit));
-        }
+        let loads = keys.iter().zip(&admits).flat_map(|(k, admit)| load::fenced_load(k, offset, *admit));
         let mut tx = Tx { conn };
-        let mut answers = tx.run(&loads).await?.into_iter().skip(usize::from(begin));
+        let mut answers = tx.begun(begin, loads).await?;
         let (mut record, mut checks, mut done) = (Vec::new(), Vec::new(), Vec::with_capacity(jobs.len()));
         for ((job, k), admit) in jobs.iter().zip(&keys).zip(&admits) {
             let loaded = load::read_fenced(k, *admit, &mut answers)?;

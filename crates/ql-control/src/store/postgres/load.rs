@@ -454,17 +454,13 @@ async fn poll(
         unreachable!("a poll names its session and worker");
     };
     let s = || -> rows::Params { vec![Box::new(session.as_str().to_owned())] };
-    let mut batch: Vec<Statement> = Vec::with_capacity(5);
-    if begin {
-        batch.push(("BEGIN".into(), Vec::new()));
-    }
-    batch.extend([
+    let load: [Statement; 4] = [
         (by_id("sessions", &SESSION_COLS, "id", "FOR UPDATE").into(), s()),
         (by_id("workers", &WORKER_COLS, "id", "").into(), vec![Box::new(worker.as_str().to_owned())]),
         (ACTIVE_ATTEMPTS.into(), s()),
         (OPEN_OFFERS.as_str().into(), s()),
-    ]);
-    let mut answers = tx.run(&batch).await?.into_iter().skip(usize::from(begin));
+    ];
+    let mut answers = tx.begun(begin, load).await?;
     let mut next = || answers.next().unwrap_or_default();
     let first = |rows: Vec<Row>| rows.into_iter().next();
     let mut out = Rows {
@@ -504,12 +500,7 @@ async fn pipelined(
     admit: Option<Admit<'_>>,
     begin: bool,
 ) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
-    let mut batch: Vec<Statement> = Vec::with_capacity(10);
-    if begin {
-        batch.push(("BEGIN".into(), Vec::new()));
-    }
-    batch.extend(fenced_load(keys, offset, admit));
-    let mut answers = tx.run(&batch).await?.into_iter().skip(usize::from(begin));
+    let mut answers = tx.begun(begin, fenced_load(keys, offset, admit)).await?;
     read_fenced(keys, admit, &mut answers)
 }
 

@@ -582,6 +582,17 @@ impl Tx<'_> {
         in_order(futures).await.into_iter().map(|r| r.map_err(Error::Pg)).collect()
     }
 
+    /// [`Tx::run`] of a load, after `BEGIN` when `begin` says the transaction is not open
+    /// yet (in the same round trip): each load statement's rows, in order.
+    pub(crate) async fn begun(
+        &mut self,
+        begin: bool,
+        load: impl IntoIterator<Item = Statement>,
+    ) -> Result<std::iter::Skip<std::vec::IntoIter<Vec<Row>>>, Error> {
+        let batch: Vec<Statement> = begin.then(|| ("BEGIN".into(), Vec::new())).into_iter().chain(load).collect();
+        Ok(self.run(&batch).await?.into_iter().skip(usize::from(begin)))
+    }
+
     /// [`Tx::pipeline`] of statements that own their parameters.
     pub(crate) async fn run(&mut self, batch: &[Statement]) -> Result<Vec<Vec<Row>>, Error> {
         let batch: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> =
