@@ -13,9 +13,12 @@
 #   PG_POOL=8 bench/pg_acks.sh                 # the replica's pg_pool_size (and the store-level pool)
 #   PG_LANES=0 bench/pg_acks.sh                # the replica's pg_lanes (0: no group commit)
 #   ROUNDS=3 bench/pg_acks.sh                  # three rounds in turn, a ratio for each
+#   RENEWALS=50 bench/pg_acks.sh               # jobs of fifty lease renewals (default 5)
 #
-# Each client count runs CYCLES_8 / CYCLES_64 cycles of eight ACKs per client (by default
-# 9,600 and 10,240 ACKs, several seconds each, as pgbench's 10 s), after a warm-up round
+# Each client count runs CYCLES_8 / CYCLES_64 cycles of RENEWALS + 3 ACKs per client (by
+# default 5 renewals, a job of about a minute at the default 30 s lease, and 9,600 and
+# 10,240 ACKs, several seconds each, as pgbench's 10 s; the default cycle counts shrink as
+# RENEWALS grows, to keep about as many ACKs), after a warm-up round
 # of 8 clients that is not counted: a serving replica's pooled connections have their
 # statements prepared and planned, as pgbench's have once it starts counting.
 #
@@ -103,7 +106,12 @@ pg_url=$(sed -n 's/^listening on //p' "$work/pg-state/serve.out")
 
 echo "# $(uname -m), $(nproc) cores; PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') (fsync on),"
 echo "# server: $bin serve --database (one replica, pool of ${PG_POOL:-16} connections, pg_lanes ${PG_LANES:-default})"
-cycles_for() { if [ "$1" = 64 ]; then echo "${CYCLES_64:-20}"; else echo "${CYCLES_8:-150}"; fi; }
+renewals=${RENEWALS:-5}
+per_cycle=$((renewals + 3))
+cycles_for() {
+  if [ "$1" = 64 ]; then echo "${CYCLES_64:-$(((20 * 8 + per_cycle - 1) / per_cycle))}"
+  else echo "${CYCLES_8:-$(((150 * 8 + per_cycle - 1) / per_cycle))}"; fi
+}
 fresh_workers "$work/pg-state"
 "$bench" --dir "$work/pg-state" --url "$pg_url" --clients 8 --cycles 10 --renewals 5 --database "$QL_PG_URL" >/dev/null
 # ROUNDS rounds in turn (ACKs, store-level, pgbench for each client count): pgbench's own
@@ -123,22 +131,22 @@ for round in $(seq "$rounds"); do
 for clients in 8 64; do
   k=$clients.$round
   cycles=$(cycles_for "$clients")
-  echo "\$ $bench --clients $clients --cycles $cycles --renewals 5 --database \$QL_PG_URL"
+  echo "\$ $bench --clients $clients --cycles $cycles --renewals $renewals --database \$QL_PG_URL"
   fresh_workers "$work/pg-state"
   c0=$(checkpoints)
   pg0=$(cluster_cpu) server0=$(process_cpu "$pg_server")
-  line=$(timed "$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals 5 \
+  line=$(timed "$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals "$renewals" \
     --database "$QL_PG_URL")
   # What each ACK cost in CPU ms of the cluster, the server and the clients, the
   # round's submits and enrolments included.
-  cost[$k]=$(awk -v n="$((clients * cycles * 8))" -v pg0="$pg0" -v pg1="$(cluster_cpu)" \
+  cost[$k]=$(awk -v n="$((clients * cycles * per_cycle))" -v pg0="$pg0" -v pg1="$(cluster_cpu)" \
     -v server0="$server0" -v server1="$(process_cpu "$pg_server")" -v client="$(own_cpu)" \
     'BEGIN { printf "%.3f %.3f %.3f", (pg1 - pg0) * 1e3 / n, (server1 - server0) * 1e3 / n, client * 1e3 / n }')
   echo "$line"
   ack[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
   [ "$(checkpoints)" = "$c0" ] || marked[$k]="*"
-  echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --test pg_throughput"
-  line=$(QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles cargo test --release --locked --quiet -p ql-control \
+  echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles QL_BENCH_RENEWALS=$renewals cargo test --release --test pg_throughput"
+  line=$(QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles QL_BENCH_RENEWALS=$renewals cargo test --release --locked --quiet -p ql-control \
     --test pg_throughput -- --nocapture 2>/dev/null | grep '^store-level')
   echo "$line"
   direct[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
@@ -163,9 +171,9 @@ fresh_workers "$work/sqlite-state"
 declare -A lite
 for clients in 8 64; do
   cycles=$(cycles_for "$clients")
-  echo "\$ $bench --clients $clients --cycles $cycles --renewals 5   # SQLite"
+  echo "\$ $bench --clients $clients --cycles $cycles --renewals $renewals   # SQLite"
   fresh_workers "$work/sqlite-state"
-  line=$("$bench" --dir "$work/sqlite-state" --url "$sqlite_url" --clients "$clients" --cycles "$cycles" --renewals 5)
+  line=$("$bench" --dir "$work/sqlite-state" --url "$sqlite_url" --clients "$clients" --cycles "$cycles" --renewals "$renewals")
   echo "$line"
   lite[$clients]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
 done

@@ -3,8 +3,8 @@
 //! transaction rate is printed.
 //!
 //! In the test suite it is small (8 clients, 5 cycles). `bench/pg_acks.sh` runs it in
-//! release with `QL_BENCH_CLIENTS` and `QL_BENCH_CYCLES` (and the pool and lanes of group
-//! commit with `QL_BENCH_POOL` and `QL_BENCH_LANES`) to put the store-level figure
+//! release with `QL_BENCH_CLIENTS`, `QL_BENCH_CYCLES` and `QL_BENCH_RENEWALS` (and the pool
+//! and lanes of group commit with `QL_BENCH_POOL` and `QL_BENCH_LANES`) to put the store-level figure
 //! beside `pgbench -N` at the same client count on the same server.
 
 mod contract;
@@ -30,7 +30,8 @@ fn env(name: &str, default: usize) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_ack_transactions_keep_every_invariant() {
-    let (clients, cycles, renewals) = (env("QL_BENCH_CLIENTS", 8), env("QL_BENCH_CYCLES", 5), 5);
+    let (clients, cycles, renewals) =
+        (env("QL_BENCH_CLIENTS", 8), env("QL_BENCH_CYCLES", 5), env("QL_BENCH_RENEWALS", 5));
     let db = TestDb::new("throughput").await;
     let offset = Arc::new(AtomicI64::new(0));
     // The replica's pool (`pg_pool_size`, QL_BENCH_POOL here), one connection per client
