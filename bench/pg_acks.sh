@@ -42,24 +42,8 @@ trap cleanup EXIT
 eval "$(scripts/pg start "$work/cluster" --durable)"
 pgbin=$(cat "$work/cluster/bindir")
 
-# CPU seconds the cluster has used so far: the postmaster's own and its reaped children's
-# (backends of clients that have gone), and its live children's.
-cluster_cpu() {
-  python3 - "$(head -1 "$work/cluster/data/postmaster.pid")" <<'PY'
-import os, sys
-postmaster, ticks = int(sys.argv[1]), 0
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        continue
-    if int(pid) == postmaster:
-        ticks += sum(map(int, f[11:15]))  # utime, stime, cutime, cstime
-    elif int(f[1]) == postmaster:
-        ticks += int(f[11]) + int(f[12])
-print(ticks / os.sysconf("SC_CLK_TCK"))
-PY
-}
+# shellcheck source=bench/lib/pg.sh
+source bench/lib/pg.sh
 process_cpu() { awk -v hz="$(getconf CLK_TCK)" '{ sub(/.*\) /, ""); print ($12 + $13) / hz }' "/proc/$1/stat"; }
 # Runs a command, printing its output; its own CPU seconds (user + system) go to $work/time.
 timed() { local TIMEFORMAT="%U %S"; { time "$@" 2>/dev/null; } 2>"$work/time"; }
@@ -72,13 +56,6 @@ own_cpu() { awk '{ print $1 + $2 }' "$work/time"; }
 fresh_workers() {
   rm -rf "$1/bench-workers"
   "$bin" enroll bench-warmup --dir "$1" --out "$1/bench-workers" >/dev/null
-}
-
-start_server() { # DIR [--database URL] -> prints the pid
-  "$bin" serve --dir "$1" --listen 127.0.0.1:0 --operator-listen 127.0.0.1:0 "${@:2}" >"$1/serve.out" 2>"$1/serve.err" &
-  local pid=$!
-  for _ in $(seq 100); do grep -q '^listening on ' "$1/serve.out" 2>/dev/null && break; sleep 0.1; done
-  echo "$pid"
 }
 
 "$bin" init --dir "$work/pg-state" --host 127.0.0.1 >/dev/null
@@ -134,12 +111,12 @@ for clients in 8 64; do
   echo "\$ $bench --clients $clients --cycles $cycles --renewals $renewals --database \$QL_PG_URL"
   fresh_workers "$work/pg-state"
   c0=$(checkpoints)
-  pg0=$(cluster_cpu) server0=$(process_cpu "$pg_server")
+  pg0=$(cluster_cpu "$work/cluster") server0=$(process_cpu "$pg_server")
   line=$(timed "$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals "$renewals" \
     --database "$QL_PG_URL")
   # What each ACK cost in CPU ms of the cluster, the server and the clients, the
   # round's submits and enrolments included.
-  cost[$k]=$(awk -v n="$((clients * cycles * per_cycle))" -v pg0="$pg0" -v pg1="$(cluster_cpu)" \
+  cost[$k]=$(awk -v n="$((clients * cycles * per_cycle))" -v pg0="$pg0" -v pg1="$(cluster_cpu "$work/cluster")" \
     -v server0="$server0" -v server1="$(process_cpu "$pg_server")" -v client="$(own_cpu)" \
     'BEGIN { printf "%.3f %.3f %.3f", (pg1 - pg0) * 1e3 / n, (server1 - server0) * 1e3 / n, client * 1e3 / n }')
   echo "$line"
@@ -152,11 +129,11 @@ for clients in 8 64; do
   direct[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
   echo "\$ pgbench -N -c $clients -j 2 -T 10 pgbench"
   c0=$(checkpoints)
-  pg0=$(cluster_cpu)
+  pg0=$(cluster_cpu "$work/cluster")
   out=$(timed "$pgbin/pgbench" -N -c "$clients" -j 2 -T 10 -h "$QL_PG_SOCKET" -U postgres pgbench)
   tps[$k]=$(echo "$out" | sed -n 's/^tps = \([0-9.]*\).*/\1/p' | head -1)
   n=$(echo "$out" | sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p')
-  pgcost[$k]=$(awk -v n="$n" -v pg0="$pg0" -v pg1="$(cluster_cpu)" -v client="$(own_cpu)" \
+  pgcost[$k]=$(awk -v n="$n" -v pg0="$pg0" -v pg1="$(cluster_cpu "$work/cluster")" -v client="$(own_cpu)" \
     'BEGIN { printf "%.3f %.3f", (pg1 - pg0) * 1e3 / n, client * 1e3 / n }')
   echo "pgbench -N: ${tps[$k]} tps"
   [ "$(checkpoints)" = "$c0" ] || marked[$k]="*"

@@ -34,32 +34,15 @@ trap cleanup EXIT
 eval "$(scripts/pg start "$work/cluster" --durable)"
 pgbin=$(cat "$work/cluster/bindir")
 psql() { "$pgbin/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$QL_PG_SOCKET" -U postgres "$@"; }
-cluster_cpu() {
-  python3 - "$(head -1 "$work/cluster/data/postmaster.pid")" <<'PY'
-import os, sys
-postmaster, ticks = int(sys.argv[1]), 0
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        continue
-    if int(pid) == postmaster:
-        ticks += sum(map(int, f[11:15]))  # utime, stime, cutime, cstime
-    elif int(f[1]) == postmaster:
-        ticks += int(f[11]) + int(f[12])
-print(ticks / os.sysconf("SC_CLK_TCK"))
-PY
-}
+# shellcheck source=bench/lib/pg.sh
+source bench/lib/pg.sh
 
 # One real cycle through a real server leaves a session, a run, its attempt and lease,
 # the worker and its certificate: the rows a renewal reads and writes.
 "$bin" migrate --database "$QL_PG_OWNER_URL" >/dev/null
 "$bin" init --dir "$work/s" --host 127.0.0.1 >/dev/null
-"$bin" serve --dir "$work/s" --listen 127.0.0.1:0 --operator-listen 127.0.0.1:0 --database "$QL_PG_URL" \
-  >"$work/serve.out" 2>"$work/serve.err" &
-server=$!
-for _ in $(seq 100); do grep -q '^listening on ' "$work/serve.out" 2>/dev/null && break; sleep 0.1; done
-url=$(sed -n 's/^listening on //p' "$work/serve.out")
+server=$(start_server "$work/s" --database "$QL_PG_URL")
+url=$(sed -n 's/^listening on //p' "$work/s/serve.out")
 "$bin" enroll bench-warmup --dir "$work/s" --out "$work/s/bench-workers" >/dev/null
 "$bench" --dir "$work/s" --url "$url" --clients 1 --cycles 1 --renewals 1 --database "$QL_PG_URL" >/dev/null
 kill -TERM "$server"; wait "$server" 2>/dev/null || true; server=
@@ -126,12 +109,12 @@ seconds=${SECONDS_EACH:-10}
 run() { # CLIENTS pgbench-args...
   local clients=$1 c0 out n
   shift
-  c0=$(cluster_cpu)
+  c0=$(cluster_cpu "$work/cluster")
   out=$("$pgbin/pgbench" -c "$clients" -j 2 -T "$seconds" -h "$QL_PG_SOCKET" "$@" 2>&1)
   n=$(echo "$out" | sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p')
   [ -n "$n" ] || { echo "$out" >&2; exit 1; }
   echo "$out" | sed -n 's/^tps = \([0-9.]*\).*/\1/p' | head -1 |
-    awk -v n="$n" -v c0="$c0" -v c1="$(cluster_cpu)" '{ printf "%.0f %.3f\n", $1, (c1 - c0) * 1e3 / n }'
+    awk -v n="$n" -v c0="$c0" -v c1="$(cluster_cpu "$work/cluster")" '{ printf "%.0f %.3f\n", $1, (c1 - c0) * 1e3 / n }'
 }
 ql() { run "$1" -n -M prepared -U ql_runtime -f "$work/$2.sql" qinglong; }
 

@@ -471,7 +471,7 @@ async fn poll(
     let (active, open) = (next(), next());
     let mut batch = Vec::with_capacity(3);
     let mut probe = None;
-    // As the sequential load: no session, no placement.
+    // No session, no placement.
     if let Some(session) = &out.session {
         let n: i64 = first(active).map_or(0, |r| r.get(0));
         out.active_attempts = u32::try_from(n).unwrap_or(u32::MAX);
