@@ -166,6 +166,14 @@ async fn contract<B: BlobStore>(store: B, stored: impl Fn(&str) -> Vec<String>) 
     assert!(store.read_chunk(&live, 0, 10, &sha).await.is_err(), "another length");
     assert!(store.read_chunk(&live, 0, 11, &Digest::of(b"x")).await.is_err(), "another digest");
     assert!(store.read_chunk(&live, 11, 11, &sha).await.is_err(), "a chunk never stored");
+    // Removed once its log is recorded: gone, a second removal is no error, and the
+    // other chunks of the log stay.
+    let next = store.put_chunk(&live, 11, b"second line\n").await.unwrap();
+    store.remove_chunk(&live, 0, &sha).await.unwrap();
+    assert!(store.read_chunk(&live, 0, 11, &sha).await.is_err(), "a removed chunk");
+    store.remove_chunk(&live, 0, &sha).await.unwrap();
+    assert_eq!(store.read_chunk(&live, 11, 12, &next).await.unwrap(), b"second line\n");
+    assert_eq!(stored("att_live").len(), 1, "one chunk left: {:?}", stored("att_live"));
 
     // Racing puts of one key: whatever each was told, what is stored afterwards is one
     // of the contents told `Stored`, whole. (Which one wins is the database's to decide:

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::io::{self, Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rustls::pki_types::pem::PemObject as _;
@@ -20,7 +20,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned, SupportedProtocolVersion};
 
 use ql_control::blob::fs::FsBlobStore;
-use ql_control::blob::{ArtifactKey, BlobStore as _};
+use ql_control::blob::{ArtifactKey, BlobError, BlobStore};
 use ql_control::core::{Command, Reply, Submit, Timings};
 use ql_control::http::{self, IngressConfig, IngressStats};
 use ql_control::model::AuditRecord;
@@ -1404,6 +1404,116 @@ fn the_live_log_is_appended_by_offset_then_sealed_into_the_artifact() {
     let names: Vec<String> = case.server.audits().into_iter().map(|a| a.route).collect();
     assert!(names.iter().filter(|n| *n == "log.append").count() >= 9, "every chunk is audited: {names:?}");
     assert!(names.iter().any(|n| n == "artifact.seal"));
+}
+
+/// The file store, but its first chunk read first says so on `gate` and waits for the
+/// answer: the test completes the attempt right there, between a reader's look at the
+/// run and its read of a chunk.
+#[derive(Clone)]
+struct Gated {
+    inner: FsBlobStore,
+    gate: Arc<Mutex<Option<Gate>>>,
+}
+
+/// Where a gated read says it has come, and where it waits to go on.
+type Gate = (mpsc::Sender<()>, mpsc::Receiver<()>);
+
+impl BlobStore for Gated {
+    type Upload = <FsBlobStore as BlobStore>::Upload;
+
+    async fn begin(&self, key: &ArtifactKey, length: u64, truncated: bool) -> Result<Self::Upload, BlobError> {
+        self.inner.begin(key, length, truncated).await
+    }
+
+    async fn inspect(&self, key: &ArtifactKey) -> Result<Option<Receipt>, BlobError> {
+        self.inner.inspect(key).await
+    }
+
+    async fn read(&self, key: &ArtifactKey, offset: u64, limit: u64) -> Result<Option<Vec<u8>>, BlobError> {
+        self.inner.read(key, offset, limit).await
+    }
+
+    async fn put_chunk(&self, key: &ArtifactKey, offset: u64, bytes: &[u8]) -> Result<Digest, BlobError> {
+        self.inner.put_chunk(key, offset, bytes).await
+    }
+
+    async fn read_chunk(&self, key: &ArtifactKey, at: u64, len: u64, sha256: &Digest) -> Result<Vec<u8>, BlobError> {
+        let gate = self.gate.lock().unwrap().take();
+        if let Some((tell, wait)) = gate {
+            tell.send(()).unwrap();
+            wait.recv().unwrap();
+        }
+        self.inner.read_chunk(key, at, len, sha256).await
+    }
+
+    async fn remove_chunk(&self, key: &ArtifactKey, offset: u64, sha256: &Digest) -> Result<(), BlobError> {
+        self.inner.remove_chunk(key, offset, sha256).await
+    }
+}
+
+/// The names of the files under `dir` (recursively) that contain `part`.
+fn files_named(dir: &Path, part: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(files_named(&path, part));
+        } else if path.file_name().is_some_and(|n| n.to_string_lossy().contains(part)) {
+            found.push(path.display().to_string());
+        }
+    }
+    found
+}
+
+#[test]
+fn a_completion_that_records_the_log_removes_its_chunks_and_readers_read_the_artifact() {
+    let case = UploadCase::new("chunks-go");
+    let (client, job, server) = (&case.client, &case.job, &case.server);
+    let (a, b) = (content(256 * 1024, 4), content(999, 5));
+    let _: LogAppendReply = client.append(job, 0, &a).json(200);
+    let acked: LogAppendReply = client.append(job, a.len() as u64, &b).json(200);
+    let sealed: ArtifactReply = client.seal(job, acked.acked).json(200);
+    let artifacts = server.dir.path().join("artifacts");
+    assert_eq!(files_named(&artifacts, ".chunk.").len(), 2, "sealed, the chunks are still there");
+
+    // A completion the store refuses records nothing: the chunks stay the log.
+    let mut other = sealed.receipt.clone();
+    other.sha256 = Digest::of(b"other bytes");
+    let refused = client.post(&job.route(AttemptCommand::Completion), &job.completion(0, Some(other)));
+    assert_eq!(refused.error(), ErrorCode::ArtifactConflict);
+
+    // A follower looks at the run while it runs, and reads its first chunk only once the
+    // completion has recorded the log and its chunks are gone: it gets the stored log.
+    let (tell, told) = mpsc::channel();
+    let (go, wait) = mpsc::channel();
+    let gated = Gated { inner: server.blobs.clone(), gate: Arc::new(Mutex::new(Some((tell, wait)))) };
+    let ops = ql_control::ops::Local { store: server.store.clone(), blobs: gated };
+    let look = |follow| {
+        let request = ql_control::ops::LogRequest { attempt: None, offset: 0, limit: 1 << 20, follow, wait_ms: 0 };
+        server.rt.block_on(ops.log(&job.path.run, &request)).unwrap()
+    };
+    let whole = [a.as_slice(), &b].concat();
+    std::thread::scope(|s| {
+        let follower = s.spawn(|| look(true));
+        told.recv().unwrap();
+        let done: CompletionReply = client
+            .post(&job.route(AttemptCommand::Completion), &job.completion(0, Some(sealed.receipt.clone())))
+            .json(200);
+        assert_eq!(done.status, TerminalStatus::Succeeded);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !files_named(&artifacts, ".chunk.").is_empty() {
+            assert!(Instant::now() < deadline, "the chunks stay: {:?}", files_named(&artifacts, ".chunk."));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        go.send(()).unwrap();
+        let followed = follower.join().unwrap();
+        assert!(followed.terminal);
+        assert_eq!((followed.bytes.as_slice(), followed.sealed.as_ref()), (whole.as_slice(), Some(&sealed.receipt)));
+    });
+    assert_eq!(server.inspect(&job.key(&log_id())), Some(sealed.receipt.clone()), "the artifact stays");
+    assert_eq!(server.rt.block_on(server.store.log_chunks(&job.path.attempt)).unwrap().len(), 2, "so do the rows");
+    let looked = look(false);
+    assert_eq!((looked.bytes, looked.sealed), (whole, Some(sealed.receipt)));
 }
 
 #[test]

@@ -248,6 +248,13 @@ impl BlobStore for Blobs {
             Self::S3(s) => s.read_chunk(key, offset, length, sha256).await,
         }
     }
+
+    async fn remove_chunk(&self, key: &ArtifactKey, offset: u64, sha256: &Digest) -> Result<(), BlobError> {
+        match self {
+            Self::Files(s) => s.remove_chunk(key, offset, sha256).await,
+            Self::S3(s) => s.remove_chunk(key, offset, sha256).await,
+        }
+    }
 }
 
 #[cfg(test)]

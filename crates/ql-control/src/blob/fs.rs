@@ -8,6 +8,7 @@
 //!     <artifact>.receipt.json         {artifactId, length, sha256, truncated}: the commit
 //!     .<artifact>.<random>.tmp        an upload in progress (or a receipt being written)
 //!     <artifact>.chunk.<offset>.<sha256>  one live-log chunk (PROTOCOL §13)
+//!                                     (until the completion records the artifact)
 //! ```
 //!
 //! Every path part is a validated id (`[A-Za-z0-9_-]{1,64}`), so none can be empty, `.`,
@@ -407,6 +408,14 @@ impl BlobStore for FsBlobStore {
             return Err(err("stored chunk does not match its record"));
         }
         Ok(bytes)
+    }
+
+    async fn remove_chunk(&self, key: &ArtifactKey, offset: u64, sha256: &Digest) -> Result<(), BlobError> {
+        // Not fsynced: a removal a power cut undoes leaves a file nothing reads.
+        match tokio::fs::remove_file(chunk_path(&self.dir(key), &key.artifact, offset, sha256)).await {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
+            _ => Ok(()),
+        }
     }
 }
 

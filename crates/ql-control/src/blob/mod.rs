@@ -132,4 +132,14 @@ pub trait BlobStore: Clone + Send + Sync + 'static {
         length: u64,
         sha256: &Digest,
     ) -> impl Future<Output = Result<Vec<u8>, BlobError>> + Send;
+
+    /// Removes the chunk at `offset` with digest `sha256`. Once the artifact composed from
+    /// a log's chunks is recorded, every reader reads that artifact, never its chunks
+    /// again. A chunk already gone is no error.
+    fn remove_chunk(
+        &self,
+        key: &ArtifactKey,
+        offset: u64,
+        sha256: &Digest,
+    ) -> impl Future<Output = Result<(), BlobError>> + Send;
 }

@@ -9,6 +9,7 @@
 //!     <artifact>.receipt.json                {artifactId, length, sha256, truncated, object}:
 //!                                            the commit, put with `If-None-Match: *`
 //!     <artifact>.chunk.<offset>.<sha256>     one live-log chunk (PROTOCOL §13)
+//!                                            (until the completion records the artifact)
 //! ```
 //!
 //! # Put-if-absent, immutable, nothing half-written visible
@@ -611,6 +612,15 @@ impl BlobStore for S3BlobStore {
             return Err(err("stored chunk does not match its record"));
         }
         Ok(answer.body)
+    }
+
+    async fn remove_chunk(&self, key: &ArtifactKey, offset: u64, sha256: &Digest) -> Result<(), BlobError> {
+        let answer = self.send("DELETE", &self.chunk_name(key, offset, sha256), vec![], Payload::Empty).await?;
+        match answer.status {
+            // S3 answers 204 whether or not the object was there; some services 404.
+            200 | 204 | 404 => Ok(()),
+            _ => Err(Self::refused("removing a chunk", &answer)),
+        }
     }
 }
 

@@ -527,15 +527,16 @@ async fn poll<S: Store, B: BlobStore>(
 
 /// Completion: re-inspect the stored artifact (ADR-0117 §3) before the transaction, so
 /// the decision compares the receipt with what the store holds, not with what the worker
-/// says it holds.
+/// says it holds. A completion that records the artifact makes the live log's chunks
+/// garbage ([`log::remove_chunks`]).
 async fn complete<S: Store, B: BlobStore>(
-    shared: &Shared<S, B>,
+    shared: &Arc<Shared<S, B>>,
     trail: &Trail<S>,
     path: AttemptPath,
     body: Completion,
 ) -> Answer {
-    let stored = match &body.artifact {
-        None => None,
+    let (key, stored) = match &body.artifact {
+        None => (None, None),
         Some(receipt) => {
             // A run's project never changes, so reading it outside the transaction is safe;
             // an unknown run is left for the transaction to refuse.
@@ -544,7 +545,7 @@ async fn complete<S: Store, B: BlobStore>(
                 Err(_) => return Answer::refuse(ErrorCode::Unavailable),
             };
             match project {
-                None => None,
+                None => (None, None),
                 Some(project) => {
                     let key = ArtifactKey {
                         project,
@@ -553,14 +554,19 @@ async fn complete<S: Store, B: BlobStore>(
                         artifact: receipt.artifact_id.clone(),
                     };
                     match shared.blobs.inspect(&key).await {
-                        Ok(stored) => stored,
+                        Ok(stored) => (Some(key), stored),
                         Err(_) => return Answer::refuse(ErrorCode::Unavailable),
                     }
                 }
             }
         }
     };
-    answer(trail.execute(Command::Complete(path, body, stored)).await)
+    let outcome = trail.execute(Command::Complete(path, body, stored)).await;
+    if let (Ok(Ok(Reply::Completed(_))), Some(key)) = (&outcome, key) {
+        // Completed (now or before) with the artifact: the attempt records its receipt.
+        log::remove_chunks(shared, key);
+    }
+    answer(outcome)
 }
 
 /// A decoder for a framed body of `length` bytes (a body over the route's cap is `413`,

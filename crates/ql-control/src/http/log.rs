@@ -223,6 +223,26 @@ async fn composed<S: Store, B: BlobStore>(
     outcome
 }
 
+/// Removes the chunks of the log `key` once the attempt's completion has recorded the
+/// artifact they were sealed into: every reader reads that artifact from then on
+/// ([`crate::ops`]), and no chunk is admitted after a seal. A task of its own, so the
+/// completion's answer does not wait for a bucket's round trips; best effort, since a
+/// chunk left behind (a failure, a crash before this ran) is never read.
+pub(super) fn remove_chunks<S: Store, B: BlobStore>(shared: &Arc<Shared<S, B>>, key: ArtifactKey) {
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        let removed = async {
+            for chunk in shared.store.log_chunks(&key.attempt).await.map_err(|e| e.to_string())? {
+                shared.blobs.remove_chunk(&key, chunk.offset, &chunk.sha256).await.map_err(|e| e.to_string())?;
+            }
+            Ok::<_, String>(())
+        };
+        if let Err(e) = removed.await {
+            eprintln!("ql-control: the live-log chunks of attempt {} stay: {e}", key.attempt);
+        }
+    });
+}
+
 /// Streams the acknowledged chunks, in order, into one put-if-absent upload of `length`
 /// bytes. Chunks that do not tile `0..length` exactly are a corrupt store: refused.
 async fn compose<B: BlobStore>(

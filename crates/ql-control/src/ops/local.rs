@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
-use ql_wire::ids::{ProjectId, RunId, WorkerId};
+use ql_wire::ids::{AttemptId, ProjectId, RunId, WorkerId};
 use ql_wire::spec::{EnvName, ExecutionSpec, Interpreter, Script, SpecSchema};
 use ql_wire::ErrorCode;
 
@@ -360,40 +361,81 @@ impl<S: Store, B: BlobStore> Local<S, B> {
             attempt: attempt.id.clone(),
             artifact,
         };
-        // While following, the live chunks are read until the run ends; the stored log
-        // then checks all of them.
-        if let Some(receipt) = attempt.artifact.as_ref().filter(|_| terminal || !request.follow) {
-            // A window at a time, as a ranged read: `logs` checks the SHA-256 of all it
-            // read against the receipt the last window carries; a window that is the whole
-            // log is checked here too, so a short log is never shown unchecked. A few at a
-            // time, so no number of readers holds many windows in memory.
-            let _reading = STORED_READS.acquire().await.map_err(|_| unavailable("shutting down".into()))?;
-            let limit = limit.min(LOG_WINDOW_MAX);
-            let bytes = self
-                .blobs
-                .read(&key(receipt.artifact_id.clone()), offset, limit)
-                .await
-                .map_err(|e| OpError::new(ErrorCode::Unavailable, e.to_string()))?
-                .ok_or_else(|| {
-                    unavailable(format!("the log of {run} is recorded but missing from the artifact store"))
-                })?;
-            let whole = offset == 0 && bytes.len() as u64 == receipt.length;
-            if whole && !Digest::of(&bytes).ct_eq(&receipt.sha256) {
-                return Err(unavailable(format!(
-                    "the stored log of {run} does not match its receipt (SHA-256 or length differs)"
-                )));
-            }
-            if offset.saturating_add(bytes.len() as u64) >= receipt.length {
-                window.sealed = Some(receipt.clone());
-            }
-            window.bytes = bytes;
-            return Ok(window);
+        // The stored log once the attempt's completion recorded it, the live chunks before
+        // (the completion removes them). Its receipt ends a look without following, or a
+        // follower's once the run ended: a retry's attempt may follow.
+        if let Some(receipt) = &attempt.artifact {
+            let sealed = terminal || !request.follow;
+            return self.stored(window, &key(receipt.artifact_id.clone()), receipt, sealed, limit).await;
         }
         let Some(artifact) = attempt.log_artifact.clone() else {
             return Ok(window);
         };
-        let key = key(artifact);
-        for chunk in self.store.log_chunks(&attempt.id).await? {
+        match self.live(&mut window, &key(artifact), &attempt.id, limit).await {
+            Ok(()) => Ok(window),
+            Err(e) => {
+                // The chunks went as the completion committed after this look began: the
+                // stored log, just recorded, holds the same bytes.
+                let now = self.detail(run).await?;
+                let Some(receipt) = now.attempts.iter().find(|a| a.id == attempt.id).and_then(|a| a.artifact.as_ref())
+                else {
+                    return Err(e);
+                };
+                window.bytes.clear();
+                window.terminal = now.run.status.is_terminal();
+                window.status = now.run.status.as_str().into();
+                let sealed = window.terminal || !request.follow;
+                self.stored(window, &key(receipt.artifact_id.clone()), receipt, sealed, limit).await
+            }
+        }
+    }
+
+    /// A window of the stored log `key` from `window.offset`, its receipt's `sealed` when
+    /// the window reaches the end and `seal` says the look ends there.
+    async fn stored(
+        &self,
+        mut window: LogWindow,
+        key: &ArtifactKey,
+        receipt: &Receipt,
+        seal: bool,
+        limit: u64,
+    ) -> Result<LogWindow, OpError> {
+        // A window at a time, as a ranged read: `logs` checks the SHA-256 of all it read
+        // against the receipt the last window carries; a window that is the whole log is
+        // checked here too, so a short log is never shown unchecked. A few at a time, so
+        // no number of readers holds many windows in memory.
+        let _reading = STORED_READS.acquire().await.map_err(|_| unavailable("shutting down".into()))?;
+        let (offset, run) = (window.offset, &key.run);
+        let bytes = self
+            .blobs
+            .read(key, offset, limit.min(LOG_WINDOW_MAX))
+            .await
+            .map_err(|e| OpError::new(ErrorCode::Unavailable, e.to_string()))?
+            .ok_or_else(|| unavailable(format!("the log of {run} is recorded but missing from the artifact store")))?;
+        let whole = offset == 0 && bytes.len() as u64 == receipt.length;
+        if whole && !Digest::of(&bytes).ct_eq(&receipt.sha256) {
+            return Err(unavailable(format!(
+                "the stored log of {run} does not match its receipt (SHA-256 or length differs)"
+            )));
+        }
+        if seal && offset.saturating_add(bytes.len() as u64) >= receipt.length {
+            window.sealed = Some(receipt.clone());
+        }
+        window.bytes = bytes;
+        Ok(window)
+    }
+
+    /// Appends to `window` the acknowledged chunks of the live log `key` from its offset,
+    /// up to `limit` bytes.
+    async fn live(
+        &self,
+        window: &mut LogWindow,
+        key: &ArtifactKey,
+        attempt: &AttemptId,
+        limit: u64,
+    ) -> Result<(), OpError> {
+        let offset = window.offset;
+        for chunk in self.store.log_chunks(attempt).await? {
             let end = chunk.offset + chunk.length;
             let have = offset + window.bytes.len() as u64;
             if end <= have {
@@ -404,14 +446,14 @@ impl<S: Store, B: BlobStore> Local<S, B> {
             }
             let bytes = self
                 .blobs
-                .read_chunk(&key, chunk.offset, chunk.length, &chunk.sha256)
+                .read_chunk(key, chunk.offset, chunk.length, &chunk.sha256)
                 .await
                 .map_err(|e| unavailable(e.to_string()))?;
             let from = usize::try_from(have.saturating_sub(chunk.offset)).unwrap_or(usize::MAX).min(bytes.len());
             window.bytes.extend_from_slice(&bytes[from..]);
         }
         window.bytes.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
-        Ok(window)
+        Ok(())
     }
 }
 
