@@ -31,6 +31,8 @@ pub struct Config {
     pub s3_ca_file: String,
     /// One S3 request (or the next piece of a streamed upload) within this.
     pub s3_timeout_ms: u64,
+    /// Objects one listing of the bucket asks for (S3 answers at most 1,000).
+    pub s3_list_page: u32,
     /// Address the operator API binds (`--operator-listen` overrides it; empty: none).
     pub operator_listen: String,
     /// Operator API connections served at once.
@@ -145,6 +147,11 @@ pub struct Config {
     pub audit_max_age_ms: u64,
     /// The sweeper keeps at most this many audit records, the newest (0: any number).
     pub audit_max_records: u64,
+    /// How often the artifact store is searched for what uploads that never completed
+    /// left (0: never).
+    pub artifact_collect_ms: u64,
+    /// Such a leftover goes once it is this old; longer than any upload can take.
+    pub artifact_leftover_age_ms: u64,
     /// How long a worker certificate is valid; its agent renews it when about two thirds
     /// of that has passed.
     pub worker_cert_lifetime_ms: u64,
@@ -170,6 +177,7 @@ impl Default for Config {
             s3_credentials_file: String::new(),
             s3_ca_file: "/etc/ssl/certs/ca-certificates.crt".into(),
             s3_timeout_ms: 30_000,
+            s3_list_page: 1_000,
             operator_listen: "127.0.0.1:8444".into(),
             operator_max_connections: 64,
             operator_log_wait_ms: 25_000,
@@ -216,6 +224,8 @@ impl Default for Config {
             refusal_report_ms: 10_000,
             audit_max_age_ms: 30 * 24 * 3_600_000,
             audit_max_records: 1_000_000,
+            artifact_collect_ms: 6 * 3_600_000,
+            artifact_leftover_age_ms: 24 * 3_600_000,
             worker_cert_lifetime_ms: crate::pki::WORKER_VALIDITY.as_millis() as u64,
             enrolment_token_ttl_ms: 3_600_000,
             max_anonymous_connections: 16,
@@ -319,6 +329,12 @@ impl Config {
         std::time::Duration::from_millis(self.worker_cert_lifetime_ms)
     }
 
+    /// The longest an upload can last, from its first byte to its receipt.
+    pub fn longest_upload_ms(&self) -> u64 {
+        let content = ql_wire::limits::ARTIFACT_CONTENT_MAX.saturating_mul(1_000) / self.min_upload_rate.max(1);
+        self.upload_grace_ms.saturating_add(content).saturating_add(self.s3_timeout_ms)
+    }
+
     /// What the sweeper keeps of the audit records.
     pub fn audit_retention(&self) -> crate::store::AuditRetention {
         let bound = |n: u64| (n > 0).then_some(n);
@@ -361,6 +377,7 @@ impl Config {
             ("webhook_poll_ms", self.webhook_poll_ms),
             ("webhook_max_attempts", self.webhook_max_attempts),
             ("s3_timeout_ms", self.s3_timeout_ms),
+            ("s3_list_page", u64::from(self.s3_list_page)),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be greater than 0"));
@@ -388,6 +405,13 @@ impl Config {
         }
         if self.lazy_sync_ms >= self.session_ttl_ms - self.heartbeat_ms {
             return Err("lazy_sync_ms must be shorter than session_ttl_ms - heartbeat_ms: a power cut may take back that much of a session's life".into());
+        }
+        if self.artifact_leftover_age_ms < self.longest_upload_ms() {
+            return Err(format!(
+                "artifact_leftover_age_ms must be at least {} ms: an upload may take upload_grace_ms plus 64 MiB at \
+                 min_upload_rate, and its receipt s3_timeout_ms more, and what it wrote must not be taken for a leftover",
+                self.longest_upload_ms()
+            ));
         }
         if self.outage_grace_after_ms <= self.sweep_interval_ms {
             return Err(
@@ -463,6 +487,10 @@ mod tests {
 
     #[test]
     fn refuses_zero_durations_and_a_heartbeat_longer_than_the_session() {
+        let c = Config { artifact_leftover_age_ms: 3_600_000, ..Config::default() };
+        assert!(c.check().unwrap_err().contains("artifact_leftover_age_ms"), "under the slowest 64 MiB upload");
+        let c = Config { artifact_leftover_age_ms: 3_600_000, min_upload_rate: 1 << 20, ..Config::default() };
+        assert_eq!(c.check(), Ok(()), "a faster floor allows an hour");
         let c = Config { sweep_interval_ms: 0, ..Config::default() };
         assert!(c.check().unwrap_err().contains("sweep_interval_ms"));
         let c = Config { heartbeat_ms: 5_000, session_ttl_ms: 5_000, ..Config::default() };

@@ -4,9 +4,11 @@
 //! database `--database` names; either way the same generic server runs over it. Every
 //! replica of a PostgreSQL deployment runs this same command against the same database.
 //!
-//! The sweeper runs here on a timer; it is idempotent and safe on every replica. On
-//! SIGTERM or Ctrl-C the ingress stops accepting, lets in-flight requests finish, and
-//! the process prints what it served (connections, requests) before it exits.
+//! The sweeper runs here on a timer, and so does the collection of what failed uploads
+//! left in the artifact store ([`collect_forever`]); both are idempotent and safe on
+//! every replica. On SIGTERM or Ctrl-C the ingress stops accepting, lets in-flight
+//! requests finish, and the process prints what it served (connections, requests) before
+//! it exits.
 //!
 //! Under systemd (`Type=notify`, see `packaging/systemd/ql-control.service`) it reports
 //! `READY=1` once it listens on an open store, pings the watchdog while the store answers
@@ -16,13 +18,14 @@
 use std::path::Path;
 use std::sync::atomic::AtomicI64;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use ql_notify::Notify;
 use ql_wire::ids::RunId;
 
 use crate::api::{self, ApiConfig};
 use crate::blob::any::Blobs;
+use crate::blob::BlobStore;
 use crate::config::{Config, Layout};
 use crate::core::{Command, Reply};
 use crate::http::{self, IngressConfig};
@@ -81,6 +84,28 @@ pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: Audit
         }
         if let Err(e) = store.prune_audit(retention).await {
             eprintln!("ql-control: pruning audit records failed: {e}");
+        }
+    }
+}
+
+/// Every `every`, from the start, removes what uploads that never completed left in the
+/// artifact store once it is `age` old ([`BlobStore::collect`]), and says on stderr what
+/// went. Safe on every replica.
+pub async fn collect_forever<B: BlobStore>(blobs: B, every: Duration, age: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let before = SystemTime::now().checked_sub(age).unwrap_or(SystemTime::UNIX_EPOCH);
+        match blobs.collect(before).await {
+            Ok(c) if c.removed > 0 => {
+                eprintln!(
+                    "ql-control: removed {} leftover(s) of uploads that never completed, {} bytes",
+                    c.removed, c.bytes
+                )
+            }
+            Ok(_) => {}
+            Err(e) => eprintln!("ql-control: collecting the leftovers of uploads failed: {e}"),
         }
     }
 }
@@ -296,6 +321,7 @@ async fn serve_on<S: Store>(
     // Which store this replica writes to is the first thing to check when replicas
     // disagree about a log.
     eprintln!("ql-control: artifacts in {}", blobs.describe());
+    let leftovers = blobs.clone();
     let ingress = http::spawn(listener, tls, store.clone(), blobs.clone(), ingress_cfg)
         .map_err(|e| format!("starting the ingress: {e}"))?;
     let api = match operators {
@@ -340,10 +366,18 @@ async fn serve_on<S: Store>(
     };
     let every = Duration::from_millis(config.sweep_interval_ms);
     let sweeper = tokio::spawn(sweep_forever(store, every, config.audit_retention()));
+    let collector = (config.artifact_collect_ms > 0).then(|| {
+        let (every, age) =
+            (Duration::from_millis(config.artifact_collect_ms), Duration::from_millis(config.artifact_leftover_age_ms));
+        tokio::spawn(collect_forever(leftovers, every, age))
+    });
     shutdown.await;
     notifying(&notify, |n| n.stopping("stopping: finishing the requests in flight", None));
     sweeper.abort();
     notifier.abort();
+    if let Some(collector) = collector {
+        collector.abort();
+    }
     let (connections, requests) = (ingress.stats().connections(), ingress.stats().requests());
     if let Some(api) = api {
         api.shutdown().await;

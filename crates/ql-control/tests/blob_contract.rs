@@ -1,18 +1,19 @@
 //! The artifact store contract (PROTOCOL §9, §13), run against each store that ships:
 //! the local files and an S3 bucket served by a real S3 server (`s3s-fs`, see
 //! `common/s3.rs`). Put-if-absent, the same content is the same receipt, other content a
-//! conflict, `inspect`, ranged reads, live-log chunks, and an upload cut off anywhere
-//! leaving nothing visible.
+//! conflict, `inspect`, ranged reads, live-log chunks, an upload cut off anywhere
+//! leaving nothing visible, and the collection of what uploads that never completed left.
 
 #[path = "common/s3.rs"]
 mod s3;
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
 use sha2::{Digest as _, Sha256};
 
 use ql_control::blob::fs::FsBlobStore;
-use ql_control::blob::{ArtifactKey, BlobStore, PutOutcome, Upload};
+use ql_control::blob::{ArtifactKey, BlobStore, Collected, PutOutcome, Upload};
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
 use ql_wire::ids::{ArtifactId, AttemptId, ProjectId, RunId};
@@ -64,8 +65,8 @@ async fn put<B: BlobStore>(store: &B, k: &ArtifactKey, content: &[u8], truncated
     up.finish().await.unwrap()
 }
 
-/// Every file under `root`, by relative name.
-fn files(root: &Path) -> Vec<String> {
+/// Every file under `root`, by relative name, with its size.
+fn files(root: &Path) -> Vec<(String, u64)> {
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];
     while let Some(d) = stack.pop() {
@@ -75,7 +76,8 @@ fn files(root: &Path) -> Vec<String> {
             if p.is_dir() {
                 stack.push(p);
             } else {
-                out.push(p.strip_prefix(root).unwrap().display().to_string());
+                let size = std::fs::metadata(&p).map_or(0, |m| m.len());
+                out.push((p.strip_prefix(root).unwrap().display().to_string(), size));
             }
         }
     }
@@ -84,8 +86,9 @@ fn files(root: &Path) -> Vec<String> {
 }
 
 /// The whole contract on `store`; `stored` lists what the store holds for attempt `att`
-/// (its files, whatever the store), to prove refused and cut-off uploads leave nothing.
-async fn contract<B: BlobStore>(store: B, stored: impl Fn(&str) -> Vec<String>) {
+/// (its files and their sizes, whatever the store), to prove refused and cut-off uploads
+/// leave nothing.
+async fn contract<B: BlobStore>(store: B, stored: impl Fn(&str) -> Vec<(String, u64)>) {
     // Put-if-absent: stored, the same again is a replay with the same receipt, other
     // content (or the same bytes with another truncation) a conflict.
     let k = key("att_replay", "log");
@@ -174,6 +177,36 @@ async fn contract<B: BlobStore>(store: B, stored: impl Fn(&str) -> Vec<String>) 
     store.remove_chunk(&live, 0, &sha).await.unwrap();
     assert_eq!(store.read_chunk(&live, 11, 12, &next).await.unwrap(), b"second line\n");
     assert_eq!(stored("att_live").len(), 1, "one chunk left: {:?}", stored("att_live"));
+
+    // Leftovers of uploads that never completed (their process died after the last byte,
+    // before the receipt): one of an artifact no receipt names, one beside a receipt that
+    // names other content. Collected only once older than the bound; what a receipt
+    // names, the receipt and the chunks stay.
+    let kept = key("att_left", "log");
+    put(&store, &kept, b"named content", false).await;
+    store.put_chunk(&kept, 0, b"a chunk").await.unwrap();
+    let size = |files: &[(String, u64)]| files.iter().map(|(_, size)| size).sum::<u64>();
+    let (kept_files, kept_size) = (stored("att_left").len(), size(&stored("att_left")));
+    for (k, bytes) in [(key("att_left", "other"), &b"12345"[..]), (kept.clone(), &b"lost"[..])] {
+        let mut up = store.begin(&k, bytes.len() as u64, false).await.unwrap();
+        up.write(bytes).await.unwrap();
+        std::mem::forget(up);
+    }
+    // The leftovers' bytes land as the uploads stream them.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while stored("att_left").len() < kept_files + 2 || size(&stored("att_left")) < kept_size + 9 {
+        assert!(std::time::Instant::now() < deadline, "the leftovers never landed: {:?}", stored("att_left"));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let all = stored("att_left");
+    let hour = Duration::from_secs(3_600);
+    assert_eq!(store.collect(SystemTime::now() - hour).await.unwrap(), Collected::default(), "younger than the bound");
+    assert_eq!(stored("att_left"), all);
+    assert_eq!(store.collect(SystemTime::now() + hour).await.unwrap(), Collected { removed: 2, bytes: 9 });
+    assert_eq!(stored("att_left").len(), kept_files, "the named content, its receipt and the chunk stay");
+    assert_eq!(store.read(&kept, 0, 100).await.unwrap().as_deref(), Some(&b"named content"[..]));
+    assert_eq!(store.read_chunk(&kept, 0, 7, &Digest::of(b"a chunk")).await.unwrap(), b"a chunk");
+    assert_eq!(store.collect(SystemTime::now() + hour).await.unwrap(), Collected::default(), "nothing is left");
 
     // Racing puts of one key: whatever each was told, what is stored afterwards is one
     // of the contents told `Stored`, whole. (Which one wins is the database's to decide:

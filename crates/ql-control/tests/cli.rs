@@ -13,6 +13,17 @@ impl Drop for Dir {
     }
 }
 
+/// A scratch directory `ql-cli-<name>-<pid>` with a state directory `state` made by
+/// `ql-control init` in it.
+fn initialised(name: &str) -> (Dir, PathBuf) {
+    let root = Dir(std::env::temp_dir().join(format!("ql-cli-{name}-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&root.0);
+    let dir = root.0.join("state");
+    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&dir).output().unwrap();
+    assert!(init.status.success(), "{}", String::from_utf8_lossy(&init.stderr));
+    (root, dir)
+}
+
 /// `ql-control <args[0]> --dir <dir> <args[1..]>`: the directory before any `--`.
 fn cli(dir: &Path, args: &[&str]) -> Output {
     Command::new(BIN).arg(args[0]).arg("--dir").arg(dir).args(&args[1..]).output().unwrap()
@@ -20,11 +31,7 @@ fn cli(dir: &Path, args: &[&str]) -> Output {
 
 #[test]
 fn submit_refuses_labels_no_worker_carries_and_an_interpreter_without_a_script() {
-    let root = Dir(std::env::temp_dir().join(format!("ql-cli-submit-{}", std::process::id())));
-    let _ = std::fs::remove_dir_all(&root.0);
-    let dir = root.0.join("state");
-    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&dir).output().unwrap();
-    assert!(init.status.success(), "{}", String::from_utf8_lossy(&init.stderr));
+    let (_root, dir) = initialised("submit");
     let before = cli(&dir, &["runs"]).stdout;
     let many: Vec<String> = (0..17).map(|i| format!("l{i}=v")).collect();
     let mut seventeen = vec!["submit"];
@@ -87,11 +94,7 @@ fn init_makes_a_private_state_directory_whatever_the_umask_and_others_are_refuse
 
 #[test]
 fn the_operator_gives_a_worker_its_trusted_labels_at_enrolment_or_later() {
-    let root = Dir(std::env::temp_dir().join(format!("ql-cli-labels-{}", std::process::id())));
-    let _ = std::fs::remove_dir_all(&root.0);
-    let dir = root.0.join("state");
-    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&dir).output().unwrap();
-    assert!(init.status.success(), "{}", String::from_utf8_lossy(&init.stderr));
+    let (root, dir) = initialised("labels");
     let out = root.0.join("out");
     let text = |o: &Output| String::from_utf8_lossy(&o.stdout).into_owned();
 
@@ -120,11 +123,7 @@ fn the_operator_gives_a_worker_its_trusted_labels_at_enrolment_or_later() {
 
 #[test]
 fn enroll_records_each_certificate_and_replace_revokes_the_ones_before() {
-    let root = Dir(std::env::temp_dir().join(format!("ql-cli-replace-{}", std::process::id())));
-    let _ = std::fs::remove_dir_all(&root.0);
-    let dir = root.0.join("state");
-    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&dir).output().unwrap();
-    assert!(init.status.success(), "{}", String::from_utf8_lossy(&init.stderr));
+    let (root, dir) = initialised("replace");
     let enroll = |out: &str, extra: &[&str]| {
         let mut args = vec!["enroll", "r1", "--out"];
         let out = root.0.join(out);
@@ -159,11 +158,7 @@ fn enroll_records_each_certificate_and_replace_revokes_the_ones_before() {
 #[test]
 fn serve_raises_its_open_file_limit_and_says_when_even_the_hard_one_is_too_low() {
     use std::io::{BufRead as _, BufReader};
-    let root = Dir(std::env::temp_dir().join(format!("ql-cli-nofile-{}", std::process::id())));
-    let _ = std::fs::remove_dir_all(&root.0);
-    let dir = root.0.join("state");
-    let init = Command::new(BIN).args(["init", "--host", "127.0.0.1", "--dir"]).arg(&dir).output().unwrap();
-    assert!(init.status.success());
+    let (root, dir) = initialised("nofile");
     // The defaults need 1024 + 256 + 64 descriptors.
     let serve = |limits: &str| {
         let err = root.0.join("serve.err");
@@ -188,4 +183,43 @@ fn serve_raises_its_open_file_limit_and_says_when_even_the_hard_one_is_too_low()
     assert!(low.contains("need about 1344 open files, the limit is 512"), "{low}");
     let raised = serve("ulimit -Hn 4096; ulimit -Sn 256");
     assert!(!raised.contains("open files"), "the soft limit was raised to the hard one: {raised}");
+}
+
+#[test]
+fn serve_removes_what_uploads_that_never_completed_left_once_old_enough() {
+    use std::io::{BufRead as _, BufReader};
+    let (_root, dir) = initialised("leftovers");
+    let config = dir.join("control.json");
+    let mut settings: serde_json::Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    settings["artifact_collect_ms"] = 50.into();
+    std::fs::write(&config, serde_json::to_vec_pretty(&settings).unwrap()).unwrap();
+    // An upload's temporary file from two days ago (its server died mid-upload), and one
+    // of an upload in progress.
+    let attempt = dir.join("artifacts/proj/run_1/att_1");
+    std::fs::create_dir_all(&attempt).unwrap();
+    let (old, young) = (attempt.join(".log.0123456789abcdef.tmp"), attempt.join(".log.fedcba9876543210.tmp"));
+    for path in [&old, &young] {
+        std::fs::write(path, [7u8; 100]).unwrap();
+    }
+    let two_days = std::time::Duration::from_secs(2 * 24 * 3_600);
+    let file = std::fs::File::options().write(true).open(&old).unwrap();
+    file.set_modified(std::time::SystemTime::now() - two_days).unwrap();
+
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--operator-listen", "", "--dir"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let said = BufReader::new(child.stderr.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .find(|line| line.contains("leftover(s)") || line.contains("collecting"))
+        .unwrap_or_default();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(said.contains("removed 1 leftover(s) of uploads that never completed, 100 bytes"), "{said}");
+    assert!(!old.exists(), "the old one went");
+    assert!(young.exists(), "the young one stays: its upload may still be under way");
 }

@@ -20,7 +20,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned, SupportedProtocolVersion};
 
 use ql_control::blob::fs::FsBlobStore;
-use ql_control::blob::{ArtifactKey, BlobError, BlobStore};
+use ql_control::blob::{ArtifactKey, BlobError, BlobStore, Collected};
 use ql_control::core::{Command, Reply, Submit, Timings};
 use ql_control::http::{self, IngressConfig, IngressStats};
 use ql_control::model::AuditRecord;
@@ -1448,6 +1448,10 @@ impl BlobStore for Gated {
 
     async fn remove_chunk(&self, key: &ArtifactKey, offset: u64, sha256: &Digest) -> Result<(), BlobError> {
         self.inner.remove_chunk(key, offset, sha256).await
+    }
+
+    async fn collect(&self, before: SystemTime) -> Result<Collected, BlobError> {
+        self.inner.collect(before).await
     }
 }
 

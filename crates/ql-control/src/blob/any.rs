@@ -108,6 +108,7 @@ pub fn s3_options(config: &Config, url: &str, env: Env<'_>) -> Result<S3Options,
         credentials: credentials(config, env)?,
         timeout: Duration::from_millis(config.s3_timeout_ms),
         roots,
+        list_page: config.s3_list_page,
     })
 }
 
@@ -253,6 +254,13 @@ impl BlobStore for Blobs {
         match self {
             Self::Files(s) => s.remove_chunk(key, offset, sha256).await,
             Self::S3(s) => s.remove_chunk(key, offset, sha256).await,
+        }
+    }
+
+    async fn collect(&self, before: std::time::SystemTime) -> Result<super::Collected, BlobError> {
+        match self {
+            Self::Files(s) => s.collect(before).await,
+            Self::S3(s) => s.collect(before).await,
         }
     }
 }

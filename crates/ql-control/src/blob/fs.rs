@@ -37,12 +37,16 @@
 //! reads only the receipt and checks that the content exists with the receipt's length;
 //! it does not re-hash 64 MiB. A receipt without matching content is reported as an
 //! error, never as absent, so corruption fails closed.
+//!
+//! [`BlobStore::collect`] removes, once older than its bound, the temporary files of
+//! uploads that never finished and content its artifact's receipt does not name.
 
 use std::fs::File;
 use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt;
@@ -52,7 +56,7 @@ use ql_wire::capability::Digest;
 use ql_wire::ids::ArtifactId;
 use ql_wire::limits::ARTIFACT_CONTENT_MAX;
 
-use super::{ArtifactKey, BlobError, BlobStore, PutOutcome, Upload};
+use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Upload};
 
 /// Artifacts as files under one root directory.
 #[derive(Debug, Clone)]
@@ -255,6 +259,47 @@ fn publish(store: &FsBlobStore, dir: &Path, tmp: &Path, receipt: &Receipt) -> Re
     }
 }
 
+/// [`BlobStore::collect`] under `dir`, its subdirectories too.
+fn collect_in(dir: &Path, before: SystemTime, collected: &mut Collected) -> Result<(), BlobError> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        // Not followed: every file here is one this store made, none a link.
+        let meta = entry.metadata()?;
+        if meta.is_dir() {
+            collect_in(&entry.path(), before, collected)?;
+        } else if meta.is_file() && meta.modified()? < before && leftover(dir, &entry.file_name().to_string_lossy()) {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => {
+                    collected.removed += 1;
+                    collected.bytes += meta.len();
+                }
+                // Another replica (or an upload's own clean-up) was first.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether the file `name` in `dir` is an upload's leftover: a temporary file (only an
+/// upload in progress uses one), or content whose artifact's receipt names other content
+/// (receipts are never replaced, so nothing can name it again). Content no receipt names
+/// yet stays: an identical retry reuses it without writing it again.
+fn leftover(dir: &Path, name: &str) -> bool {
+    if name.starts_with('.') && name.ends_with(".tmp") {
+        return true;
+    }
+    let Some((artifact, digest)) = name.split_once('.') else {
+        return false;
+    };
+    let (Ok(artifact), Ok(digest)) = (ArtifactId::parse(artifact), Digest::parse(digest)) else {
+        return false;
+    };
+    // An unreadable receipt is kept with all it might name: corruption fails closed.
+    matches!(read_receipt(dir, &artifact), Ok(Some(receipt)) if receipt.sha256 != digest)
+}
+
 /// An upload in progress: a temporary file, a running hash and a byte count.
 #[derive(Debug)]
 pub struct FsUpload {
@@ -416,6 +461,16 @@ impl BlobStore for FsBlobStore {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
             _ => Ok(()),
         }
+    }
+
+    async fn collect(&self, before: SystemTime) -> Result<Collected, BlobError> {
+        let root = self.root.as_ref().clone();
+        tokio::task::spawn_blocking(move || {
+            let mut collected = Collected::default();
+            collect_in(&root, before, &mut collected).map(|()| collected)
+        })
+        .await
+        .map_err(|e| err(format!("collecting leftovers: {e}")))?
     }
 }
 

@@ -16,6 +16,7 @@ pub mod fs;
 pub mod s3;
 
 use std::future::Future;
+use std::time::SystemTime;
 
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
@@ -43,6 +44,15 @@ pub enum PutOutcome {
     AlreadyStored(Receipt),
     /// Other content is stored under the key; nothing changed.
     Conflict,
+}
+
+/// What [`BlobStore::collect`] removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Collected {
+    /// Files or objects removed.
+    pub removed: u64,
+    /// Their bytes.
+    pub bytes: u64,
 }
 
 /// The store failed (disk, permissions, network to the bucket).
@@ -142,4 +152,10 @@ pub trait BlobStore: Clone + Send + Sync + 'static {
         offset: u64,
         sha256: &Digest,
     ) -> impl Future<Output = Result<(), BlobError>> + Send;
+
+    /// Removes what uploads that never completed left behind, last written before
+    /// `before`: content no receipt names and temporary files. `before` must be older than
+    /// any upload in progress can be (the caller's bound); then nothing removed can ever be
+    /// named or read, and replicas may collect at the same time.
+    fn collect(&self, before: SystemTime) -> impl Future<Output = Result<Collected, BlobError>> + Send;
 }

@@ -35,6 +35,11 @@
 //! (its digest is ours to check, and is: [`BlobStore::inspect`] compares the length the
 //! service holds with the receipt, every read of a chunk its digest, and readers of a log
 //! its SHA-256). No error names a credential.
+//!
+//! [`BlobStore::collect`] lists the prefix (ListObjectsV2) and removes upload content older
+//! than its bound that the artifact's receipt, read again just before, does not name: what
+//! an upload left when its receipt's write failed without an answer, or its server stopped
+//! between the two.
 
 use std::io::Read;
 use std::sync::Arc;
@@ -46,9 +51,10 @@ use tokio::sync::mpsc;
 
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
+use ql_wire::ids::{ArtifactId, AttemptId, ProjectId, RunId};
 use ql_wire::limits::ARTIFACT_CONTENT_MAX;
 
-use super::{ArtifactKey, BlobError, BlobStore, PutOutcome, Upload};
+use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Upload};
 
 /// Frames buffered between an upload and the thread sending it.
 const IN_FLIGHT_FRAMES: usize = 8;
@@ -73,6 +79,8 @@ pub struct S3Options {
     pub timeout: Duration,
     /// CA certificates trusted for an `https://` endpoint.
     pub roots: Vec<ureq::tls::Certificate<'static>>,
+    /// Objects one listing asks for (`max-keys`; S3 answers at most 1,000).
+    pub list_page: u32,
 }
 
 impl S3Options {
@@ -153,6 +161,31 @@ struct Stored {
     receipt: Receipt,
     object: String,
 }
+
+/// One page of a ListObjectsV2 answer (the fields read of it).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct ListPage {
+    #[serde(default)]
+    contents: Vec<Listed>,
+    #[serde(default)]
+    is_truncated: bool,
+    next_continuation_token: Option<String>,
+}
+
+/// One object of a [`ListPage`].
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct Listed {
+    key: String,
+    last_modified: String,
+    #[serde(default)]
+    size: u64,
+}
+
+/// What a query value keeps unescaped: RFC 3986's unreserved characters, as SigV4 wants.
+const QUERY_VALUE: &percent_encoding::AsciiSet =
+    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.').remove(b'~');
 
 /// What a request's signature covers of its body.
 enum Payload<'a> {
@@ -332,6 +365,45 @@ impl S3BlobStore {
             Some(code) => err(format!("S3 {what}: {} {code}", answer.status)),
             None => err(format!("S3 {what}: status {}", answer.status)),
         }
+    }
+
+    /// One page of the objects under the store's prefix (ListObjectsV2), from `token`.
+    async fn list(&self, token: Option<&str>) -> Result<ListPage, BlobError> {
+        let prefix = &self.inner.options.prefix;
+        let prefix = if prefix.is_empty() { String::new() } else { format!("{prefix}/") };
+        let encode = |v: &str| percent_encoding::utf8_percent_encode(v, QUERY_VALUE).to_string();
+        let page = self.inner.options.list_page;
+        let mut query = format!("?list-type=2&max-keys={page}&prefix={}", encode(&prefix));
+        if let Some(token) = token {
+            query.push_str(&format!("&continuation-token={}", encode(token)));
+        }
+        let answer = self.send("GET", &query, vec![], Payload::Empty).await?;
+        if answer.status != 200 {
+            return Err(Self::refused("listing objects", &answer));
+        }
+        let body = std::str::from_utf8(&answer.body).map_err(|_| err("S3 listing: not UTF-8"))?;
+        quick_xml::de::from_str(body).map_err(|e| err(format!("S3 listing: {e}")))
+    }
+
+    /// The artifact whose upload content `name` is, when it is one this store made:
+    /// `<prefix>/<project>/<run>/<attempt>/<artifact>.data.<random>`.
+    fn uploaded(&self, name: &str) -> Option<ArtifactKey> {
+        let prefix = &self.inner.options.prefix;
+        let rest = if prefix.is_empty() { name } else { name.strip_prefix(prefix.as_str())?.strip_prefix('/')? };
+        let mut parts = rest.split('/');
+        let (project, run, attempt, file) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        let (artifact, random) = file.split_once(".data.")?;
+        // Exactly what `random_suffix` makes: nothing else in a shared bucket looks like it.
+        let ours = random.len() == 16 && random.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if parts.next().is_some() || !ours {
+            return None;
+        }
+        Some(ArtifactKey {
+            project: ProjectId::parse(project).ok()?,
+            run: RunId::parse(run).ok()?,
+            attempt: AttemptId::parse(attempt).ok()?,
+            artifact: ArtifactId::parse(artifact).ok()?,
+        })
     }
 
     async fn delete_quietly(&self, name: &str) {
@@ -622,6 +694,40 @@ impl BlobStore for S3BlobStore {
             _ => Err(Self::refused("removing a chunk", &answer)),
         }
     }
+
+    async fn collect(&self, before: SystemTime) -> Result<Collected, BlobError> {
+        let before = jiff::Timestamp::try_from(before).map_err(|e| err(format!("collecting leftovers: {e}")))?;
+        let mut collected = Collected::default();
+        let mut token = None;
+        loop {
+            let page = self.list(token.as_deref()).await?;
+            for object in &page.contents {
+                let Some(key) = self.uploaded(&object.key) else { continue };
+                let written: jiff::Timestamp = object
+                    .last_modified
+                    .parse()
+                    .map_err(|e| err(format!("S3 listing: LastModified {:?}: {e}", object.last_modified)))?;
+                if written >= before {
+                    continue;
+                }
+                // The receipt read now: content it names stays. (An upload writes its
+                // receipt right after its content, long before `before`.)
+                if self.stored(&key).await?.is_some_and(|stored| stored.object == object.key) {
+                    continue;
+                }
+                let answer = self.send("DELETE", &object.key, vec![], Payload::Empty).await?;
+                if !matches!(answer.status, 200 | 204 | 404) {
+                    return Err(Self::refused("removing a leftover", &answer));
+                }
+                collected.removed += 1;
+                collected.bytes += object.size;
+            }
+            match page.next_continuation_token {
+                Some(next) if page.is_truncated => token = Some(next),
+                _ => return Ok(collected),
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -666,6 +772,40 @@ mod tests {
     }
 
     #[test]
+    fn only_upload_content_this_store_names_is_taken_for_a_leftover() {
+        let store = |prefix: &str| {
+            S3BlobStore::new(S3Options {
+                endpoint: "http://127.0.0.1:9".into(),
+                region: "us-east-1".into(),
+                bucket: "bucket".into(),
+                prefix: prefix.into(),
+                path_style: true,
+                credentials: aws_credential_types::Credentials::new("id", "secret", None, None, "test"),
+                timeout: Duration::from_secs(1),
+                roots: Vec::new(),
+                list_page: 1_000,
+            })
+        };
+        let (edge, bare) = (store("edge/prod"), store(""));
+        let key = edge.uploaded("edge/prod/proj/run_1/att_1/log.data.0123456789abcdef").expect("content");
+        assert_eq!((key.project.as_str(), key.run.as_str()), ("proj", "run_1"));
+        assert_eq!((key.attempt.as_str(), key.artifact.as_str()), ("att_1", "log"));
+        assert!(bare.uploaded("proj/run_1/att_1/log.data.0123456789abcdef").is_some());
+        for other in [
+            "edge/prodx/proj/run_1/att_1/log.data.0123456789abcdef",
+            "edge/prod/run_1/att_1/log.data.0123456789abcdef",
+            "edge/prod/proj/run_1/att_1/x/log.data.0123456789abcdef",
+            "edge/prod/proj/run_1/att_1/log.receipt.json",
+            "edge/prod/proj/run_1/att_1/log.chunk.0.0123456789abcdef",
+            "edge/prod/proj/run_1/att_1/log.data.0123456789ABCDEF",
+            "edge/prod/proj/run_1/att_1/log.data.0123456789abcde",
+            "edge/prod/proj/run_1/att_1/lo g.data.0123456789abcdef",
+        ] {
+            assert!(edge.uploaded(other).is_none(), "{other}");
+        }
+    }
+
+    #[test]
     fn debug_shows_no_secret() {
         let credentials = aws_credential_types::Credentials::new("AKIDEXAMPLE", "s3cr3t-value", None, None, "test");
         let store = S3BlobStore::new(S3Options {
@@ -677,6 +817,7 @@ mod tests {
             credentials,
             timeout: Duration::from_secs(1),
             roots: Vec::new(),
+            list_page: 1_000,
         });
         let shown = format!("{store:?} {}", store.describe());
         assert!(!shown.contains("s3cr3t"), "{shown}");

@@ -118,6 +118,8 @@ impl S3Server {
             credentials: aws_credential_types::Credentials::new(ACCESS_KEY, SECRET_KEY, None, None, "test"),
             timeout: Duration::from_secs(10),
             roots: Vec::new(),
+            // Small pages, so a listing of a test's few objects takes several.
+            list_page: 2,
         }
     }
 
