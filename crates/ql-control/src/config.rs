@@ -93,8 +93,8 @@ pub struct Config {
     /// SQLite: while callers keep coming, how many batches commit one after another before
     /// the one sync their answers wait for (1: every batch syncs on its own).
     pub sync_hold_batches: u64,
-    /// SQLite: right after a batch that decided nothing (idle polls), how long the next
-    /// batch gathers before it begins, so idle agents' polls share a commit (0: at once).
+    /// SQLite: right after a batch of idle agents' polls and heartbeats, how long the next
+    /// batch gathers before it begins, so they share a commit (0: at once).
     pub idle_batch_window_ms: u64,
     /// SQLite: how often a thread of its own checkpoints the WAL into the database file
     /// while the writer goes on committing (0: the writer checkpoints inside its commits,

@@ -21,8 +21,8 @@
 //! The writer takes every job already queued (up to [`BATCH_MAX`]) into one
 //! `BEGIN IMMEDIATE` transaction (taking the file's write lock up front, so no other
 //! process can interleave) and commits them together: group commit, so concurrent agents
-//! share one fsync. Two windows let a batch gather first: right after a batch that decided
-//! nothing (an idle fleet's polls, which arrive one by one) the writer sleeps
+//! share one fsync. Two windows let a batch gather first: right after a batch of idle
+//! agents' polls and heartbeats (which arrive one by one) the writer sleeps
 //! [`SqliteOptions::idle_window`], and once the last batch showed many concurrent callers
 //! it waits up to [`SqliteOptions::commit_window`] for as many again; a lone caller, or one
 //! after a quiet, never waits. If the commit fails, every command of the batch answers
@@ -127,8 +127,8 @@ pub struct SqliteOptions {
     /// Most batches committed one after another, while callers keep coming, before the
     /// sync their answers wait for (1: each batch synced on its own).
     pub hold_batches: usize,
-    /// After a batch that decided nothing (an idle fleet's polls), how long the writer
-    /// lets the next batch gather before it begins (default 10 ms). Idle agents' polls
+    /// After a batch of idle agents' polls and heartbeats (each only saw its session),
+    /// how long the writer lets the next batch gather before it begins (default 10 ms). Idle agents' polls
     /// arrive one by one; committed together they share their pages and WAL writes, and
     /// the writer and the connections' thread wake once per batch, not once per poll.
     /// Zero begins at once.
@@ -245,6 +245,9 @@ struct Writer {
     unsynced: Option<Instant>,
     /// Whether the job now running may be answered before its commit is durable.
     job_lazy: bool,
+    /// Whether the job now running saw a session and did nothing else: an idle agent's
+    /// poll or heartbeat (see [`SqliteOptions::idle_window`]).
+    job_seen: bool,
     /// A committed batch decided something that is not yet synced.
     decided: bool,
     /// Answers waiting for the next sync, and how many batches they came from.
@@ -317,6 +320,7 @@ impl SqliteStore {
             lazy_sync: options.lazy_sync,
             unsynced: None,
             job_lazy: false,
+            job_seen: false,
             decided: false,
             held: Vec::new(),
             held_batches: 0,
@@ -475,6 +479,10 @@ impl Writer {
         let mut answers = Vec::with_capacity(batch.len());
         let changes = self.conn.total_changes();
         let mut lazy = true;
+        // Only a batch of idle agents' polls and heartbeats makes the next one gather: a
+        // live log's chunk admissions decide nothing too, and pausing after them paced
+        // every chunk.
+        let mut idle = true;
         for job in batch {
             if let Err(e) = self.control("SAVEPOINT job") {
                 answers.push(job(Err(&e)));
@@ -482,6 +490,7 @@ impl Writer {
             }
             self.queue.mark();
             self.job_lazy = false;
+            self.job_seen = false;
             // A panic in a decision is a bug, but it must not take the authority down: its
             // savepoint rolls back, its caller gets a StoreError from the dropped oneshot,
             // and the batch goes on.
@@ -503,9 +512,10 @@ impl Writer {
                 return;
             }
             lazy &= !keep || self.job_lazy;
+            idle &= keep && self.job_lazy && self.job_seen;
             answers.extend(answer);
         }
-        self.last_idle = lazy;
+        self.last_idle = idle;
         self.last_end = Some(Instant::now());
         let committed = self.control("COMMIT");
         if committed.is_err() {
@@ -647,6 +657,7 @@ impl Writer {
         let decision = core::decide(cmd, &rows, now, &self.timings, &mut IdGen::random());
         let seen_only = decision.only_liveness(&rows);
         self.job_lazy &= seen_only;
+        self.job_seen = seen_only && !decision.writes.is_empty();
         // A refusal carries no writes by contract; nothing is applied.
         let reply = match decision.reply {
             Ok(reply) => reply,

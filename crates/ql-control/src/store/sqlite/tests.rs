@@ -12,6 +12,7 @@ use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
 use ql_wire::ids::{ArtifactId, AttemptId, Counter, EventId, OfferId, ProjectId, RunId, SessionId, WorkerId};
 use ql_wire::lease::StopIntent;
+use ql_wire::session::Heartbeat;
 use ql_wire::spec::{EnvName, ExecutionSpec, Interpreter, Script, SpecSchema};
 
 use super::*;
@@ -630,6 +631,7 @@ fn writer(dir: &TempDir) -> Writer {
         lazy_sync: Duration::ZERO,
         unsynced: None,
         job_lazy: false,
+        job_seen: false,
         decided: false,
         held: Vec::new(),
         held_batches: 0,
@@ -818,6 +820,39 @@ fn a_batch_pauses_to_gather_only_right_after_a_batch_that_decided_nothing() {
     assert_eq!(w.idle_pause(end), None, "no window");
     let w = Writer { idle_window: window, last_idle: true, ..writer(&dir) };
     assert_eq!(w.idle_pause(end), None, "no batch yet");
+}
+
+#[test]
+fn only_a_batch_of_idle_polls_and_heartbeats_makes_the_next_one_pause() {
+    let dir = TempDir::new("idle-kind");
+    let mut w = writer(&dir);
+    let now = schema::db_now(&w.conn, 0).unwrap();
+    let session = Session { state: SessionState::Online, seen_at: now, expires_at: now + 3_600_000, ..full_session() };
+    write_all(&mut w.conn, &[Write::Session(session.clone())]).unwrap();
+    let (tx, _rx) = std::sync::mpsc::channel();
+    let beat = move |draining| {
+        let cmd = Command::Heartbeat(
+            session.worker.clone(),
+            session.id.clone(),
+            Heartbeat { generation: session.generation, draining },
+        );
+        move |w: &mut Writer| {
+            w.job_lazy = true;
+            w.execute(&cmd).map(drop)
+        }
+    };
+    // An idle agent's heartbeat only sees its session: the next batch may gather.
+    w.run_batch(vec![job(beat(false), tx.clone())]);
+    assert!(w.last_idle, "a batch of idle heartbeats");
+    // A refusal's (or a chunk admission's) audit record alone decides nothing either, but
+    // it is no idle agent's: a live log's next chunk must not wait behind it.
+    w.run_batch(vec![job(refusal_audit, tx.clone())]);
+    assert!(!w.last_idle, "an audit record alone");
+    w.run_batch(vec![job(beat(false), tx.clone()), job(refusal_audit, tx.clone())]);
+    assert!(!w.last_idle, "idle heartbeats with other work");
+    // Draining is news: it is decided, not seen.
+    w.run_batch(vec![job(beat(true), tx.clone())]);
+    assert!(!w.last_idle, "a heartbeat that declares draining");
 }
 
 /// A job that writes an audit record alone (a refusal's): it says it may wait for its sync.
