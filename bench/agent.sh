@@ -19,6 +19,9 @@
 #     server (`ack_bench --frame-out` prepares the attempt), timed after the TLS handshake:
 #     what a single upload of the whole log costs after the job ended. Medians.
 #     With AGENT= an older agent that uploads in one frame, the same figures are its own.
+#   - what the artifact store holds for each 64 MiB run once it succeeded (`du -sb` of
+#     the run's directory, after at most 10 s for the live log's chunks to be removed),
+#     and how many chunk files are left.
 #
 # Which agent binary (AGENT=... picks one):
 #   AGENT=shipped (the default when cross/build's toolchain is installed): the x86_64 binary
@@ -28,6 +31,7 @@
 #     toolchain, dynamically linked to glibc; TARGET=x86_64-unknown-linux-musl builds it
 #     static with rustup's prebuilt musl std instead;
 #   AGENT=/path/to/ql-agent: that binary as it is.
+# CONTROL=/path/to/ql-control runs that server instead of the workspace's release build.
 #
 #   bench/agent.sh                        # about 1.5 minutes after the build
 #   IDLE_SECS=5 RUNS=1 bench/agent.sh     # a quick look
@@ -68,7 +72,7 @@ cargo)
 esac
 [ -x "$agent" ] || { echo "bench/agent.sh: no agent binary at $agent" >&2; exit 1; }
 cargo build --release --locked --quiet -p ql-control --bin ql-control --example ack_bench
-control=target/release/ql-control
+control=${CONTROL:-target/release/ql-control}
 bench=target/release/examples/ack_bench
 command -v curl >/dev/null || { echo "bench/agent.sh: curl is needed for the throughput comparison" >&2; exit 1; }
 
@@ -116,11 +120,21 @@ start_agent() {
   apid=$wpid
   pids+=("$wpid")
   if [ $# -gt 0 ]; then
+    # The wrapper's child that runs the agent's binary: strace forks a probe of its own
+    # first, which exits at once.
     apid=
+    local child children
     for _ in $(seq 100); do
-      apid=$(tr -d ' ' 2>/dev/null <"/proc/$wpid/task/$wpid/children") && [ -n "$apid" ] && break
+      # One line of pids without a newline: read fills the array and says end of file.
+      children=()
+      read -ra children 2>/dev/null <"/proc/$wpid/task/$wpid/children" || true
+      for child in "${children[@]}"; do
+        [ "$(readlink -f "/proc/$child/exe" 2>/dev/null)" = "$(readlink -f "$agent")" ] && apid=$child
+      done
+      [ -n "$apid" ] && break
       sleep 0.1
     done
+    [ -n "$apid" ] || { echo "bench/agent.sh: no agent started under $1" >&2; exit 1; }
   fi
   await_line "$work/$name.err" 'session .* opened'
 }
@@ -210,6 +224,7 @@ declare -A peak most
 created=
 tail_ms=()
 whole_ms=()
+store_lines=()
 curl_ms=()
 curl_lines=()
 for case in 1 64; do
@@ -237,6 +252,14 @@ for case in 1 64; do
     read -r tail whole < <(run_times "$run" "$work/last-byte")
     tail_ms+=("$tail")
     whole_ms+=("$whole")
+    # The run's share of the artifact store, once its chunks are gone (or 10 s passed).
+    rundir=$(find "$work/control/artifacts" -mindepth 2 -maxdepth 2 -type d -name "$run")
+    for _ in $(seq 100); do
+      [ -z "$(find "$rundir" -name '*.chunk.*' -print -quit)" ] && break
+      sleep 0.1
+    done
+    store_bytes=$(du -sb "$rundir" | cut -f1)
+    store_lines+=("  $store_bytes bytes = $(mib $((store_bytes / 1024))), $(find "$rundir" -name '*.chunk.*' | wc -l) chunk file(s) left")
     # The same bytes with curl, right after the agent's upload, to the same server.
     cmd=(curl -sS --cacert "$(pem ca)" --cert "$(pem cert)" --key "$(pem key)" -X PUT
       -H 'Content-Type: application/vnd.qinglong.worker-artifact' -H 'Expect: 100-continue'
@@ -268,6 +291,11 @@ echo "succeeded (the run's finishedAt), and running to succeeded:"
 for i in "${!tail_ms[@]}"; do echo "  ${tail_ms[$i]} ms after the last byte; ${whole_ms[$i]} ms in all"; done
 echo
 
+echo "the artifact store for each 64 MiB run once it succeeded:"
+echo "  \$ du -sb $work/control/artifacts/PROJECT/RUN; find ... -name '*.chunk.*' | wc -l"
+printf '%s\n' "${store_lines[@]}"
+echo
+
 echo "curl: after each of the agent's 64 MiB runs, the same 64 MiB as an artifact frame of an"
 echo "attempt held at running (by ack_bench), to the same server:"
 echo "  \$ $bench --clients 0 --cycles 0 --uploads $RUNS --upload-mib 64 --frame-out $work/frame"
@@ -291,3 +319,4 @@ row "a job's supervisor: private / RSS" "$sup_dirty kB / $sup_rss kB" "per runni
 row "64 MiB log: last byte to succeeded" "$tail_med ms" "median of $RUNS"
 row "64 MiB log: running to succeeded" "$whole_med ms" "$(rate "$whole_med") end to end, median of $RUNS"
 row "64 MiB in one frame, curl" "$curl_med ms" "$(rate "$curl_med"), after the handshake"
+row "64 MiB log: artifact store after" "${store_lines[0]# }" "the log stored once"
