@@ -273,7 +273,7 @@ fn collect_in(dir: &Path, before: SystemTime, collected: &mut Collected) -> Resu
                     collected.removed += 1;
                     collected.bytes += meta.len();
                 }
-                // Another replica (or an upload's own clean-up) was first.
+                // The upload's own clean-up was first.
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(e.into()),
             }
