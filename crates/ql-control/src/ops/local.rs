@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
-use ql_wire::ids::{AttemptId, ProjectId, RunId, WorkerId};
+use ql_wire::ids::{ProjectId, RunId, WorkerId};
 use ql_wire::spec::{EnvName, ExecutionSpec, Interpreter, Script, SpecSchema};
 use ql_wire::ErrorCode;
 
@@ -371,7 +371,7 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         let Some(artifact) = attempt.log_artifact.clone() else {
             return Ok(window);
         };
-        match self.live(&mut window, &key(artifact), &attempt.id, limit).await {
+        match self.live(&mut window, &key(artifact), limit).await {
             Ok(()) => Ok(window),
             Err(e) => {
                 // The chunks went as the completion committed after this look began: the
@@ -427,15 +427,9 @@ impl<S: Store, B: BlobStore> Local<S, B> {
 
     /// Appends to `window` the acknowledged chunks of the live log `key` from its offset,
     /// up to `limit` bytes.
-    async fn live(
-        &self,
-        window: &mut LogWindow,
-        key: &ArtifactKey,
-        attempt: &AttemptId,
-        limit: u64,
-    ) -> Result<(), OpError> {
+    async fn live(&self, window: &mut LogWindow, key: &ArtifactKey, limit: u64) -> Result<(), OpError> {
         let offset = window.offset;
-        for chunk in self.store.log_chunks(attempt).await? {
+        for chunk in self.store.log_chunks(&key.attempt).await? {
             let end = chunk.offset + chunk.length;
             let have = offset + window.bytes.len() as u64;
             if end <= have {

@@ -128,9 +128,10 @@ pub struct SqliteOptions {
     /// sync their answers wait for (1: each batch synced on its own).
     pub hold_batches: usize,
     /// After a batch of idle agents' polls and heartbeats (each only saw its session),
-    /// how long the writer lets the next batch gather before it begins (default 10 ms). Idle agents' polls
-    /// arrive one by one; committed together they share their pages and WAL writes, and
-    /// the writer and the connections' thread wake once per batch, not once per poll.
+    /// how long the writer lets the next batch gather before it begins (default 10 ms).
+    /// Idle agents' polls arrive one by one; committed together they share their pages
+    /// and WAL writes, and the writer and the connections' thread wake once per batch,
+    /// not once per poll.
     /// Zero begins at once.
     pub idle_window: Duration,
     /// How often a thread of its own checkpoints the WAL into the database file, when
