@@ -148,9 +148,9 @@ pub struct Config {
     /// The sweeper keeps at most this many audit records, the newest (0: any number).
     pub audit_max_records: u64,
     /// How often the artifact store is searched for what uploads that never completed
-    /// left (0: never).
+    /// left, and for live-log chunks of recorded logs (0: never).
     pub artifact_collect_ms: u64,
-    /// Such a leftover goes once it is this old; longer than any upload can take.
+    /// Such a leftover or chunk goes once it is this old; longer than any upload can take.
     pub artifact_leftover_age_ms: u64,
     /// How long a worker certificate is valid; its agent renews it when about two thirds
     /// of that has passed.
@@ -406,7 +406,8 @@ impl Config {
         if self.lazy_sync_ms >= self.session_ttl_ms - self.heartbeat_ms {
             return Err("lazy_sync_ms must be shorter than session_ttl_ms - heartbeat_ms: a power cut may take back that much of a session's life".into());
         }
-        if self.artifact_leftover_age_ms < self.longest_upload_ms() {
+        // Without a collection the age bounds nothing.
+        if self.artifact_collect_ms > 0 && self.artifact_leftover_age_ms < self.longest_upload_ms() {
             return Err(format!(
                 "artifact_leftover_age_ms must be at least {} ms: an upload may take upload_grace_ms plus 64 MiB at \
                  min_upload_rate, and its receipt s3_timeout_ms more, and what it wrote must not be taken for a leftover",
@@ -491,6 +492,8 @@ mod tests {
         assert!(c.check().unwrap_err().contains("artifact_leftover_age_ms"), "under the slowest 64 MiB upload");
         let c = Config { artifact_leftover_age_ms: 3_600_000, min_upload_rate: 1 << 20, ..Config::default() };
         assert_eq!(c.check(), Ok(()), "a faster floor allows an hour");
+        let c = Config { artifact_leftover_age_ms: 3_600_000, artifact_collect_ms: 0, ..Config::default() };
+        assert_eq!(c.check(), Ok(()), "no collection, no bound");
         let c = Config { sweep_interval_ms: 0, ..Config::default() };
         assert!(c.check().unwrap_err().contains("sweep_interval_ms"));
         let c = Config { heartbeat_ms: 5_000, session_ttl_ms: 5_000, ..Config::default() };

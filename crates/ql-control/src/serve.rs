@@ -4,9 +4,9 @@
 //! database `--database` names; either way the same generic server runs over it. Every
 //! replica of a PostgreSQL deployment runs this same command against the same database.
 //!
-//! The sweeper runs here on a timer, and so does the collection of what failed uploads
-//! left in the artifact store ([`collect_forever`]); both are idempotent and safe on
-//! every replica. On SIGTERM or Ctrl-C the ingress stops accepting, lets in-flight
+//! The sweeper runs here on a timer, and so does the collection of the artifact store:
+//! what failed uploads left, and live-log chunks of recorded logs ([`collect_forever`]);
+//! both are idempotent and safe on every replica. On SIGTERM or Ctrl-C the ingress stops accepting, lets in-flight
 //! requests finish, and the process prints what it served (connections, requests) before
 //! it exits.
 //!
@@ -25,7 +25,7 @@ use ql_wire::ids::RunId;
 
 use crate::api::{self, ApiConfig};
 use crate::blob::any::Blobs;
-use crate::blob::BlobStore;
+use crate::blob::{ArtifactKey, BlobError, BlobStore, Recorded};
 use crate::config::{Config, Layout};
 use crate::core::{Command, Reply};
 use crate::http::{self, IngressConfig};
@@ -88,24 +88,46 @@ pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: Audit
     }
 }
 
+/// The authority as the artifact store's collection asks it: an attempt has recorded its
+/// log once its run's detail shows an artifact on it.
+#[derive(Clone)]
+pub struct Authority<S>(pub S);
+
+impl<S: Store> Recorded for Authority<S> {
+    async fn recorded(&self, key: &ArtifactKey) -> Result<bool, BlobError> {
+        let detail = self.0.run_detail(&key.run).await.map_err(|e| BlobError(format!("asking the authority: {e}")))?;
+        let attempt = detail.as_ref().and_then(|d| d.attempts.iter().find(|a| a.id == key.attempt));
+        Ok(attempt.is_some_and(|a| a.artifact.is_some()))
+    }
+}
+
 /// Every `every`, from the start, removes what uploads that never completed left in the
-/// artifact store once it is `age` old ([`BlobStore::collect`]), and says on stderr what
-/// went. Safe on every replica.
-pub async fn collect_forever<B: BlobStore>(blobs: B, every: Duration, age: Duration) {
+/// artifact store once it is `age` old, and the chunks of recorded logs whose removal at
+/// the completion did not happen ([`BlobStore::collect`]), and says on stderr what went.
+/// Safe on every replica.
+pub async fn collect_forever<B: BlobStore, S: Store>(blobs: B, store: S, every: Duration, age: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let authority = Authority(store);
     loop {
         tick.tick().await;
         let before = SystemTime::now().checked_sub(age).unwrap_or(SystemTime::UNIX_EPOCH);
-        match blobs.collect(before).await {
-            Ok(c) if c.removed > 0 => {
-                eprintln!(
-                    "ql-control: removed {} leftover(s) of uploads that never completed, {} bytes",
-                    c.removed, c.bytes
-                )
+        match blobs.collect(before, &authority).await {
+            Ok(c) => {
+                if c.removed > 0 {
+                    eprintln!(
+                        "ql-control: removed {} leftover(s) of uploads that never completed, {} bytes",
+                        c.removed, c.bytes
+                    );
+                }
+                if c.chunks > 0 {
+                    eprintln!(
+                        "ql-control: removed {} live-log chunk(s) of recorded logs, {} bytes",
+                        c.chunks, c.chunk_bytes
+                    );
+                }
             }
-            Ok(_) => {}
-            Err(e) => eprintln!("ql-control: collecting the leftovers of uploads failed: {e}"),
+            Err(e) => eprintln!("ql-control: collecting the artifact store failed: {e}"),
         }
     }
 }
@@ -365,11 +387,11 @@ async fn serve_on<S: Store>(
         tokio::spawn(crate::notifier::notify_forever(store.clone(), Arc::new(notifier), every))
     };
     let every = Duration::from_millis(config.sweep_interval_ms);
-    let sweeper = tokio::spawn(sweep_forever(store, every, config.audit_retention()));
+    let sweeper = tokio::spawn(sweep_forever(store.clone(), every, config.audit_retention()));
     let collector = (config.artifact_collect_ms > 0).then(|| {
         let (every, age) =
             (Duration::from_millis(config.artifact_collect_ms), Duration::from_millis(config.artifact_leftover_age_ms));
-        tokio::spawn(collect_forever(leftovers, every, age))
+        tokio::spawn(collect_forever(leftovers, store.clone(), every, age))
     });
     shutdown.await;
     notifying(&notify, |n| n.stopping("stopping: finishing the requests in flight", None));

@@ -2,18 +2,20 @@
 //! the local files and an S3 bucket served by a real S3 server (`s3s-fs`, see
 //! `common/s3.rs`). Put-if-absent, the same content is the same receipt, other content a
 //! conflict, `inspect`, ranged reads, live-log chunks, an upload cut off anywhere
-//! leaving nothing visible, and the collection of what uploads that never completed left.
+//! leaving nothing visible, and the collection of what uploads that never completed left
+//! and of the chunks of recorded logs.
 
 #[path = "common/s3.rs"]
 mod s3;
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use sha2::{Digest as _, Sha256};
 
 use ql_control::blob::fs::FsBlobStore;
-use ql_control::blob::{ArtifactKey, BlobStore, Collected, PutOutcome, Upload};
+use ql_control::blob::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Upload};
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
 use ql_wire::ids::{ArtifactId, AttemptId, ProjectId, RunId};
@@ -44,6 +46,39 @@ fn key(attempt: &str, artifact: &str) -> ArtifactKey {
         run: RunId::parse("run_1").unwrap(),
         attempt: AttemptId::parse(attempt).unwrap(),
         artifact: ArtifactId::parse(artifact).unwrap(),
+    }
+}
+
+/// The authority as the collection asks it: the attempts that recorded their log (none
+/// answers when `None`), and which attempts it was asked about.
+#[derive(Clone)]
+struct Authority {
+    recorded: Option<Vec<String>>,
+    asked: Arc<Mutex<Vec<String>>>,
+}
+
+impl Authority {
+    fn recording(attempts: &[&str]) -> Self {
+        Self { recorded: Some(attempts.iter().map(|a| a.to_string()).collect()), asked: Arc::default() }
+    }
+
+    fn failing() -> Self {
+        Self { recorded: None, asked: Arc::default() }
+    }
+
+    /// The attempts asked about since the last call, sorted.
+    fn asked(&self) -> Vec<String> {
+        let mut asked = std::mem::take(&mut *self.asked.lock().unwrap());
+        asked.sort();
+        asked
+    }
+}
+
+impl Recorded for Authority {
+    async fn recorded(&self, key: &ArtifactKey) -> Result<bool, BlobError> {
+        self.asked.lock().unwrap().push(key.attempt.to_string());
+        let recorded = self.recorded.as_ref().ok_or_else(|| BlobError("the authority is down".into()))?;
+        Ok(recorded.iter().any(|a| a == key.attempt.as_str()))
     }
 }
 
@@ -198,15 +233,39 @@ async fn contract<B: BlobStore>(store: B, stored: impl Fn(&str) -> Vec<(String, 
         assert!(std::time::Instant::now() < deadline, "the leftovers never landed: {:?}", stored("att_left"));
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // The chunks of a log the authority says is recorded go too, once older than the
+    // bound; those of a log still being written (or of an attempt that ended without
+    // one, as `att_live` above) stay. The authority is asked once for each attempt with
+    // old chunks.
+    let done = key("att_done", "log");
+    for (offset, bytes) in [(0, &b"first "[..]), (6, &b"second"[..])] {
+        store.put_chunk(&done, offset, bytes).await.unwrap();
+    }
+    let authority = Authority::recording(&["att_done"]);
+
     let all = stored("att_left");
+    let (done_files, live_files) = (stored("att_done"), stored("att_live"));
     let hour = Duration::from_secs(3_600);
-    assert_eq!(store.collect(SystemTime::now() - hour).await.unwrap(), Collected::default(), "younger than the bound");
-    assert_eq!(stored("att_left"), all);
-    assert_eq!(store.collect(SystemTime::now() + hour).await.unwrap(), Collected { removed: 2, bytes: 9 });
+    let young = store.collect(SystemTime::now() - hour, &authority).await.unwrap();
+    assert_eq!(young, Collected::default(), "younger than the bound");
+    assert_eq!((stored("att_left"), stored("att_done"), stored("att_live")), (all, done_files, live_files.clone()));
+    assert_eq!(authority.asked(), Vec::<String>::new(), "nothing old to ask about");
+    let old = store.collect(SystemTime::now() + hour, &authority).await.unwrap();
+    assert_eq!(old, Collected { removed: 2, bytes: 9, chunks: 2, chunk_bytes: 12 });
+    assert_eq!(authority.asked(), ["att_done", "att_left", "att_live"], "once for each attempt with old chunks");
     assert_eq!(stored("att_left").len(), kept_files, "the named content, its receipt and the chunk stay");
     assert_eq!(store.read(&kept, 0, 100).await.unwrap().as_deref(), Some(&b"named content"[..]));
     assert_eq!(store.read_chunk(&kept, 0, 7, &Digest::of(b"a chunk")).await.unwrap(), b"a chunk");
-    assert_eq!(store.collect(SystemTime::now() + hour).await.unwrap(), Collected::default(), "nothing is left");
+    assert_eq!(stored("att_done"), Vec::new(), "the recorded log's chunks are gone");
+    assert_eq!(stored("att_live"), live_files, "the log being written stays");
+    let again = store.collect(SystemTime::now() + hour, &authority).await.unwrap();
+    assert_eq!(again, Collected::default(), "nothing is left");
+
+    // An authority that cannot answer fails the collection, and nothing of the attempt
+    // it was asked about goes.
+    let unsure = Authority::failing();
+    assert!(store.collect(SystemTime::now() + hour, &unsure).await.is_err());
+    assert_eq!(stored("att_live"), live_files);
 
     // Racing puts of one key: whatever each was told, what is stored afterwards is one
     // of the contents told `Stored`, whole. (Which one wins is the database's to decide:

@@ -20,7 +20,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned, SupportedProtocolVersion};
 
 use ql_control::blob::fs::FsBlobStore;
-use ql_control::blob::{ArtifactKey, BlobError, BlobStore, Collected};
+use ql_control::blob::{ArtifactKey, BlobError, BlobStore, Collected, Recorded};
 use ql_control::core::{Command, Reply, Submit, Timings};
 use ql_control::http::{self, IngressConfig, IngressStats};
 use ql_control::model::AuditRecord;
@@ -1450,8 +1450,8 @@ impl BlobStore for Gated {
         self.inner.remove_chunk(key, offset, sha256).await
     }
 
-    async fn collect(&self, before: SystemTime) -> Result<Collected, BlobError> {
-        self.inner.collect(before).await
+    async fn collect<R: Recorded>(&self, before: SystemTime, recorded: &R) -> Result<Collected, BlobError> {
+        self.inner.collect(before, recorded).await
     }
 }
 
@@ -1518,6 +1518,50 @@ fn a_completion_that_records_the_log_removes_its_chunks_and_readers_read_the_art
     assert_eq!(server.rt.block_on(server.store.log_chunks(&job.path.attempt)).unwrap().len(), 2, "so do the rows");
     let looked = look(false);
     assert_eq!((looked.bytes, looked.sealed), (whole, Some(sealed.receipt)));
+}
+
+#[test]
+fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() {
+    let case = UploadCase::new("chunks-collected");
+    let (client, job, server) = (&case.client, &case.job, &case.server);
+    let (a, b) = (content(256 * 1024, 6), content(4_321, 7));
+    let _: LogAppendReply = client.append(job, 0, &a).json(200);
+    let acked: LogAppendReply = client.append(job, a.len() as u64, &b).json(200);
+    let sealed: ArtifactReply = client.seal(job, acked.acked).json(200);
+    let artifacts = server.dir.path().join("artifacts");
+    let authority = ql_control::serve::Authority(server.store.clone());
+    let collect = || {
+        let before = SystemTime::now() + Duration::from_secs(3_600);
+        server.rt.block_on(server.blobs.collect(before, &authority)).unwrap()
+    };
+
+    // Sealed but not yet recorded by a completion, the chunks are still the log.
+    assert_eq!(collect(), Collected::default());
+    assert_eq!(files_named(&artifacts, ".chunk.").len(), 2);
+
+    let done: CompletionReply =
+        client.post(&job.route(AttemptCommand::Completion), &job.completion(0, Some(sealed.receipt.clone()))).json(200);
+    assert_eq!(done.status, TerminalStatus::Succeeded);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !files_named(&artifacts, ".chunk.").is_empty() {
+        assert!(Instant::now() < deadline, "the completion's removal never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // As if that removal had not happened (the store was down, the server stopped).
+    let key = job.key(&log_id());
+    for (offset, bytes) in [(0, &a), (a.len() as u64, &b)] {
+        server.rt.block_on(server.blobs.put_chunk(&key, offset, bytes)).unwrap();
+    }
+    let before = server.snapshot();
+    let chunk_bytes = (a.len() + b.len()) as u64;
+    assert_eq!(collect(), Collected { chunks: 2, chunk_bytes, ..Collected::default() });
+    assert_eq!(files_named(&artifacts, ".chunk.").len(), 0);
+    assert_eq!(server.snapshot(), before, "the authority is only asked");
+    assert_eq!(server.inspect(&key), Some(sealed.receipt.clone()), "the artifact stays");
+    let ops = ql_control::ops::Local { store: server.store.clone(), blobs: server.blobs.clone() };
+    let request = ql_control::ops::LogRequest { attempt: None, offset: 0, limit: 1 << 20, follow: false, wait_ms: 0 };
+    let log = server.rt.block_on(ops.log(&job.path.run, &request)).unwrap();
+    assert_eq!((log.bytes, log.sealed), ([a.as_slice(), &b].concat(), Some(sealed.receipt)));
 }
 
 #[test]

@@ -257,10 +257,14 @@ impl BlobStore for Blobs {
         }
     }
 
-    async fn collect(&self, before: std::time::SystemTime) -> Result<super::Collected, BlobError> {
+    async fn collect<R: super::Recorded>(
+        &self,
+        before: std::time::SystemTime,
+        recorded: &R,
+    ) -> Result<super::Collected, BlobError> {
         match self {
-            Self::Files(s) => s.collect(before).await,
-            Self::S3(s) => s.collect(before).await,
+            Self::Files(s) => s.collect(before, recorded).await,
+            Self::S3(s) => s.collect(before, recorded).await,
         }
     }
 }

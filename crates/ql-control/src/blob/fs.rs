@@ -39,7 +39,8 @@
 //! error, never as absent, so corruption fails closed.
 //!
 //! [`BlobStore::collect`] removes, once older than its bound, the temporary files of
-//! uploads that never finished and content its artifact's receipt does not name.
+//! uploads that never finished, content its artifact's receipt does not name, and the
+//! chunks of attempts the authority says have recorded their log.
 
 use std::fs::File;
 use std::io::Write as _;
@@ -53,10 +54,10 @@ use tokio::io::AsyncWriteExt;
 
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
-use ql_wire::ids::ArtifactId;
+use ql_wire::ids::{ArtifactId, AttemptId, ProjectId, RunId};
 use ql_wire::limits::ARTIFACT_CONTENT_MAX;
 
-use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Upload};
+use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Upload};
 
 /// Artifacts as files under one root directory.
 #[derive(Debug, Clone)]
@@ -259,27 +260,75 @@ fn publish(store: &FsBlobStore, dir: &Path, tmp: &Path, receipt: &Receipt) -> Re
     }
 }
 
-/// [`BlobStore::collect`] under `dir`, its subdirectories too.
-fn collect_in(dir: &Path, before: SystemTime, collected: &mut Collected) -> Result<(), BlobError> {
+/// Asks the authority whether an attempt has recorded its artifact ([`Recorded`]).
+type Ask<'a> = dyn FnMut(&ArtifactKey) -> Result<bool, BlobError> + 'a;
+
+/// [`BlobStore::collect`] under `dir`, its subdirectories too (`root` is the store's).
+fn collect_in(
+    root: &Path,
+    dir: &Path,
+    before: SystemTime,
+    ask: &mut Ask<'_>,
+    collected: &mut Collected,
+) -> Result<(), BlobError> {
+    // Whether this directory's attempt recorded its artifact: asked once, and only if
+    // it holds an old chunk.
+    let mut recorded = None;
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         // Not followed: every file here is one this store made, none a link.
         let meta = entry.metadata()?;
         if meta.is_dir() {
-            collect_in(&entry.path(), before, collected)?;
-        } else if meta.is_file() && meta.modified()? < before && leftover(dir, &entry.file_name().to_string_lossy()) {
-            match std::fs::remove_file(entry.path()) {
-                Ok(()) => {
-                    collected.removed += 1;
-                    collected.bytes += meta.len();
-                }
-                // The upload's own clean-up was first.
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e.into()),
+            collect_in(root, &entry.path(), before, ask, collected)?;
+            continue;
+        }
+        if !meta.is_file() || meta.modified()? >= before {
+            continue;
+        }
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let counts = if leftover(dir, &name) {
+            (&mut collected.removed, &mut collected.bytes)
+        } else if let Some(key) = chunk_of(root, dir, &name) {
+            if recorded.is_none() {
+                recorded = Some(ask(&key)?);
             }
+            if recorded != Some(true) {
+                continue;
+            }
+            (&mut collected.chunks, &mut collected.chunk_bytes)
+        } else {
+            continue;
+        };
+        match std::fs::remove_file(entry.path()) {
+            Ok(()) => {
+                *counts.0 += 1;
+                *counts.1 += meta.len();
+            }
+            // The upload's own clean-up (or the completion's removal) was first.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(())
+}
+
+/// The key of the chunk file `name` in the attempt directory `dir`, if it is one.
+fn chunk_of(root: &Path, dir: &Path, name: &str) -> Option<ArtifactKey> {
+    let (artifact, rest) = name.split_once(".chunk.")?;
+    let (offset, digest) = rest.split_once('.')?;
+    offset.parse::<u64>().ok()?;
+    Digest::parse(digest).ok()?;
+    let mut parts = dir.strip_prefix(root).ok()?.iter().map(|p| p.to_str());
+    let (project, run, attempt) = (parts.next()??, parts.next()??, parts.next()??);
+    if parts.next().is_some() {
+        return None;
+    }
+    Some(ArtifactKey {
+        project: ProjectId::parse(project).ok()?,
+        run: RunId::parse(run).ok()?,
+        attempt: AttemptId::parse(attempt).ok()?,
+        artifact: ArtifactId::parse(artifact).ok()?,
+    })
 }
 
 /// Whether the file `name` in `dir` is an upload's leftover: a temporary file (only an
@@ -463,11 +512,13 @@ impl BlobStore for FsBlobStore {
         }
     }
 
-    async fn collect(&self, before: SystemTime) -> Result<Collected, BlobError> {
-        let root = self.root.as_ref().clone();
+    async fn collect<R: Recorded>(&self, before: SystemTime, recorded: &R) -> Result<Collected, BlobError> {
+        let (root, recorded) = (self.root.as_ref().clone(), recorded.clone());
+        let runtime = tokio::runtime::Handle::current();
         tokio::task::spawn_blocking(move || {
             let mut collected = Collected::default();
-            collect_in(&root, before, &mut collected).map(|()| collected)
+            let mut ask = |key: &ArtifactKey| runtime.block_on(recorded.recorded(key));
+            collect_in(&root, &root, before, &mut ask, &mut collected).map(|()| collected)
         })
         .await
         .map_err(|e| err(format!("collecting leftovers: {e}")))?

@@ -49,10 +49,24 @@ pub enum PutOutcome {
 /// What [`BlobStore::collect`] removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Collected {
-    /// Files or objects removed.
+    /// Leftovers of uploads removed: files or objects.
     pub removed: u64,
     /// Their bytes.
     pub bytes: u64,
+    /// Live-log chunks of recorded logs removed.
+    pub chunks: u64,
+    /// Their bytes.
+    pub chunk_bytes: u64,
+}
+
+/// The authority's word on whether an attempt has recorded its log's artifact. From then
+/// on no reader reads the attempt's live-log chunks, so [`BlobStore::collect`] may remove
+/// the ones whose removal at the completion did not happen (the store was down just then,
+/// or the server stopped first). Only the database can tell such chunks from those of a
+/// log still being written, or of an attempt that ended without one.
+pub trait Recorded: Clone + Send + Sync + 'static {
+    /// Whether the attempt `key` names has recorded an artifact.
+    fn recorded(&self, key: &ArtifactKey) -> impl Future<Output = Result<bool, BlobError>> + Send;
 }
 
 /// The store failed (disk, permissions, network to the bucket).
@@ -156,6 +170,12 @@ pub trait BlobStore: Clone + Send + Sync + 'static {
     /// Removes what uploads that never completed left behind, last written before
     /// `before`: content no receipt names and temporary files. `before` must be older than
     /// any upload in progress can be (the caller's bound); then nothing removed can ever be
-    /// named or read, and replicas may collect at the same time.
-    fn collect(&self, before: SystemTime) -> impl Future<Output = Result<Collected, BlobError>> + Send;
+    /// named or read, and replicas may collect at the same time. Also removes the
+    /// live-log chunks last written before `before` of every attempt `recorded` says has
+    /// recorded its artifact (asked once for each attempt that has such chunks).
+    fn collect<R: Recorded>(
+        &self,
+        before: SystemTime,
+        recorded: &R,
+    ) -> impl Future<Output = Result<Collected, BlobError>> + Send;
 }

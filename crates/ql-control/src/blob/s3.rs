@@ -54,7 +54,7 @@ use ql_wire::capability::Digest;
 use ql_wire::ids::{ArtifactId, AttemptId, ProjectId, RunId};
 use ql_wire::limits::ARTIFACT_CONTENT_MAX;
 
-use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Upload};
+use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Upload};
 
 /// Frames buffered between an upload and the thread sending it.
 const IN_FLIGHT_FRAMES: usize = 8;
@@ -385,25 +385,35 @@ impl S3BlobStore {
         quick_xml::de::from_str(body).map_err(|e| err(format!("S3 listing: {e}")))
     }
 
-    /// The artifact whose upload content `name` is, when it is one this store made:
-    /// `<prefix>/<project>/<run>/<attempt>/<artifact>.data.<random>`.
-    fn uploaded(&self, name: &str) -> Option<ArtifactKey> {
+    /// The artifact an object this store made belongs to, and what the object is:
+    /// `<prefix>/<project>/<run>/<attempt>/<artifact>.data.<random>` (an upload's content)
+    /// or `<artifact>.chunk.<offset>.<sha256>` (a live-log chunk) in the same place.
+    fn named(&self, name: &str) -> Option<(ArtifactKey, Object)> {
         let prefix = &self.inner.options.prefix;
         let rest = if prefix.is_empty() { name } else { name.strip_prefix(prefix.as_str())?.strip_prefix('/')? };
         let mut parts = rest.split('/');
         let (project, run, attempt, file) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-        let (artifact, random) = file.split_once(".data.")?;
-        // Exactly what `random_suffix` makes: nothing else in a shared bucket looks like it.
-        let ours = random.len() == 16 && random.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-        if parts.next().is_some() || !ours {
+        if parts.next().is_some() {
             return None;
         }
-        Some(ArtifactKey {
+        let (artifact, object) = if let Some((artifact, random)) = file.split_once(".data.") {
+            // Exactly what `random_suffix` makes: nothing else in a shared bucket looks like it.
+            let ours = random.len() == 16 && random.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+            (ours.then_some(artifact)?, Object::Content)
+        } else {
+            let (artifact, rest) = file.split_once(".chunk.")?;
+            let (offset, digest) = rest.split_once('.')?;
+            offset.parse::<u64>().ok()?;
+            Digest::parse(digest).ok()?;
+            (artifact, Object::Chunk)
+        };
+        let key = ArtifactKey {
             project: ProjectId::parse(project).ok()?,
             run: RunId::parse(run).ok()?,
             attempt: AttemptId::parse(attempt).ok()?,
             artifact: ArtifactId::parse(artifact).ok()?,
-        })
+        };
+        Some((key, object))
     }
 
     async fn delete_quietly(&self, name: &str) {
@@ -695,14 +705,17 @@ impl BlobStore for S3BlobStore {
         }
     }
 
-    async fn collect(&self, before: SystemTime) -> Result<Collected, BlobError> {
+    async fn collect<R: Recorded>(&self, before: SystemTime, recorded: &R) -> Result<Collected, BlobError> {
         let before = jiff::Timestamp::try_from(before).map_err(|e| err(format!("collecting leftovers: {e}")))?;
         let mut collected = Collected::default();
+        // The listing is in key order, so an attempt's chunks come together: whether it
+        // recorded its artifact is asked once for them.
+        let mut asked: Option<(AttemptId, bool)> = None;
         let mut token = None;
         loop {
             let page = self.list(token.as_deref()).await?;
             for object in &page.contents {
-                let Some(key) = self.uploaded(&object.key) else { continue };
+                let Some((key, kind)) = self.named(&object.key) else { continue };
                 let written: jiff::Timestamp = object
                     .last_modified
                     .parse()
@@ -710,17 +723,35 @@ impl BlobStore for S3BlobStore {
                 if written >= before {
                     continue;
                 }
-                // The receipt read now: content it names stays. (An upload writes its
-                // receipt right after its content, long before `before`.)
-                if self.stored(&key).await?.is_some_and(|stored| stored.object == object.key) {
-                    continue;
-                }
+                let counts = match kind {
+                    Object::Content => {
+                        // The receipt read now: content it names stays. (An upload
+                        // writes its receipt right after its content, long before
+                        // `before`.)
+                        if self.stored(&key).await?.is_some_and(|stored| stored.object == object.key) {
+                            continue;
+                        }
+                        (&mut collected.removed, &mut collected.bytes)
+                    }
+                    Object::Chunk => {
+                        let known = asked.as_ref().filter(|(attempt, _)| *attempt == key.attempt).map(|(_, r)| *r);
+                        let recorded = match known {
+                            Some(r) => r,
+                            None => recorded.recorded(&key).await?,
+                        };
+                        asked = Some((key.attempt, recorded));
+                        if !recorded {
+                            continue;
+                        }
+                        (&mut collected.chunks, &mut collected.chunk_bytes)
+                    }
+                };
                 let answer = self.send("DELETE", &object.key, vec![], Payload::Empty).await?;
                 if !matches!(answer.status, 200 | 204 | 404) {
                     return Err(Self::refused("removing a leftover", &answer));
                 }
-                collected.removed += 1;
-                collected.bytes += object.size;
+                *counts.0 += 1;
+                *counts.1 += object.size;
             }
             match page.next_continuation_token {
                 Some(next) if page.is_truncated => token = Some(next),
@@ -728,6 +759,15 @@ impl BlobStore for S3BlobStore {
             }
         }
     }
+}
+
+/// What an object this store made is ([`S3BlobStore::named`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Object {
+    /// An upload's content.
+    Content,
+    /// A live-log chunk.
+    Chunk,
 }
 
 #[cfg(test)]
@@ -772,7 +812,7 @@ mod tests {
     }
 
     #[test]
-    fn only_upload_content_this_store_names_is_taken_for_a_leftover() {
+    fn only_content_and_chunks_this_store_names_are_taken_for_collection() {
         let store = |prefix: &str| {
             S3BlobStore::new(S3Options {
                 endpoint: "http://127.0.0.1:9".into(),
@@ -787,10 +827,18 @@ mod tests {
             })
         };
         let (edge, bare) = (store("edge/prod"), store(""));
-        let key = edge.uploaded("edge/prod/proj/run_1/att_1/log.data.0123456789abcdef").expect("content");
+        let (key, object) = edge.named("edge/prod/proj/run_1/att_1/log.data.0123456789abcdef").expect("content");
         assert_eq!((key.project.as_str(), key.run.as_str()), ("proj", "run_1"));
-        assert_eq!((key.attempt.as_str(), key.artifact.as_str()), ("att_1", "log"));
-        assert!(bare.uploaded("proj/run_1/att_1/log.data.0123456789abcdef").is_some());
+        assert_eq!((key.attempt.as_str(), key.artifact.as_str(), object), ("att_1", "log", Object::Content));
+        assert!(bare.named("proj/run_1/att_1/log.data.0123456789abcdef").is_some());
+        let sha = Digest::of(b"chunk");
+        let chunk = format!("edge/prod/proj/run_1/att_1/log.chunk.262144.{}", sha.as_str());
+        let (key, object) = edge.named(&chunk).expect("a chunk");
+        assert_eq!((key.attempt.as_str(), key.artifact.as_str(), object), ("att_1", "log", Object::Chunk));
+        let odd = [
+            format!("edge/prod/proj/run_1/att_1/log.chunk.x.{}", sha.as_str()),
+            format!("edge/prod/proj/run_1/att_1/x/log.chunk.0.{}", sha.as_str()),
+        ];
         for other in [
             "edge/prodx/proj/run_1/att_1/log.data.0123456789abcdef",
             "edge/prod/run_1/att_1/log.data.0123456789abcdef",
@@ -800,8 +848,11 @@ mod tests {
             "edge/prod/proj/run_1/att_1/log.data.0123456789ABCDEF",
             "edge/prod/proj/run_1/att_1/log.data.0123456789abcde",
             "edge/prod/proj/run_1/att_1/lo g.data.0123456789abcdef",
-        ] {
-            assert!(edge.uploaded(other).is_none(), "{other}");
+        ]
+        .into_iter()
+        .chain(odd.iter().map(String::as_str))
+        {
+            assert!(edge.named(other).is_none(), "{other}");
         }
     }
 

@@ -227,7 +227,8 @@ async fn composed<S: Store, B: BlobStore>(
 /// artifact they were sealed into: every reader reads that artifact from then on
 /// ([`crate::ops`]), and no chunk is admitted after a seal. A task of its own, so the
 /// completion's answer does not wait for a bucket's round trips; best effort, since a
-/// chunk left behind (a failure, a crash before this ran) is never read.
+/// chunk left behind (a failure, a crash before this ran) is never read, and the
+/// artifact store's collection removes it later ([`crate::serve::collect_forever`]).
 pub(super) fn remove_chunks<S: Store, B: BlobStore>(shared: &Arc<Shared<S, B>>, key: ArtifactKey) {
     let shared = shared.clone();
     tokio::spawn(async move {
@@ -238,7 +239,7 @@ pub(super) fn remove_chunks<S: Store, B: BlobStore>(shared: &Arc<Shared<S, B>>, 
             Ok::<_, String>(())
         };
         if let Err(e) = removed.await {
-            eprintln!("ql-control: the live-log chunks of attempt {} stay: {e}", key.attempt);
+            eprintln!("ql-control: the live-log chunks of attempt {} stay until a collection: {e}", key.attempt);
         }
     });
 }
