@@ -89,15 +89,16 @@ pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: Audit
 }
 
 /// The authority as the artifact store's collection asks it: an attempt has recorded its
-/// log once its run's detail shows an artifact on it.
+/// log once its run's detail shows that artifact on it (under the key's project).
 #[derive(Clone)]
 pub struct Authority<S>(pub S);
 
 impl<S: Store> Recorded for Authority<S> {
     async fn recorded(&self, key: &ArtifactKey) -> Result<bool, BlobError> {
         let detail = self.0.run_detail(&key.run).await.map_err(|e| BlobError(format!("asking the authority: {e}")))?;
-        let attempt = detail.as_ref().and_then(|d| d.attempts.iter().find(|a| a.id == key.attempt));
-        Ok(attempt.is_some_and(|a| a.artifact.is_some()))
+        let Some(detail) = detail.filter(|d| d.run.project == key.project) else { return Ok(false) };
+        let attempt = detail.attempts.iter().find(|a| a.id == key.attempt);
+        Ok(attempt.and_then(|a| a.artifact.as_ref()).is_some_and(|r| r.artifact_id == key.artifact))
     }
 }
 
@@ -124,6 +125,13 @@ pub async fn collect_forever<B: BlobStore, S: Store>(blobs: B, store: S, every: 
                     eprintln!(
                         "ql-control: removed {} live-log chunk(s) of recorded logs, {} bytes",
                         c.chunks, c.chunk_bytes
+                    );
+                }
+                if c.unanswered > 0 {
+                    eprintln!(
+                        "ql-control: the old live-log chunks of {} attempt(s) stay until the next collection: \
+                         the database did not answer whether they recorded their log",
+                        c.unanswered
                     );
                 }
             }

@@ -241,6 +241,7 @@ async fn contract<B: BlobStore>(store: B, stored: impl Fn(&str) -> Vec<(String, 
     for (offset, bytes) in [(0, &b"first "[..]), (6, &b"second"[..])] {
         store.put_chunk(&done, offset, bytes).await.unwrap();
     }
+    put(&store, &done, b"first second", false).await;
     let authority = Authority::recording(&["att_done"]);
 
     let all = stored("att_left");
@@ -251,21 +252,32 @@ async fn contract<B: BlobStore>(store: B, stored: impl Fn(&str) -> Vec<(String, 
     assert_eq!((stored("att_left"), stored("att_done"), stored("att_live")), (all, done_files, live_files.clone()));
     assert_eq!(authority.asked(), Vec::<String>::new(), "nothing old to ask about");
     let old = store.collect(SystemTime::now() + hour, &authority).await.unwrap();
-    assert_eq!(old, Collected { removed: 2, bytes: 9, chunks: 2, chunk_bytes: 12 });
+    assert_eq!(old, Collected { removed: 2, bytes: 9, chunks: 2, chunk_bytes: 12, unanswered: 0 });
     assert_eq!(authority.asked(), ["att_done", "att_left", "att_live"], "once for each attempt with old chunks");
     assert_eq!(stored("att_left").len(), kept_files, "the named content, its receipt and the chunk stay");
     assert_eq!(store.read(&kept, 0, 100).await.unwrap().as_deref(), Some(&b"named content"[..]));
     assert_eq!(store.read_chunk(&kept, 0, 7, &Digest::of(b"a chunk")).await.unwrap(), b"a chunk");
-    assert_eq!(stored("att_done"), Vec::new(), "the recorded log's chunks are gone");
+    assert_eq!(stored("att_done").len(), 2, "the recorded log's chunks are gone, its content and receipt stay");
+    assert_eq!(store.read(&done, 0, 100).await.unwrap().as_deref(), Some(&b"first second"[..]));
     assert_eq!(stored("att_live"), live_files, "the log being written stays");
     let again = store.collect(SystemTime::now() + hour, &authority).await.unwrap();
     assert_eq!(again, Collected::default(), "nothing is left");
 
-    // An authority that cannot answer fails the collection, and nothing of the attempt
-    // it was asked about goes.
+    // An authority that cannot answer keeps the chunks of each attempt it was asked
+    // about, and says how many; the upload leftovers go all the same.
+    let mut up = store.begin(&key("att_left", "again"), 3, false).await.unwrap();
+    up.write(b"abc").await.unwrap();
+    std::mem::forget(up);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while size(&stored("att_left")) < kept_size + 3 {
+        assert!(std::time::Instant::now() < deadline, "the leftover never landed: {:?}", stored("att_left"));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let unsure = Authority::failing();
-    assert!(store.collect(SystemTime::now() + hour, &unsure).await.is_err());
-    assert_eq!(stored("att_live"), live_files);
+    let unanswered = store.collect(SystemTime::now() + hour, &unsure).await.unwrap();
+    assert_eq!(unanswered, Collected { removed: 1, bytes: 3, unanswered: 2, ..Collected::default() });
+    assert_eq!(unsure.asked(), ["att_left", "att_live"]);
+    assert_eq!((stored("att_left").len(), stored("att_live")), (kept_files, live_files));
 
     // Racing puts of one key: whatever each was told, what is stored afterwards is one
     // of the contents told `Stored`, whole. (Which one wins is the database's to decide:

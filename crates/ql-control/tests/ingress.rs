@@ -1552,6 +1552,14 @@ fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() 
     for (offset, bytes) in [(0, &a), (a.len() as u64, &b)] {
         server.rt.block_on(server.blobs.put_chunk(&key, offset, bytes)).unwrap();
     }
+    // Only that artifact of that attempt, under its run's project, counts as recorded.
+    let mut other = key.clone();
+    other.artifact = ArtifactId::parse("other").unwrap();
+    let mut elsewhere = key.clone();
+    elsewhere.project = ProjectId::parse("elsewhere").unwrap();
+    for (k, recorded) in [(&key, true), (&other, false), (&elsewhere, false)] {
+        assert_eq!(server.rt.block_on(authority.recorded(k)).unwrap(), recorded, "{k:?}");
+    }
     let before = server.snapshot();
     let chunk_bytes = (a.len() + b.len()) as u64;
     assert_eq!(collect(), Collected { chunks: 2, chunk_bytes, ..Collected::default() });

@@ -290,7 +290,10 @@ fn collect_in(
             (&mut collected.removed, &mut collected.bytes)
         } else if let Some(key) = chunk_of(root, dir, &name) {
             if recorded.is_none() {
-                recorded = Some(ask(&key)?);
+                recorded = Some(ask(&key).unwrap_or_else(|_| {
+                    collected.unanswered += 1;
+                    false
+                }));
             }
             if recorded != Some(true) {
                 continue;
@@ -316,7 +319,8 @@ fn collect_in(
 fn chunk_of(root: &Path, dir: &Path, name: &str) -> Option<ArtifactKey> {
     let (artifact, rest) = name.split_once(".chunk.")?;
     let (offset, digest) = rest.split_once('.')?;
-    offset.parse::<u64>().ok()?;
+    // Exactly as `chunk_path` writes it: no sign, no leading zero.
+    offset.parse::<u64>().ok().filter(|n| n.to_string() == offset)?;
     Digest::parse(digest).ok()?;
     let mut parts = dir.strip_prefix(root).ok()?.iter().map(|p| p.to_str());
     let (project, run, attempt) = (parts.next()??, parts.next()??, parts.next()??);

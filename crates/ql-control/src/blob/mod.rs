@@ -57,6 +57,9 @@ pub struct Collected {
     pub chunks: u64,
     /// Their bytes.
     pub chunk_bytes: u64,
+    /// Attempts with old chunks the authority could not answer about: their chunks stay
+    /// until a later collection (the rest of the store is collected all the same).
+    pub unanswered: u64,
 }
 
 /// The authority's word on whether an attempt has recorded its log's artifact. From then
@@ -172,7 +175,8 @@ pub trait BlobStore: Clone + Send + Sync + 'static {
     /// any upload in progress can be (the caller's bound); then nothing removed can ever be
     /// named or read, and replicas may collect at the same time. Also removes the
     /// live-log chunks last written before `before` of every attempt `recorded` says has
-    /// recorded its artifact (asked once for each attempt that has such chunks).
+    /// recorded its artifact (asked once for each attempt that has such chunks; one it
+    /// cannot answer about keeps them, and is counted).
     fn collect<R: Recorded>(
         &self,
         before: SystemTime,

@@ -39,7 +39,8 @@
 //! [`BlobStore::collect`] lists the prefix (ListObjectsV2) and removes upload content older
 //! than its bound that the artifact's receipt, read again just before, does not name: what
 //! an upload left when its receipt's write failed without an answer, or its server stopped
-//! between the two.
+//! between the two. It also removes the old chunks of attempts the authority says have
+//! recorded their log ([`super::Recorded`]).
 
 use std::io::Read;
 use std::sync::Arc;
@@ -403,7 +404,8 @@ impl S3BlobStore {
         } else {
             let (artifact, rest) = file.split_once(".chunk.")?;
             let (offset, digest) = rest.split_once('.')?;
-            offset.parse::<u64>().ok()?;
+            // Exactly as `chunk_name` writes it: no sign, no leading zero.
+            offset.parse::<u64>().ok().filter(|n| n.to_string() == offset)?;
             Digest::parse(digest).ok()?;
             (artifact, Object::Chunk)
         };
@@ -710,7 +712,7 @@ impl BlobStore for S3BlobStore {
         let mut collected = Collected::default();
         // The listing is in key order, so an attempt's chunks come together: whether it
         // recorded its artifact is asked once for them.
-        let mut asked: Option<(AttemptId, bool)> = None;
+        let mut asked: Option<(ArtifactKey, bool)> = None;
         let mut token = None;
         loop {
             let page = self.list(token.as_deref()).await?;
@@ -734,12 +736,15 @@ impl BlobStore for S3BlobStore {
                         (&mut collected.removed, &mut collected.bytes)
                     }
                     Object::Chunk => {
-                        let known = asked.as_ref().filter(|(attempt, _)| *attempt == key.attempt).map(|(_, r)| *r);
+                        let known = asked.as_ref().filter(|(k, _)| *k == key).map(|(_, r)| *r);
                         let recorded = match known {
                             Some(r) => r,
-                            None => recorded.recorded(&key).await?,
+                            None => recorded.recorded(&key).await.unwrap_or_else(|_| {
+                                collected.unanswered += 1;
+                                false
+                            }),
                         };
-                        asked = Some((key.attempt, recorded));
+                        asked = Some((key, recorded));
                         if !recorded {
                             continue;
                         }
@@ -750,8 +755,11 @@ impl BlobStore for S3BlobStore {
                 if !matches!(answer.status, 200 | 204 | 404) {
                     return Err(Self::refused("removing a leftover", &answer));
                 }
-                *counts.0 += 1;
-                *counts.1 += object.size;
+                // A 404: another replica (or the completion's own removal) was first.
+                if answer.status != 404 {
+                    *counts.0 += 1;
+                    *counts.1 += object.size;
+                }
             }
             match page.next_continuation_token {
                 Some(next) if page.is_truncated => token = Some(next),
@@ -837,6 +845,8 @@ mod tests {
         assert_eq!((key.attempt.as_str(), key.artifact.as_str(), object), ("att_1", "log", Object::Chunk));
         let odd = [
             format!("edge/prod/proj/run_1/att_1/log.chunk.x.{}", sha.as_str()),
+            format!("edge/prod/proj/run_1/att_1/log.chunk.+5.{}", sha.as_str()),
+            format!("edge/prod/proj/run_1/att_1/log.chunk.05.{}", sha.as_str()),
             format!("edge/prod/proj/run_1/att_1/x/log.chunk.0.{}", sha.as_str()),
         ];
         for other in [

@@ -239,7 +239,10 @@ pub(super) fn remove_chunks<S: Store, B: BlobStore>(shared: &Arc<Shared<S, B>>, 
             Ok::<_, String>(())
         };
         if let Err(e) = removed.await {
-            eprintln!("ql-control: the live-log chunks of attempt {} stay until a collection: {e}", key.attempt);
+            eprintln!(
+                "ql-control: the live-log chunks of attempt {} stay (for the artifact store's collection): {e}",
+                key.attempt
+            );
         }
     });
 }
