@@ -46,6 +46,7 @@ use std::fs::File;
 use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -263,23 +264,38 @@ fn publish(store: &FsBlobStore, dir: &Path, tmp: &Path, receipt: &Receipt) -> Re
 /// Asks the authority whether an attempt has recorded its artifact ([`Recorded`]).
 type Ask<'a> = dyn FnMut(&ArtifactKey) -> Result<bool, BlobError> + 'a;
 
-/// [`BlobStore::collect`] under `dir`, its subdirectories too (`root` is the store's).
-fn collect_in(
-    root: &Path,
-    dir: &Path,
+/// One collection's walk over the store's files.
+struct Walk<'a> {
+    root: &'a Path,
     before: SystemTime,
-    ask: &mut Ask<'_>,
-    collected: &mut Collected,
-) -> Result<(), BlobError> {
+    /// Set once the collection's caller is gone: the walk stops.
+    abandoned: &'a AtomicBool,
+}
+
+/// Abandons a walk when the collection that started it is dropped.
+struct AbandonOnDrop(Arc<AtomicBool>);
+
+impl Drop for AbandonOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// [`BlobStore::collect`] under `dir`, its subdirectories too.
+fn collect_in(walk: &Walk<'_>, dir: &Path, ask: &mut Ask<'_>, collected: &mut Collected) -> Result<(), BlobError> {
+    let (root, before) = (walk.root, walk.before);
     // Whether this directory's attempt recorded its artifact: asked once, and only if
     // it holds an old chunk.
     let mut recorded = None;
     for entry in std::fs::read_dir(dir)? {
+        if walk.abandoned.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         let entry = entry?;
         // Not followed: every file here is one this store made, none a link.
         let meta = entry.metadata()?;
         if meta.is_dir() {
-            collect_in(root, &entry.path(), before, ask, collected)?;
+            collect_in(walk, &entry.path(), ask, collected)?;
             continue;
         }
         if !meta.is_file() || meta.modified()? >= before {
@@ -519,10 +535,21 @@ impl BlobStore for FsBlobStore {
     async fn collect<R: Recorded>(&self, before: SystemTime, recorded: &R) -> Result<Collected, BlobError> {
         let (root, recorded) = (self.root.as_ref().clone(), recorded.clone());
         let runtime = tokio::runtime::Handle::current();
+        // A blocking task runs to its end even once its caller is gone, and a runtime
+        // that shuts down waits for it: a collection aborted (serve stopping) stops its
+        // walk at the next file instead.
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let _abandon_on_drop = AbandonOnDrop(abandoned.clone());
         tokio::task::spawn_blocking(move || {
             let mut collected = Collected::default();
-            let mut ask = |key: &ArtifactKey| runtime.block_on(recorded.recorded(key));
-            collect_in(&root, &root, before, &mut ask, &mut collected).map(|()| collected)
+            let mut ask = |key: &ArtifactKey| {
+                if abandoned.load(Ordering::Relaxed) {
+                    return Err(err("the collection was abandoned"));
+                }
+                runtime.block_on(recorded.recorded(key))
+            };
+            let walk = Walk { root: &root, before, abandoned: &abandoned };
+            collect_in(&walk, &root, &mut ask, &mut collected).map(|()| collected)
         })
         .await
         .map_err(|e| err(format!("collecting leftovers: {e}")))?
@@ -684,5 +711,57 @@ mod tests {
         });
         kinds.sort();
         assert_eq!(kinds, ["already", "stored"]);
+    }
+
+    /// The authority for [`a_dropped_collection_stops_its_walk`]: its first answer waits
+    /// until the test lets it go; it counts what it was asked.
+    #[derive(Clone)]
+    struct Held {
+        asked: Arc<std::sync::Mutex<usize>>,
+        told: std::sync::mpsc::Sender<()>,
+        release: Arc<std::sync::Mutex<std::sync::mpsc::Receiver<()>>>,
+    }
+
+    impl Recorded for Held {
+        async fn recorded(&self, _key: &ArtifactKey) -> Result<bool, BlobError> {
+            let first = {
+                let mut asked = self.asked.lock().unwrap();
+                *asked += 1;
+                *asked == 1
+            };
+            if first {
+                self.told.send(()).unwrap();
+                self.release.lock().unwrap().recv().unwrap();
+            }
+            Ok(true)
+        }
+    }
+
+    #[test]
+    fn a_dropped_collection_stops_its_walk() {
+        let dir = TempDir::new("abandon");
+        let store = FsBlobStore::open(&dir.0).unwrap();
+        let (told, asked_first) = std::sync::mpsc::channel();
+        let (go, release) = std::sync::mpsc::channel();
+        let held = Held { asked: Arc::default(), told, release: Arc::new(std::sync::Mutex::new(release)) };
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        runtime.block_on(async {
+            for attempt in ["att_a", "att_b"] {
+                let k = ArtifactKey { attempt: AttemptId::parse(attempt).unwrap(), ..key("log") };
+                store.put_chunk(&k, 0, b"chunk").await.unwrap();
+            }
+            let later = SystemTime::now() + std::time::Duration::from_secs(3_600);
+            let (store, held) = (store.clone(), held.clone());
+            let collection = tokio::spawn(async move { store.collect(later, &held).await });
+            tokio::task::spawn_blocking(move || asked_first.recv().unwrap()).await.unwrap();
+            collection.abort();
+            assert!(collection.await.unwrap_err().is_cancelled());
+            go.send(()).unwrap();
+        });
+        // Shutting down waits for the walk; it asked nothing more once abandoned.
+        drop(runtime);
+        assert_eq!(*held.asked.lock().unwrap(), 1);
+        let chunks = files(&dir.0).into_iter().filter(|f| f.contains(".chunk.")).count();
+        assert!(chunks >= 1, "the other attempt's chunk stays");
     }
 }
