@@ -15,6 +15,7 @@ use std::time::{Duration, SystemTime};
 use sha2::{Digest as _, Sha256};
 
 use ql_control::blob::fs::FsBlobStore;
+use ql_control::blob::s3::S3Options;
 use ql_control::blob::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Upload};
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
@@ -311,6 +312,26 @@ async fn the_s3_store_keeps_the_contract() {
     let store = server.store("edge/contract");
     let data = server.data().join("data").join(s3::BUCKET).join("edge/contract/proj/run_1");
     contract(store, move |attempt| files(&data.join(attempt))).await;
+}
+
+/// One object a page: an attempt's chunks come on pages of their own, and the database is
+/// still asked once for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_collection_asks_once_for_an_attempt_whose_chunks_span_pages() {
+    let server = s3::S3Server::start("pages");
+    let store = ql_control::blob::s3::S3BlobStore::new(S3Options { list_page: 1, ..server.options("edge/pages") });
+    let (done, live) = (key("att_done", "log"), key("att_live", "log"));
+    for (offset, bytes) in [(0, &b"one "[..]), (4, &b"two "[..]), (8, &b"three"[..])] {
+        store.put_chunk(&done, offset, bytes).await.unwrap();
+        store.put_chunk(&live, offset, bytes).await.unwrap();
+    }
+    let authority = Authority::recording(&["att_done"]);
+    let later = SystemTime::now() + Duration::from_secs(3_600);
+    let collected = store.collect(later, &authority).await.unwrap();
+    assert_eq!(collected, Collected { chunks: 3, chunk_bytes: 13, ..Collected::default() });
+    assert_eq!(authority.asked(), ["att_done", "att_live"]);
+    let chunks = server.data().join("data").join(s3::BUCKET).join("edge/pages/proj/run_1");
+    assert_eq!((files(&chunks.join("att_done")).len(), files(&chunks.join("att_live")).len()), (0, 3));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
