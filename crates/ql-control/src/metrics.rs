@@ -3,11 +3,11 @@
 //!
 //! Two kinds of figures. Counted in this process as things happen: worker requests by
 //! route and status, their latency, each store command's latency, sweeps and what they
-//! changed, schedule fires, webhook sends. Read from the database at each scrape (so
-//! every replica tells the same): runs, sessions, leases, fires and deliveries by status,
-//! the oldest queued run's age, the bytes of the stored logs. Every label is a route,
-//! a command, a status or an outcome: a bounded set; no run, worker or session id is a
-//! label.
+//! changed, schedule fires, webhook sends, what the artifact store's collection removed.
+//! Read from the database at each scrape (so every replica tells the same): runs,
+//! sessions, leases, fires and deliveries by status, the oldest queued run's age, the
+//! bytes of the stored logs. Every label is a route, a command, a status, an outcome or a
+//! kind: a bounded set; no run, worker or session id is a label.
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -21,6 +21,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
+use crate::blob::Collected;
 use crate::core::{Command, Reply};
 use crate::store::{Store, StoreError};
 
@@ -55,6 +56,11 @@ struct ReasonLabels {
     reason: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: String,
+}
+
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// Seconds from 0.5 ms to about 16 s.
@@ -83,6 +89,10 @@ pub struct Metrics {
     connections_open: Gauge,
     connections_max: Gauge,
     turned_away: Family<ReasonLabels, Counter>,
+    collected: Family<KindLabels, Counter>,
+    collected_bytes: Family<KindLabels, Counter>,
+    collections: Family<OutcomeLabels, Counter>,
+    unanswered: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -130,6 +140,10 @@ impl Metrics {
             connections_open: Gauge::default(),
             connections_max: Gauge::default(),
             turned_away: Family::default(),
+            collected: Family::default(),
+            collected_bytes: Family::default(),
+            collections: Family::default(),
+            unanswered: Counter::default(),
         };
         registry.register("requests", "Worker requests answered, by route and HTTP status", m.requests.clone());
         registry.register("request_seconds", "Worker request latency, by route", m.request_seconds.clone());
@@ -165,7 +179,36 @@ impl Metrics {
             "Worker connections closed unserved at a limit, by reason (handshakes, slots, anonymous, accept)",
             m.turned_away.clone(),
         );
+        registry.register(
+            "artifact_collected",
+            "What the artifact store's collection removed, by kind (upload_leftover, log_chunk)",
+            m.collected.clone(),
+        );
+        registry.register("artifact_collected_bytes", "Their bytes, by kind", m.collected_bytes.clone());
+        registry.register(
+            "artifact_collections",
+            "Passes of the artifact store's collection, by outcome (done, failed)",
+            m.collections.clone(),
+        );
+        registry.register(
+            "artifact_collection_unanswered",
+            "Attempts whose old live-log chunks a pass kept because the database did not answer",
+            m.unanswered.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// One pass of the artifact store's collection: what it removed, or that it failed.
+    pub fn collection(&self, pass: Option<&Collected>) {
+        let outcome = if pass.is_some() { "done" } else { "failed" };
+        self.collections.get_or_create(&OutcomeLabels { outcome: outcome.into() }).inc();
+        let Some(c) = pass else { return };
+        for (kind, n, bytes) in [("upload_leftover", c.removed, c.bytes), ("log_chunk", c.chunks, c.chunk_bytes)] {
+            let kind = KindLabels { kind: kind.into() };
+            self.collected.get_or_create(&kind).inc_by(n);
+            self.collected_bytes.get_or_create(&kind).inc_by(bytes);
+        }
+        self.unanswered.inc_by(c.unanswered);
     }
 
     /// A worker connection accepted (`true`) or ended (`false`).
@@ -345,5 +388,34 @@ impl<S: Store> Store for Measured<S> {
     }
     fn wakes_since(&self, seen: u64, now: u64) -> Option<Vec<crate::core::Want>> {
         self.inner.wakes_since(seen, now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::sqlite::SqliteStore;
+
+    #[tokio::test]
+    async fn a_collection_pass_is_counted_by_outcome_and_kind() {
+        let dir = crate::pki::tests::TempDir::new("metrics-collection");
+        let store = SqliteStore::open(dir.path().join("control.db"), crate::core::Timings::default()).unwrap();
+        let metrics = Metrics::new();
+        let pass = Collected { removed: 1, bytes: 9, chunks: 2, chunk_bytes: 12, unanswered: 3 };
+        metrics.collection(Some(&pass));
+        metrics.collection(Some(&pass));
+        metrics.collection(None);
+        let text = metrics.render(&store).await.unwrap();
+        for line in [
+            "ql_artifact_collections_total{outcome=\"done\"} 2",
+            "ql_artifact_collections_total{outcome=\"failed\"} 1",
+            "ql_artifact_collected_total{kind=\"upload_leftover\"} 2",
+            "ql_artifact_collected_bytes_total{kind=\"upload_leftover\"} 18",
+            "ql_artifact_collected_total{kind=\"log_chunk\"} 4",
+            "ql_artifact_collected_bytes_total{kind=\"log_chunk\"} 24",
+            "ql_artifact_collection_unanswered_total 6",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
     }
 }

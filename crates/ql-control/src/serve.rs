@@ -25,10 +25,11 @@ use ql_wire::ids::RunId;
 
 use crate::api::{self, ApiConfig};
 use crate::blob::any::Blobs;
-use crate::blob::{ArtifactKey, BlobError, BlobStore, Recorded};
+use crate::blob::{ArtifactKey, BlobError, BlobStore, Collected, Recorded};
 use crate::config::{Config, Layout};
 use crate::core::{Command, Reply};
 use crate::http::{self, IngressConfig};
+use crate::metrics::Metrics;
 use crate::store::postgres::{PgOptions, PgStore};
 use crate::store::sqlite::{SqliteOptions, SqliteStore};
 use crate::store::{AuditRetention, Store};
@@ -102,18 +103,39 @@ impl<S: Store> Recorded for Authority<S> {
     }
 }
 
+/// One pass of the artifact store's collection ([`BlobStore::collect`]) of what was last
+/// written before `before`, told to `metrics` when given.
+pub async fn collect_once<B: BlobStore, R: Recorded>(
+    blobs: &B,
+    recorded: &R,
+    before: SystemTime,
+    metrics: Option<&Metrics>,
+) -> Result<Collected, BlobError> {
+    let pass = blobs.collect(before, recorded).await;
+    if let Some(metrics) = metrics {
+        metrics.collection(pass.as_ref().ok());
+    }
+    pass
+}
+
 /// Every `every`, from the start, removes what uploads that never completed left in the
 /// artifact store once it is `age` old, and the chunks of recorded logs whose removal at
-/// the completion did not happen ([`BlobStore::collect`]), and says on stderr what went.
-/// Safe on every replica.
-pub async fn collect_forever<B: BlobStore, S: Store>(blobs: B, store: S, every: Duration, age: Duration) {
+/// the completion did not happen ([`collect_once`]), and says on stderr what went. Safe on
+/// every replica.
+pub async fn collect_forever<B: BlobStore, S: Store>(
+    blobs: B,
+    store: S,
+    every: Duration,
+    age: Duration,
+    metrics: Option<Arc<Metrics>>,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let authority = Authority(store);
     loop {
         tick.tick().await;
         let before = SystemTime::now().checked_sub(age).unwrap_or(SystemTime::UNIX_EPOCH);
-        match blobs.collect(before, &authority).await {
+        match collect_once(&blobs, &authority, before, metrics.as_deref()).await {
             Ok(c) => {
                 if c.removed > 0 {
                     eprintln!(
@@ -399,7 +421,7 @@ async fn serve_on<S: Store>(
     let collector = (config.artifact_collect_ms > 0).then(|| {
         let (every, age) =
             (Duration::from_millis(config.artifact_collect_ms), Duration::from_millis(config.artifact_leftover_age_ms));
-        tokio::spawn(collect_forever(leftovers, store.clone(), every, age))
+        tokio::spawn(collect_forever(leftovers, store.clone(), every, age, Some(metrics.clone())))
     });
     shutdown.await;
     notifying(&notify, |n| n.stopping("stopping: finishing the requests in flight", None));

@@ -1530,9 +1530,11 @@ fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() 
     let sealed: ArtifactReply = client.seal(job, acked.acked).json(200);
     let artifacts = server.dir.path().join("artifacts");
     let authority = ql_control::serve::Authority(server.store.clone());
+    let metrics = ql_control::metrics::Metrics::new();
     let collect = || {
         let before = SystemTime::now() + Duration::from_secs(3_600);
-        server.rt.block_on(server.blobs.collect(before, &authority)).unwrap()
+        let pass = ql_control::serve::collect_once(&server.blobs, &authority, before, Some(&metrics));
+        server.rt.block_on(pass).unwrap()
     };
 
     // Sealed but not yet recorded by a completion, the chunks are still the log.
@@ -1566,6 +1568,16 @@ fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() 
     assert_eq!(files_named(&artifacts, ".chunk.").len(), 0);
     assert_eq!(server.snapshot(), before, "the authority is only asked");
     assert_eq!(server.inspect(&key), Some(sealed.receipt.clone()), "the artifact stays");
+    let text = server.rt.block_on(metrics.render(&server.store)).unwrap();
+    for line in [
+        "ql_artifact_collections_total{outcome=\"done\"} 2".to_owned(),
+        "ql_artifact_collected_total{kind=\"log_chunk\"} 2".to_owned(),
+        format!("ql_artifact_collected_bytes_total{{kind=\"log_chunk\"}} {chunk_bytes}"),
+        "ql_artifact_collected_total{kind=\"upload_leftover\"} 0".to_owned(),
+        "ql_artifact_collection_unanswered_total 0".to_owned(),
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+    }
     let ops = ql_control::ops::Local { store: server.store.clone(), blobs: server.blobs.clone() };
     let request = ql_control::ops::LogRequest { attempt: None, offset: 0, limit: 1 << 20, follow: false, wait_ms: 0 };
     let log = server.rt.block_on(ops.log(&job.path.run, &request)).unwrap();
