@@ -55,7 +55,7 @@ use tokio::io::AsyncWriteExt;
 
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
-use ql_wire::ids::{ArtifactId, AttemptId, ProjectId, RunId};
+use ql_wire::ids::ArtifactId;
 use ql_wire::limits::ARTIFACT_CONTENT_MAX;
 
 use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Upload};
@@ -137,7 +137,7 @@ fn content_path(dir: &Path, artifact: &ArtifactId, sha256: &Digest) -> PathBuf {
 }
 
 fn chunk_path(dir: &Path, artifact: &ArtifactId, offset: u64, sha256: &Digest) -> PathBuf {
-    dir.join(format!("{artifact}.chunk.{offset}.{}", sha256.as_str()))
+    dir.join(super::chunk_file(artifact, offset, sha256))
 }
 
 /// Writes a chunk under its digest's name: a temporary file, fsynced, linked (never
@@ -333,22 +333,13 @@ fn collect_in(walk: &Walk<'_>, dir: &Path, ask: &mut Ask<'_>, collected: &mut Co
 
 /// The key of the chunk file `name` in the attempt directory `dir`, if it is one.
 fn chunk_of(root: &Path, dir: &Path, name: &str) -> Option<ArtifactKey> {
-    let (artifact, rest) = name.split_once(".chunk.")?;
-    let (offset, digest) = rest.split_once('.')?;
-    // Exactly as `chunk_path` writes it: no sign, no leading zero.
-    offset.parse::<u64>().ok().filter(|n| n.to_string() == offset)?;
-    Digest::parse(digest).ok()?;
+    let artifact = super::chunk_artifact(name)?;
     let mut parts = dir.strip_prefix(root).ok()?.iter().map(|p| p.to_str());
     let (project, run, attempt) = (parts.next()??, parts.next()??, parts.next()??);
     if parts.next().is_some() {
         return None;
     }
-    Some(ArtifactKey {
-        project: ProjectId::parse(project).ok()?,
-        run: RunId::parse(run).ok()?,
-        attempt: AttemptId::parse(attempt).ok()?,
-        artifact: ArtifactId::parse(artifact).ok()?,
-    })
+    ArtifactKey::parse(project, run, attempt, artifact)
 }
 
 /// Whether the file `name` in `dir` is an upload's leftover: a temporary file (only an

@@ -35,6 +35,34 @@ pub struct ArtifactKey {
     pub artifact: ArtifactId,
 }
 
+impl ArtifactKey {
+    /// The key the parts of a stored name give (`<project>/<run>/<attempt>/` and the
+    /// artifact of its file name), when each is a valid id.
+    pub(crate) fn parse(project: &str, run: &str, attempt: &str, artifact: &str) -> Option<Self> {
+        Some(Self {
+            project: ProjectId::parse(project).ok()?,
+            run: RunId::parse(run).ok()?,
+            attempt: AttemptId::parse(attempt).ok()?,
+            artifact: ArtifactId::parse(artifact).ok()?,
+        })
+    }
+}
+
+/// The file (or object) name of a live-log chunk in its attempt's place, in every store.
+pub(crate) fn chunk_file(artifact: &ArtifactId, offset: u64, sha256: &Digest) -> String {
+    format!("{artifact}.chunk.{offset}.{}", sha256.as_str())
+}
+
+/// The artifact whose chunk `name` is, when it is exactly what [`chunk_file`] writes (no
+/// sign or leading zero in the offset, a whole digest).
+pub(crate) fn chunk_artifact(name: &str) -> Option<&str> {
+    let (artifact, rest) = name.split_once(".chunk.")?;
+    let (offset, digest) = rest.split_once('.')?;
+    offset.parse::<u64>().ok().filter(|n| n.to_string() == offset)?;
+    Digest::parse(digest).ok()?;
+    Some(artifact)
+}
+
 /// How a put ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PutOutcome {

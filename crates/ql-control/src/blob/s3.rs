@@ -52,7 +52,6 @@ use tokio::sync::mpsc;
 
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
-use ql_wire::ids::{ArtifactId, AttemptId, ProjectId, RunId};
 use ql_wire::limits::ARTIFACT_CONTENT_MAX;
 
 use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Upload};
@@ -241,7 +240,7 @@ impl S3BlobStore {
     }
 
     fn chunk_name(&self, key: &ArtifactKey, offset: u64, sha256: &Digest) -> String {
-        format!("{}/{}.chunk.{offset}.{}", self.dir(key), key.artifact, sha256.as_str())
+        format!("{}/{}", self.dir(key), super::chunk_file(&key.artifact, offset, sha256))
     }
 
     fn url_of(&self, name: &str) -> String {
@@ -402,20 +401,9 @@ impl S3BlobStore {
             let ours = random.len() == 16 && random.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
             (ours.then_some(artifact)?, Object::Content)
         } else {
-            let (artifact, rest) = file.split_once(".chunk.")?;
-            let (offset, digest) = rest.split_once('.')?;
-            // Exactly as `chunk_name` writes it: no sign, no leading zero.
-            offset.parse::<u64>().ok().filter(|n| n.to_string() == offset)?;
-            Digest::parse(digest).ok()?;
-            (artifact, Object::Chunk)
+            (super::chunk_artifact(file)?, Object::Chunk)
         };
-        let key = ArtifactKey {
-            project: ProjectId::parse(project).ok()?,
-            run: RunId::parse(run).ok()?,
-            attempt: AttemptId::parse(attempt).ok()?,
-            artifact: ArtifactId::parse(artifact).ok()?,
-        };
-        Some((key, object))
+        Some((ArtifactKey::parse(project, run, attempt, artifact)?, object))
     }
 
     async fn delete_quietly(&self, name: &str) {
