@@ -1469,14 +1469,28 @@ fn files_named(dir: &Path, part: &str) -> Vec<String> {
     found
 }
 
+/// A live log of two chunks (`a`, then `b`) appended and sealed: the seal's answer.
+fn two_chunks_sealed(case: &UploadCase, a: &[u8], b: &[u8]) -> ArtifactReply {
+    let _: LogAppendReply = case.client.append(&case.job, 0, a).json(200);
+    let acked: LogAppendReply = case.client.append(&case.job, a.len() as u64, b).json(200);
+    case.client.seal(&case.job, acked.acked).json(200)
+}
+
+/// Waits until no chunk file is left under `artifacts` (the completion's removal ran).
+fn until_no_chunk(artifacts: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !files_named(artifacts, ".chunk.").is_empty() {
+        assert!(Instant::now() < deadline, "the chunks stay: {:?}", files_named(artifacts, ".chunk."));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn a_completion_that_records_the_log_removes_its_chunks_and_readers_read_the_artifact() {
     let case = UploadCase::new("chunks-go");
     let (client, job, server) = (&case.client, &case.job, &case.server);
     let (a, b) = (content(256 * 1024, 4), content(999, 5));
-    let _: LogAppendReply = client.append(job, 0, &a).json(200);
-    let acked: LogAppendReply = client.append(job, a.len() as u64, &b).json(200);
-    let sealed: ArtifactReply = client.seal(job, acked.acked).json(200);
+    let sealed = two_chunks_sealed(&case, &a, &b);
     let artifacts = server.dir.path().join("artifacts");
     assert_eq!(files_named(&artifacts, ".chunk.").len(), 2, "sealed, the chunks are still there");
 
@@ -1504,11 +1518,7 @@ fn a_completion_that_records_the_log_removes_its_chunks_and_readers_read_the_art
             .post(&job.route(AttemptCommand::Completion), &job.completion(0, Some(sealed.receipt.clone())))
             .json(200);
         assert_eq!(done.status, TerminalStatus::Succeeded);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !files_named(&artifacts, ".chunk.").is_empty() {
-            assert!(Instant::now() < deadline, "the chunks stay: {:?}", files_named(&artifacts, ".chunk."));
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        until_no_chunk(&artifacts);
         go.send(()).unwrap();
         let followed = follower.join().unwrap();
         assert!(followed.terminal);
@@ -1525,9 +1535,7 @@ fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() 
     let case = UploadCase::new("chunks-collected");
     let (client, job, server) = (&case.client, &case.job, &case.server);
     let (a, b) = (content(256 * 1024, 6), content(4_321, 7));
-    let _: LogAppendReply = client.append(job, 0, &a).json(200);
-    let acked: LogAppendReply = client.append(job, a.len() as u64, &b).json(200);
-    let sealed: ArtifactReply = client.seal(job, acked.acked).json(200);
+    let sealed = two_chunks_sealed(&case, &a, &b);
     let artifacts = server.dir.path().join("artifacts");
     let authority = ql_control::serve::Authority(server.store.clone());
     let metrics = ql_control::metrics::Metrics::new();
@@ -1544,11 +1552,7 @@ fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() 
     let done: CompletionReply =
         client.post(&job.route(AttemptCommand::Completion), &job.completion(0, Some(sealed.receipt.clone()))).json(200);
     assert_eq!(done.status, TerminalStatus::Succeeded);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !files_named(&artifacts, ".chunk.").is_empty() {
-        assert!(Instant::now() < deadline, "the completion's removal never ran");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    until_no_chunk(&artifacts);
     // As if that removal had not happened (the store was down, the server stopped).
     let key = job.key(&log_id());
     for (offset, bytes) in [(0, &a), (a.len() as u64, &b)] {
