@@ -152,6 +152,10 @@ pub struct Config {
     pub artifact_collect_ms: u64,
     /// Such a leftover or chunk goes once it is this old; longer than any upload can take.
     pub artifact_leftover_age_ms: u64,
+    /// How many attempts that ended without recording their log, whose chunks are its log
+    /// for good, the collection remembers so that it asks the database about each once
+    /// per process rather than every pass (0: none; past it, the rest every pass).
+    pub artifact_collect_remember: u64,
     /// How long a worker certificate is valid; its agent renews it when about two thirds
     /// of that has passed.
     pub worker_cert_lifetime_ms: u64,
@@ -226,6 +230,7 @@ impl Default for Config {
             audit_max_records: 1_000_000,
             artifact_collect_ms: 6 * 3_600_000,
             artifact_leftover_age_ms: 24 * 3_600_000,
+            artifact_collect_remember: 100_000,
             worker_cert_lifetime_ms: crate::pki::WORKER_VALIDITY.as_millis() as u64,
             enrolment_token_ttl_ms: 3_600_000,
             max_anonymous_connections: 16,

@@ -25,7 +25,7 @@ use ql_wire::ids::RunId;
 
 use crate::api::{self, ApiConfig};
 use crate::blob::any::Blobs;
-use crate::blob::{ArtifactKey, BlobError, BlobStore, Collected, Recorded};
+use crate::blob::{ArtifactKey, BlobError, BlobStore, Collected, Recorded, Recording, Remembering};
 use crate::config::{Config, Layout};
 use crate::core::{Command, Reply};
 use crate::http::{self, IngressConfig};
@@ -90,16 +90,26 @@ pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: Audit
 }
 
 /// The authority as the artifact store's collection asks it: an attempt has recorded its
-/// log once its run's detail shows that artifact on it (under the key's project).
+/// log once its run's detail shows that artifact on it (under the key's project), and
+/// never will once it ended without it: only a completion records an artifact, and it
+/// ends the attempt.
 #[derive(Clone)]
 pub struct Authority<S>(pub S);
 
 impl<S: Store> Recorded for Authority<S> {
-    async fn recorded(&self, key: &ArtifactKey) -> Result<bool, BlobError> {
+    async fn recorded(&self, key: &ArtifactKey) -> Result<Recording, BlobError> {
         let detail = self.0.run_detail(&key.run).await.map_err(|e| BlobError(format!("asking the authority: {e}")))?;
-        let Some(detail) = detail.filter(|d| d.run.project == key.project) else { return Ok(false) };
-        let attempt = detail.attempts.iter().find(|a| a.id == key.attempt);
-        Ok(attempt.and_then(|a| a.artifact.as_ref()).is_some_and(|r| r.artifact_id == key.artifact))
+        // Ids are made here and a run's project is fixed: a run or attempt that is not
+        // there under that project never will be.
+        let Some(detail) = detail.filter(|d| d.run.project == key.project) else { return Ok(Recording::Never) };
+        let Some(attempt) = detail.attempts.iter().find(|a| a.id == key.attempt) else { return Ok(Recording::Never) };
+        Ok(if attempt.artifact.as_ref().is_some_and(|r| r.artifact_id == key.artifact) {
+            Recording::Recorded
+        } else if attempt.status.is_terminal() {
+            Recording::Never
+        } else {
+            Recording::NotYet
+        })
     }
 }
 
@@ -118,20 +128,43 @@ pub async fn collect_once<B: BlobStore, R: Recorded>(
     pass
 }
 
-/// Every `every`, from the start, removes what uploads that never completed left in the
-/// artifact store once it is `age` old, and the chunks of recorded logs whose removal at
-/// the completion did not happen ([`collect_once`]), and says on stderr what went. Safe on
-/// every replica.
+/// How often and what [`collect_forever`] collects.
+#[derive(Debug, Clone, Copy)]
+pub struct Collection {
+    /// Between passes, the first at the start.
+    pub every: Duration,
+    /// A leftover or chunk goes once it is this old.
+    pub age: Duration,
+    /// Attempts whose chunks are their log for good that are asked about once, not every
+    /// pass ([`Remembering`]).
+    pub remember: usize,
+}
+
+impl Collection {
+    /// The collection `config` sets, if it is on.
+    pub fn of(config: &Config) -> Option<Self> {
+        (config.artifact_collect_ms > 0).then(|| Self {
+            every: Duration::from_millis(config.artifact_collect_ms),
+            age: Duration::from_millis(config.artifact_leftover_age_ms),
+            remember: usize::try_from(config.artifact_collect_remember).unwrap_or(usize::MAX),
+        })
+    }
+}
+
+/// Every `collection.every`, from the start, removes what uploads that never completed
+/// left in the artifact store once it is `collection.age` old, and the chunks of recorded
+/// logs whose removal at the completion did not happen ([`collect_once`]), and says on
+/// stderr what went. Safe on every replica.
 pub async fn collect_forever<B: BlobStore, S: Store>(
     blobs: B,
     store: S,
-    every: Duration,
-    age: Duration,
+    collection: Collection,
     metrics: Option<Arc<Metrics>>,
 ) {
+    let Collection { every, age, remember } = collection;
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let authority = Authority(store);
+    let authority = Remembering::new(Authority(store), remember);
     loop {
         tick.tick().await;
         let before = SystemTime::now().checked_sub(age).unwrap_or(SystemTime::UNIX_EPOCH);
@@ -418,11 +451,8 @@ async fn serve_on<S: Store>(
     };
     let every = Duration::from_millis(config.sweep_interval_ms);
     let sweeper = tokio::spawn(sweep_forever(store.clone(), every, config.audit_retention()));
-    let collector = (config.artifact_collect_ms > 0).then(|| {
-        let (every, age) =
-            (Duration::from_millis(config.artifact_collect_ms), Duration::from_millis(config.artifact_leftover_age_ms));
-        tokio::spawn(collect_forever(leftovers, store.clone(), every, age, Some(metrics.clone())))
-    });
+    let collector = Collection::of(config)
+        .map(|collection| tokio::spawn(collect_forever(leftovers, store.clone(), collection, Some(metrics.clone()))));
     shutdown.await;
     notifying(&notify, |n| n.stopping("stopping: finishing the requests in flight", None));
     sweeper.abort();

@@ -16,7 +16,7 @@ use sha2::{Digest as _, Sha256};
 
 use ql_control::blob::fs::FsBlobStore;
 use ql_control::blob::s3::S3Options;
-use ql_control::blob::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Upload};
+use ql_control::blob::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Recording, Upload};
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
 use ql_wire::ids::{ArtifactId, AttemptId, ProjectId, RunId};
@@ -51,20 +51,27 @@ fn key(attempt: &str, artifact: &str) -> ArtifactKey {
 }
 
 /// The authority as the collection asks it: the attempts that recorded their log (none
-/// answers when `None`), and which attempts it was asked about.
+/// answers when `None`), those that ended without one, and which attempts it was asked
+/// about. Any other attempt is still writing its log.
 #[derive(Clone)]
 struct Authority {
     recorded: Option<Vec<String>>,
+    ended: Vec<String>,
     asked: Arc<Mutex<Vec<String>>>,
 }
 
 impl Authority {
     fn recording(attempts: &[&str]) -> Self {
-        Self { recorded: Some(attempts.iter().map(|a| a.to_string()).collect()), asked: Arc::default() }
+        let recorded = Some(attempts.iter().map(|a| a.to_string()).collect());
+        Self { recorded, ended: Vec::new(), asked: Arc::default() }
+    }
+
+    fn ended(self, attempts: &[&str]) -> Self {
+        Self { ended: attempts.iter().map(|a| a.to_string()).collect(), ..self }
     }
 
     fn failing() -> Self {
-        Self { recorded: None, asked: Arc::default() }
+        Self { recorded: None, ended: Vec::new(), asked: Arc::default() }
     }
 
     /// The attempts asked about since the last call, sorted.
@@ -76,10 +83,17 @@ impl Authority {
 }
 
 impl Recorded for Authority {
-    async fn recorded(&self, key: &ArtifactKey) -> Result<bool, BlobError> {
+    async fn recorded(&self, key: &ArtifactKey) -> Result<Recording, BlobError> {
         self.asked.lock().unwrap().push(key.attempt.to_string());
         let recorded = self.recorded.as_ref().ok_or_else(|| BlobError("the authority is down".into()))?;
-        Ok(recorded.iter().any(|a| a == key.attempt.as_str()))
+        let named = |attempts: &[String]| attempts.iter().any(|a| a == key.attempt.as_str());
+        Ok(if named(recorded) {
+            Recording::Recorded
+        } else if named(&self.ended) {
+            Recording::Never
+        } else {
+            Recording::NotYet
+        })
     }
 }
 
@@ -235,15 +249,15 @@ async fn contract<B: BlobStore>(store: B, stored: impl Fn(&str) -> Vec<(String, 
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // The chunks of a log the authority says is recorded go too, once older than the
-    // bound; those of a log still being written (or of an attempt that ended without
-    // one, as `att_live` above) stay. The authority is asked once for each attempt with
-    // old chunks.
+    // bound; those of a log still being written (`att_live`) or of an attempt that ended
+    // without recording it (`att_left`) stay. The authority is asked once for each
+    // attempt with old chunks.
     let done = key("att_done", "log");
     for (offset, bytes) in [(0, &b"first "[..]), (6, &b"second"[..])] {
         store.put_chunk(&done, offset, bytes).await.unwrap();
     }
     put(&store, &done, b"first second", false).await;
-    let authority = Authority::recording(&["att_done"]);
+    let authority = Authority::recording(&["att_done"]).ended(&["att_left"]);
 
     let all = stored("att_left");
     let (done_files, live_files) = (stored("att_done"), stored("att_live"));

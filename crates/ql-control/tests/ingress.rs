@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::io::{self, Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -20,7 +21,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned, SupportedProtocolVersion};
 
 use ql_control::blob::fs::FsBlobStore;
-use ql_control::blob::{ArtifactKey, BlobError, BlobStore, Collected, Recorded};
+use ql_control::blob::{ArtifactKey, BlobError, BlobStore, Collected, Recorded, Recording, Remembering};
 use ql_control::core::{Command, Reply, Submit, Timings};
 use ql_control::http::{self, IngressConfig, IngressStats};
 use ql_control::model::AuditRecord;
@@ -1546,6 +1547,7 @@ fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() 
     };
 
     // Sealed but not yet recorded by a completion, the chunks are still the log.
+    assert_eq!(server.rt.block_on(authority.recorded(&job.key(&log_id()))).unwrap(), Recording::NotYet);
     assert_eq!(collect(), Collected::default());
     assert_eq!(files_named(&artifacts, ".chunk.").len(), 2);
 
@@ -1558,12 +1560,13 @@ fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() 
     for (offset, bytes) in [(0, &a), (a.len() as u64, &b)] {
         server.rt.block_on(server.blobs.put_chunk(&key, offset, bytes)).unwrap();
     }
-    // Only that artifact of that attempt, under its run's project, counts as recorded.
+    // Only that artifact of that attempt, under its run's project, counts as recorded;
+    // the ended attempt will never record another.
     let mut other = key.clone();
     other.artifact = ArtifactId::parse("other").unwrap();
     let mut elsewhere = key.clone();
     elsewhere.project = ProjectId::parse("elsewhere").unwrap();
-    for (k, recorded) in [(&key, true), (&other, false), (&elsewhere, false)] {
+    for (k, recorded) in [(&key, Recording::Recorded), (&other, Recording::Never), (&elsewhere, Recording::Never)] {
         assert_eq!(server.rt.block_on(authority.recorded(k)).unwrap(), recorded, "{k:?}");
     }
     let before = server.snapshot();
@@ -1586,6 +1589,30 @@ fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() 
     let request = ql_control::ops::LogRequest { attempt: None, offset: 0, limit: 1 << 20, follow: false, wait_ms: 0 };
     let log = server.rt.block_on(ops.log(&job.path.run, &request)).unwrap();
     assert_eq!((log.bytes, log.sealed), ([a.as_slice(), &b].concat(), Some(sealed.receipt)));
+
+    // Chunks the ended attempt can never record stay, and serve's collection asks the
+    // database about them once, not every pass.
+    server.rt.block_on(server.blobs.put_chunk(&other, 0, b"never sealed")).unwrap();
+    let counted = Counted(authority, Arc::default());
+    let remembering = Remembering::new(counted.clone(), 8);
+    for _ in 0..2 {
+        let before = SystemTime::now() + Duration::from_secs(3_600);
+        let pass = ql_control::serve::collect_once(&server.blobs, &remembering, before, None);
+        assert_eq!(server.rt.block_on(pass).unwrap(), Collected::default());
+    }
+    assert_eq!(counted.1.load(Ordering::Relaxed), 1, "asked once");
+    assert_eq!(files_named(&artifacts, ".chunk.").len(), 1, "the chunk stays");
+}
+
+/// The authority the collection asks, counting the questions.
+#[derive(Clone)]
+struct Counted<R>(R, Arc<AtomicUsize>);
+
+impl<R: Recorded> Recorded for Counted<R> {
+    async fn recorded(&self, key: &ArtifactKey) -> Result<Recording, BlobError> {
+        self.1.fetch_add(1, Ordering::Relaxed);
+        self.0.recorded(key).await
+    }
 }
 
 #[test]

@@ -58,7 +58,7 @@ use ql_wire::capability::Digest;
 use ql_wire::ids::ArtifactId;
 use ql_wire::limits::ARTIFACT_CONTENT_MAX;
 
-use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Upload};
+use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Recording, Upload};
 
 /// Artifacts as files under one root directory.
 #[derive(Debug, Clone)]
@@ -537,7 +537,7 @@ impl BlobStore for FsBlobStore {
                 if abandoned.load(Ordering::Relaxed) {
                     return Err(err("the collection was abandoned"));
                 }
-                runtime.block_on(recorded.recorded(key))
+                runtime.block_on(recorded.recorded(key)).map(|answer| answer == Recording::Recorded)
             };
             let walk = Walk { root: &root, before, abandoned: &abandoned };
             collect_in(&walk, &root, &mut ask, &mut collected).map(|()| collected)
@@ -714,7 +714,7 @@ mod tests {
     }
 
     impl Recorded for Held {
-        async fn recorded(&self, _key: &ArtifactKey) -> Result<bool, BlobError> {
+        async fn recorded(&self, _key: &ArtifactKey) -> Result<Recording, BlobError> {
             let first = {
                 let mut asked = self.asked.lock().unwrap();
                 *asked += 1;
@@ -724,7 +724,7 @@ mod tests {
                 self.told.send(()).unwrap();
                 self.release.lock().unwrap().recv().unwrap();
             }
-            Ok(true)
+            Ok(Recording::Recorded)
         }
     }
 

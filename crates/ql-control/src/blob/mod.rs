@@ -15,7 +15,10 @@ pub mod any;
 pub mod fs;
 pub mod s3;
 
+use std::collections::HashSet;
 use std::future::Future;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::SystemTime;
 
 use ql_wire::artifact::Receipt;
@@ -96,8 +99,66 @@ pub struct Collected {
 /// or the server stopped first). Only the database can tell such chunks from those of a
 /// log still being written, or of an attempt that ended without one.
 pub trait Recorded: Clone + Send + Sync + 'static {
-    /// Whether the attempt `key` names has recorded an artifact.
-    fn recorded(&self, key: &ArtifactKey) -> impl Future<Output = Result<bool, BlobError>> + Send;
+    /// Whether the attempt `key` names has recorded that artifact.
+    fn recorded(&self, key: &ArtifactKey) -> impl Future<Output = Result<Recording, BlobError>> + Send;
+}
+
+/// What [`Recorded`] says of an attempt's artifact. Only [`Recording::Recorded`] lets its
+/// chunks go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recording {
+    /// Recorded: every reader reads the artifact, none the chunks.
+    Recorded,
+    /// Not yet: the attempt has not ended, its log may still be being written.
+    NotYet,
+    /// Never: the attempt ended without recording it (or there is no such attempt under
+    /// that project), so its chunks are its log for good. This answer cannot change.
+    Never,
+}
+
+/// A [`Recorded`] that remembers up to `capacity` artifacts answered [`Recording::Never`],
+/// the one answer that cannot change. `serve` keeps one across its collections, so the
+/// chunks of an attempt that ended without a completion (its log for good) cost the
+/// database one question per process, not one every pass. Past `capacity` the rest are
+/// asked each pass, as without it.
+///
+/// It keeps a keyed 64-bit hash of each key, not the key (16 bytes or so each, not a
+/// few hundred): two keys sharing a hash, a chance in 2^64 per pair under a key no one
+/// outside the process knows, would only keep the other attempt's chunks until a restart.
+#[derive(Clone)]
+pub struct Remembering<R> {
+    inner: R,
+    never: Arc<Mutex<HashSet<u64>>>,
+    hasher: RandomState,
+    capacity: usize,
+}
+
+impl<R: Recorded> Remembering<R> {
+    /// Remembers up to `capacity` answers of `inner` (0: none).
+    pub fn new(inner: R, capacity: usize) -> Self {
+        Self { inner, never: Arc::default(), hasher: RandomState::new(), capacity }
+    }
+
+    fn never(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
+        self.never.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<R: Recorded> Recorded for Remembering<R> {
+    async fn recorded(&self, key: &ArtifactKey) -> Result<Recording, BlobError> {
+        let hash = self.hasher.hash_one(key);
+        if self.never().contains(&hash) {
+            return Ok(Recording::Never);
+        }
+        let answer = self.inner.recorded(key).await?;
+        if answer == Recording::Never {
+            let mut never = self.never();
+            if never.len() < self.capacity {
+                never.insert(hash);
+            }
+        }
+        Ok(answer)
+    }
 }
 
 /// The store failed (disk, permissions, network to the bucket).
@@ -210,4 +271,70 @@ pub trait BlobStore: Clone + Send + Sync + 'static {
         before: SystemTime,
         recorded: &R,
     ) -> impl Future<Output = Result<Collected, BlobError>> + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An authority that answers by attempt (`att_ended`: never, `att_down`: an error,
+    /// any other: not yet) and counts what it is asked.
+    #[derive(Clone, Default)]
+    struct Counting(Arc<Mutex<Vec<String>>>);
+
+    impl Counting {
+        fn asked(&self, attempt: &str) -> usize {
+            self.0.lock().unwrap().iter().filter(|a| *a == attempt).count()
+        }
+    }
+
+    impl Recorded for Counting {
+        async fn recorded(&self, key: &ArtifactKey) -> Result<Recording, BlobError> {
+            self.0.lock().unwrap().push(key.attempt.to_string());
+            match key.attempt.as_str() {
+                "att_down" => Err(BlobError("the authority is down".into())),
+                a if a.starts_with("att_ended") => Ok(Recording::Never),
+                _ => Ok(Recording::NotYet),
+            }
+        }
+    }
+
+    fn key(attempt: &str) -> ArtifactKey {
+        ArtifactKey::parse("p", "run_1", attempt, "log").unwrap()
+    }
+
+    fn ask(remembering: &Remembering<Counting>, attempt: &str, times: usize) -> Vec<Result<Recording, String>> {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        (0..times).map(|_| runtime.block_on(remembering.recorded(&key(attempt))).map_err(|e| e.0)).collect()
+    }
+
+    #[test]
+    fn only_a_never_is_remembered() {
+        let counting = Counting::default();
+        let remembering = Remembering::new(counting.clone(), 8);
+        assert_eq!(ask(&remembering, "att_ended", 3), vec![Ok(Recording::Never); 3]);
+        assert_eq!(ask(&remembering, "att_open", 3), vec![Ok(Recording::NotYet); 3]);
+        assert_eq!(ask(&remembering, "att_down", 2), vec![Err("the authority is down".to_owned()); 2]);
+        let asked: Vec<usize> = ["att_ended", "att_open", "att_down"].iter().map(|a| counting.asked(a)).collect();
+        assert_eq!(asked, [1, 3, 2]);
+        // Another artifact of the same attempt is another question.
+        let mut other = key("att_ended");
+        other.artifact = ArtifactId::parse("other").unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        assert_eq!(runtime.block_on(remembering.recorded(&other)).unwrap(), Recording::Never);
+        assert_eq!(counting.asked("att_ended"), 2);
+    }
+
+    #[test]
+    fn past_its_capacity_the_rest_are_asked_each_time() {
+        let counting = Counting::default();
+        let remembering = Remembering::new(counting.clone(), 1);
+        for attempt in ["att_ended_a", "att_ended_b"] {
+            assert_eq!(ask(&remembering, attempt, 3), vec![Ok(Recording::Never); 3]);
+        }
+        assert_eq!((counting.asked("att_ended_a"), counting.asked("att_ended_b")), (1, 3));
+        let none = Remembering::new(counting.clone(), 0);
+        assert_eq!(ask(&none, "att_ended_a", 2), vec![Ok(Recording::Never); 2]);
+        assert_eq!(counting.asked("att_ended_a"), 3);
+    }
 }

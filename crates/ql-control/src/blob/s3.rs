@@ -54,7 +54,7 @@ use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
 use ql_wire::limits::ARTIFACT_CONTENT_MAX;
 
-use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Upload};
+use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Recording, Upload};
 
 /// Frames buffered between an upload and the thread sending it.
 const IN_FLIGHT_FRAMES: usize = 8;
@@ -727,10 +727,12 @@ impl BlobStore for S3BlobStore {
                         let known = asked.as_ref().filter(|(k, _)| *k == key).map(|(_, r)| *r);
                         let recorded = match known {
                             Some(r) => r,
-                            None => recorded.recorded(&key).await.unwrap_or_else(|_| {
-                                collected.unanswered += 1;
-                                false
-                            }),
+                            None => {
+                                recorded.recorded(&key).await.map(|a| a == Recording::Recorded).unwrap_or_else(|_| {
+                                    collected.unanswered += 1;
+                                    false
+                                })
+                            }
                         };
                         asked = Some((key, recorded));
                         if !recorded {
