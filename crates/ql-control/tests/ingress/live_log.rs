@@ -122,6 +122,16 @@ fn two_chunks_sealed(case: &UploadCase, a: &[u8], b: &[u8]) -> ArtifactReply {
     case.client.seal(&case.job, acked.acked).json(200)
 }
 
+/// One pass of serve's collection over everything written until an hour from now.
+fn collect_all<R: Recorded>(
+    server: &Server,
+    recorded: &R,
+    metrics: Option<&ql_control::metrics::Metrics>,
+) -> Collected {
+    let before = SystemTime::now() + Duration::from_secs(3_600);
+    server.rt.block_on(ql_control::serve::collect_once(&server.blobs, recorded, before, metrics)).unwrap()
+}
+
 /// Waits until no chunk file is left under `artifacts` (the completion's removal ran).
 fn until_no_chunk(artifacts: &Path) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -185,11 +195,7 @@ fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() 
     let artifacts = server.dir.path().join("artifacts");
     let authority = ql_control::serve::Authority(server.store.clone());
     let metrics = ql_control::metrics::Metrics::new();
-    let collect = || {
-        let before = SystemTime::now() + Duration::from_secs(3_600);
-        let pass = ql_control::serve::collect_once(&server.blobs, &authority, before, Some(&metrics));
-        server.rt.block_on(pass).unwrap()
-    };
+    let collect = || collect_all(server, &authority, Some(&metrics));
 
     // Sealed but not yet recorded by a completion, the chunks are still the log.
     assert_eq!(server.rt.block_on(authority.recorded(&job.key(&log_id()))).unwrap(), Recording::NotYet);
@@ -241,9 +247,7 @@ fn the_collection_removes_the_chunks_a_completion_left_of_a_recorded_log_only() 
     let counted = Counted(authority, Arc::default());
     let remembering = Remembering::new(counted.clone(), 8);
     for _ in 0..2 {
-        let before = SystemTime::now() + Duration::from_secs(3_600);
-        let pass = ql_control::serve::collect_once(&server.blobs, &remembering, before, None);
-        assert_eq!(server.rt.block_on(pass).unwrap(), Collected::default());
+        assert_eq!(collect_all(server, &remembering, None), Collected::default());
     }
     assert_eq!(counted.1.load(Ordering::Relaxed), 1, "asked once");
     assert_eq!(files_named(&artifacts, ".chunk.").len(), 1, "the chunk stays");
