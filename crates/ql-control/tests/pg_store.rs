@@ -586,8 +586,111 @@ async fn an_agents_commands_in_one_group_each_see_the_one_before() {
     let (starting, running) = tokio::join!(store.execute(h.starting()), store.execute(h.running()));
     assert_eq!(starting.unwrap(), Ok(ack(Outcome::Started)));
     assert_eq!(running.unwrap(), Ok(ack(Outcome::Running)));
-    assert_eq!(store.group_commits(), GroupCommits { transactions: 1, commands: 2, run_alone: 0, placed: 1 });
+    assert_eq!(store.group_commits(), GroupCommits { transactions: 1, commands: 2, run_alone: 0, placed: 1, saved: 0 });
     assert_eq!(detail(&store, h.run()).await.attempts[0].status, AttemptStatus::Running);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// A worker request's audit record, its admission decided with its command.
+fn admitted(name: &str, route: &str, serial: &str) -> Option<Audit> {
+    let record = AuditRecord { at: 0, principal: Some(worker(name)), route: route.into(), outcome: "admitted".into() };
+    Some(Audit { record, admit: Some(serial.into()) })
+}
+
+#[tokio::test]
+async fn renewals_of_concurrent_agents_are_sent_once_for_all_and_each_renews_its_own_lease() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let h = four_held(&store).await;
+    for held in &h {
+        to_running(&store, held).await;
+    }
+    // router-2 presents a certificate revoked since: refused at admission, in the wave.
+    let cert = ql_control::model::Certificate {
+        serial: "02".into(),
+        worker: worker("router-2"),
+        issued_at: 0,
+        not_after: i64::MAX / 2,
+        revoked_at: None,
+    };
+    exec(&store, Command::RecordCertificate(cert, ql_control::core::Issuer::Operator)).await.unwrap();
+    exec(&store, Command::RevokeCertificate(worker("router-2"), "02".into())).await.unwrap();
+    let refused_before = detail(&store, h[2].run()).await;
+    let (before, audits) = (store.group_commits(), store.audits().await.unwrap().len());
+
+    let renew = |i: usize, serial: &str| {
+        store.execute_audited(h[i].renew(), admitted(&format!("router-{i}"), "lease.renew", serial))
+    };
+    let (a, b2, c, d) = tokio::join!(renew(0, "0a"), renew(1, "0a"), renew(2, "02"), renew(3, "0a"));
+
+    for (i, answer) in [(0, a), (1, b2), (3, d)] {
+        match answer.unwrap() {
+            Ok(Reply::Renewed(r)) => {
+                assert_eq!(r.lease_version.get(), h[i].version.get() + 1, "agent {i}");
+                let lease = &detail(&store, h[i].run()).await.leases[0];
+                assert_eq!(lease.facts.version, r.lease_version, "agent {i}: its own lease, renewed once");
+                assert_eq!(lease.facts.expires_at, r.lease_expires_at.millis(), "agent {i}");
+            }
+            other => panic!("agent {i}: {other:?}"),
+        }
+    }
+    assert_eq!(c.unwrap(), Err(ErrorCode::CertificateRevoked));
+    assert_eq!(detail(&store, h[2].run()).await, refused_before, "the refused renewal changed nothing");
+    let after = store.group_commits();
+    assert_eq!((after.transactions - before.transactions, after.commands - before.commands), (1, 4), "{after:?}");
+    // The four loads as one statement per level of the lock order and one for DB time
+    // and every admission (6 for 24: 18 saved); the three admitted renewals' audit
+    // record and two writes sent once for all three (3 for 9: 6 saved).
+    assert_eq!(after.saved - before.saved, 24, "{after:?}");
+    let mut written: Vec<(String, String)> = store.audits().await.unwrap()[audits..]
+        .iter()
+        .map(|a| (a.principal.as_ref().unwrap().as_str().to_owned(), a.outcome.clone()))
+        .collect();
+    written.sort();
+    let expected = [
+        ("router-0", "admitted"),
+        ("router-1", "admitted"),
+        ("router-2", "certificate_revoked"),
+        ("router-3", "admitted"),
+    ];
+    assert_eq!(written, expected.map(|(w, o)| (w.to_owned(), o.to_owned())), "each request on record once");
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+#[tokio::test]
+async fn a_wave_of_different_commands_each_decides_as_it_would_alone() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let h = four_held(&store).await;
+    to_starting(&store, &h[1]).await;
+    to_running(&store, &h[2]).await;
+    to_running(&store, &h[3]).await;
+    // Agent 3 renews at a version its lease has not reached: refused, as alone.
+    let ahead = ql_wire::ids::Counter::new(h[3].version.get() + 1).unwrap();
+    let stale = Command::Renew(h[3].path.clone(), h[3].fence_at(ahead));
+    let stale_before = detail(&store, h[3].run()).await;
+    let before = store.group_commits();
+
+    let (a, b2, c, d) = tokio::join!(
+        store.execute(h[0].starting()),
+        store.execute(h[1].running()),
+        store.execute(h[2].renew()),
+        store.execute(stale.clone()),
+    );
+
+    assert_eq!(a.unwrap(), Ok(ack(Outcome::Started)));
+    assert_eq!(b2.unwrap(), Ok(ack(Outcome::Running)));
+    assert!(matches!(c.unwrap(), Ok(Reply::Renewed(_))));
+    let refusal = d.unwrap();
+    assert!(refusal.is_err(), "{refusal:?}");
+    let after = store.group_commits();
+    assert_eq!((after.transactions - before.transactions, after.commands - before.commands), (1, 4), "{after:?}");
+    assert_eq!(after.saved - before.saved, 18, "one load for the four, each its own writes: {after:?}");
+    assert_eq!(detail(&store, h[0].run()).await.attempts[0].status, AttemptStatus::Starting);
+    assert_eq!(detail(&store, h[1].run()).await.attempts[0].status, AttemptStatus::Running);
+    assert_eq!(detail(&store, h[3].run()).await, stale_before, "the refused renewal changed nothing");
+    // Alone, the same command gets the same answer.
+    assert_eq!(store.execute(stale).await.unwrap(), refusal);
     check_invariants(&store.snapshot().await.unwrap());
 }
 

@@ -12,7 +12,7 @@
 //! command waiting on it, up to `batch_max`, and runs them as one group
 //! ([`PgStore::execute_batch`]): one after another in one transaction, consecutive
 //! fenced commands about different rows in waves
-//! ([`PgStore::wave`]).
+//! ([`wave`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,8 +23,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use ql_wire::ErrorCode;
 
-use super::{admit_of, checked, load, pool, Admit, Done, Error, Inner, PgStore, Tx};
-use crate::core::{self, Command, Reply};
+use super::{wave, Error, Inner, PgStore};
+use crate::core::{Command, Reply};
 use crate::store::Audit;
 
 /// Commands waiting on one lane.
@@ -44,12 +44,15 @@ pub struct GroupCommits {
     pub run_alone: u64,
     /// Sessions holding a place on a lane now.
     pub placed: u64,
+    /// Statements the committed groups did not send: a wave's one statement for `n`
+    /// commands' rows stands for `n` ([`wave`]) and saves `n - 1`.
+    pub saved: u64,
 }
 
 /// A command queued on a lane, and where its answer goes.
 pub(super) struct Job {
-    cmd: Command,
-    audit: Option<Audit>,
+    pub(super) cmd: Command,
+    pub(super) audit: Option<Audit>,
     session: String,
     answer: oneshot::Sender<Answer>,
 }
@@ -61,6 +64,7 @@ pub(super) struct Lanes {
     transactions: AtomicU64,
     grouped: AtomicU64,
     run_alone: AtomicU64,
+    saved: AtomicU64,
 }
 
 /// Which lane each session has, and how many sessions each lane has.
@@ -81,7 +85,14 @@ impl Lanes {
         let places = Places { lanes: vec![0; n], sessions: HashMap::new(), idle, next_sweep: Instant::now() + idle };
         let zero = || AtomicU64::new(0);
         (
-            Self { queues, places: Mutex::new(places), transactions: zero(), grouped: zero(), run_alone: zero() },
+            Self {
+                queues,
+                places: Mutex::new(places),
+                transactions: zero(),
+                grouped: zero(),
+                run_alone: zero(),
+                saved: zero(),
+            },
             receivers,
         )
     }
@@ -164,6 +175,7 @@ impl PgStore {
             transactions: l.transactions.load(Ordering::Relaxed),
             commands: l.grouped.load(Ordering::Relaxed),
             run_alone: l.run_alone.load(Ordering::Relaxed),
+            saved: l.saved.load(Ordering::Relaxed),
             placed: l.placed() as u64,
         }
     }
@@ -195,16 +207,21 @@ impl PgStore {
         };
         let mut open = false;
         let mut done = Vec::with_capacity(jobs.len());
-        let mut next = 0;
+        let (mut next, mut saved) = (0, 0);
         while next < jobs.len() {
-            let n = wave_of(&jobs[next..]);
+            let n = wave::wave_of(&jobs[next..]);
             let ran = match &jobs[next..next + n] {
-                [job] => self.step(&mut conn, &job.cmd, job.audit.as_ref(), &mut open, false).await.map(|d| vec![d]),
+                [job] => {
+                    self.step(&mut conn, &job.cmd, job.audit.as_ref(), &mut open, false).await.map(|d| (vec![d], 0))
+                }
                 wave => self.wave(&mut conn, &wave.iter().collect::<Vec<_>>(), &mut open).await,
             };
             next += n;
             match ran {
-                Ok(d) => done.extend(d),
+                Ok((d, s)) => {
+                    done.extend(d);
+                    saved += s;
+                }
                 Err(_) => {
                     // Nothing of the group committed: the connection is dropped (rolling
                     // it back), and each command runs again on its own.
@@ -232,75 +249,12 @@ impl PgStore {
                 conn.keep();
                 self.inner.lanes.transactions.fetch_add(1, Ordering::Relaxed);
                 self.inner.lanes.grouped.fetch_add(done.len() as u64, Ordering::Relaxed);
+                self.inner.lanes.saved.fetch_add(saved, Ordering::Relaxed);
                 done.into_iter().map(|d| Ok(d.apply(&self.inner.wakes))).collect()
             }
             Err(e) => e.each(jobs.len()),
         }
     }
-
-    /// Several fenced commands of a group whose rows are all different ([`wave_of`]):
-    /// every command's load in one pipeline, then every command's writes in another, so
-    /// the group costs two round trips to the database instead of two per command. In
-    /// one transaction, with rows no other command of the wave touches, each decides
-    /// what it would decide alone.
-    async fn wave(&self, conn: &mut pool::Conn, jobs: &[&Job], open: &mut bool) -> Result<Vec<Done>, Error> {
-        let offset = self.offset();
-        let keys: Vec<core::Keys> = jobs.iter().map(|j| j.cmd.keys()).collect();
-        let admits: Vec<Option<Admit<'_>>> = jobs.iter().map(|j| admit_of(j.audit.as_ref())).collect();
-        let begin = !std::mem::replace(open, true);
-        let loads = keys.iter().zip(&admits).flat_map(|(k, admit)| load::fenced_load(k, offset, *admit));
-        let mut tx = Tx { conn };
-        let mut answers = tx.begun(begin, loads).await?;
-        let (mut record, mut checks, mut done) = (Vec::new(), Vec::new(), Vec::with_capacity(jobs.len()));
-        for ((job, k), admit) in jobs.iter().zip(&keys).zip(&admits) {
-            let loaded = load::read_fenced(k, *admit, &mut answers)?;
-            let concluded = self.conclude(&job.cmd, job.audit.as_ref().map(|a| &a.record), loaded, offset)?;
-            record.extend(concluded.record);
-            checks.extend(concluded.checks);
-            done.push(concluded.done);
-        }
-        if !record.is_empty() {
-            let answers = tx.run(&record).await?;
-            checked(&checks, &answers)?;
-        }
-        Ok(done)
-    }
-}
-
-/// Whether a command of a group may join a wave ([`PgStore::wave`]): a fenced command
-/// (its load is one pipeline) that is not an unauthenticated request.
-fn wavy(job: &Job, keys: &core::Keys) -> bool {
-    let unauthenticated = matches!(&job.audit, Some(Audit { record, admit: Some(_) }) if record.principal.is_none());
-    !unauthenticated && load::is_fenced(keys)
-}
-
-/// How many of `jobs`, from the first, form a wave: wavy commands that name no session,
-/// attempt, run or offer an earlier one of them names, so none reads a row another
-/// writes. At least one.
-fn wave_of(jobs: &[Job]) -> usize {
-    let mut named: Vec<String> = Vec::new();
-    let mut n = 0;
-    for job in jobs {
-        let k = job.cmd.keys();
-        if !wavy(job, &k) {
-            break;
-        }
-        let ids: Vec<String> = [
-            k.session.map(|s| format!("s:{}", s.as_str())),
-            k.attempt.map(|a| format!("a:{}", a.as_str())),
-            k.run.map(|r| format!("r:{}", r.as_str())),
-            k.offer.map(|o| format!("o:{}", o.as_str())),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        if ids.iter().any(|id| named.contains(id)) {
-            break;
-        }
-        named.extend(ids);
-        n += 1;
-    }
-    n.max(1)
 }
 
 /// One lane: takes every command queued on it (up to `most`) and runs them as one

@@ -73,7 +73,7 @@ const WORKER_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextextended('worker
 
 /// An attempt's event of a kind, through the index that makes it unique (its run, the
 /// attempt, the kind): `$1` the attempt, `$2` the kind.
-static COMPLETION_EVENT_SQL: LazyLock<String> = LazyLock::new(|| {
+pub(super) static COMPLETION_EVENT_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT {EVENT_COLS} FROM events WHERE run_id = (SELECT run_id FROM attempts WHERE id = $1) \
          AND COALESCE(attempt_id, '') = $1 AND kind = $2"

@@ -76,6 +76,7 @@ mod load;
 mod pool;
 mod rows;
 mod schema;
+mod wave;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,0 +1,449 @@
+//! A wave: several fenced commands of one group, about rows none of the others names,
+//! loaded and recorded set-based (see the [module doc](super) for groups).
+//!
+//! PostgreSQL's cost of a statement follows the relations and indexes it opens, much
+//! more than the rows it touches: eight renewals' locked loads as one statement per
+//! table, and their audit records and lease writes as one statement each, cost it about
+//! a third less than the same rows a statement each (`bench/pg_ceiling.sh`'s renewal,
+//! replayed in groups). So a wave sends one statement per level of the lock order for
+//! all its commands, each level's rows locked in key order (the order of the module doc
+//! of [`load`](super::load) still holds, level by level, so a wave never waits against
+//! a command in the other direction), then reads each command's rows out by key and
+//! lets each decide alone, as it would alone ([`load::read_fenced`]). Then the writes:
+//! commands whose records are the same statements one for one (eight renewals) send
+//! each of them once, as a multi-row `INSERT` or an `UPDATE ... FROM (VALUES ...)`
+//! that must find every row; others go as they are. Commands of a wave share no row,
+//! so the order between them does not matter, and each command's own writes keep
+//! their order.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+
+use tokio_postgres::types::Type;
+use tokio_postgres::Row;
+
+use super::load::{self, COMPLETION_EVENT_SQL};
+use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
+use super::{admit_of, Admit, Done, Error, PgStore, Statement, Tx};
+use crate::core::{self, COMPLETION_EVENT};
+use crate::model::Millis;
+use crate::store::Audit;
+
+use super::group::Job;
+
+/// Every fence of a wave, in attempt order.
+const FENCES: &str = "SELECT pg_advisory_xact_lock(hashtextextended('attempt:' || a, 0)) \
+     FROM (SELECT unnest($1::text[]) AS a ORDER BY 1) f";
+
+/// DB time once for the wave, after every lock, with each command's admission (a row per
+/// command, in order; NULLs for a command with none to decide).
+const STAMPS: &str = "SELECT (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint, \
+     w.disabled_at, w.revoked_at, c.worker, c.issued_at, c.not_after, c.revoked_at \
+     FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS p (principal, serial, n) \
+     LEFT JOIN workers w ON w.id = p.principal LEFT JOIN certificates c ON c.serial = p.serial ORDER BY p.n";
+
+/// `table`'s rows whose `key` is in `$1`, locked in key order.
+fn locked(table: &str, cols: &str, key: &str) -> String {
+    format!("SELECT {cols} FROM {table} WHERE {key} = ANY($1::text[]) ORDER BY {key} FOR UPDATE")
+}
+
+/// The tables a fenced command locks, in lock order, with their key column.
+fn levels() -> [(String, &'static str); 4] {
+    [
+        (locked("sessions", &SESSION_COLS, "id"), "id"),
+        (locked("runs", &RUN_COLS, "id"), "id"),
+        (locked("attempts", &ATTEMPT_COLS, "id"), "id"),
+        (locked("leases", &LEASE_COLS, "attempt_id"), "attempt_id"),
+    ]
+}
+
+fn texts(ids: impl Iterator<Item = String>) -> rows::Params {
+    vec![Box::new(ids.collect::<Vec<String>>())]
+}
+
+/// The load of a wave of fenced commands (`BEGIN` not included): every fence, each
+/// level's rows, the offers named, the completion events named, and DB time with every
+/// admission last. [`split`] reads the answers.
+fn load(keys: &[core::Keys], offset: i64, admits: &[Option<Admit<'_>>]) -> Vec<Statement> {
+    let named = |k: &core::Keys| {
+        let (Some(a), Some(s), Some(r)) = (&k.attempt, &k.session, &k.run) else {
+            unreachable!("a fenced command names its attempt, session and run");
+        };
+        (a.as_str().to_owned(), s.as_str().to_owned(), r.as_str().to_owned())
+    };
+    let ids: Vec<_> = keys.iter().map(named).collect();
+    let [sessions, runs, attempts, leases] = levels();
+    let mut out: Vec<Statement> = vec![
+        (FENCES.into(), texts(ids.iter().map(|i| i.0.clone()))),
+        (sessions.0.into(), texts(ids.iter().map(|i| i.1.clone()))),
+        (runs.0.into(), texts(ids.iter().map(|i| i.2.clone()))),
+        (attempts.0.into(), texts(ids.iter().map(|i| i.0.clone()))),
+        (leases.0.into(), texts(ids.iter().map(|i| i.0.clone()))),
+    ];
+    if keys.iter().any(|k| k.offer.is_some()) {
+        let offers = keys.iter().filter_map(|k| k.offer.as_ref().map(|o| o.as_str().to_owned()));
+        out.push((locked("offers", &OFFER_COLS, "id").into(), texts(offers)));
+    }
+    for (k, id) in keys.iter().zip(&ids) {
+        if k.completion_event {
+            out.push((COMPLETION_EVENT_SQL.as_str().into(), vec![Box::new(id.0.clone()), Box::new(COMPLETION_EVENT)]));
+        }
+    }
+    let principals: Vec<Option<String>> = admits.iter().map(|a| a.map(|a| a.principal.as_str().to_owned())).collect();
+    let serials: Vec<Option<String>> = admits.iter().map(|a| a.map(|a| a.serial.to_owned())).collect();
+    out.push((STAMPS.into(), vec![Box::new(offset), Box::new(principals), Box::new(serials)]));
+    out
+}
+
+/// Each command's answers to [`load`], in the shape of its own
+/// [`fenced_load`](load::fenced_load)'s (for [`load::read_fenced`]): its row of each
+/// level found by key, and its row of DB time.
+fn split(keys: &[core::Keys], answers: impl Iterator<Item = Vec<Row>>) -> Result<Vec<Vec<Vec<Row>>>, Error> {
+    let mut answers = answers;
+    let mut next = || answers.next().unwrap_or_default();
+    next(); // the fences
+    let by_key = |rows: Vec<Row>, key: &str| -> Result<HashMap<String, Row>, Error> {
+        rows.into_iter().map(|r| Ok((r.try_get::<_, String>(key).map_err(Error::Pg)?, r))).collect()
+    };
+    let mut found: Vec<HashMap<String, Row>> = Vec::with_capacity(4);
+    for (_, key) in levels() {
+        found.push(by_key(next(), key)?);
+    }
+    let mut offers = if keys.iter().any(|k| k.offer.is_some()) { by_key(next(), "id")? } else { HashMap::new() };
+    let mut events: Vec<Option<Vec<Row>>> =
+        keys.iter().map(|k| if k.completion_event { Some(next()) } else { None }).collect();
+    let stamps = next();
+    if stamps.len() != keys.len() {
+        return Err(Error::Corrupt(format!("DB time read {} rows for {} commands", stamps.len(), keys.len())));
+    }
+    let mut take = |level: usize, id: Option<&str>| -> Vec<Row> {
+        id.and_then(|id| found[level].remove(id)).into_iter().collect()
+    };
+    let mut out = Vec::with_capacity(keys.len());
+    for ((k, stamp), event) in keys.iter().zip(stamps).zip(events.iter_mut()) {
+        let attempt = k.attempt.as_ref().map(|a| a.as_str());
+        let mut answers = vec![
+            Vec::new(),
+            take(0, k.session.as_ref().map(|s| s.as_str())),
+            take(1, k.run.as_ref().map(|r| r.as_str())),
+            take(2, attempt),
+            take(3, attempt),
+        ];
+        if let Some(o) = &k.offer {
+            answers.push(offers.remove(o.as_str()).into_iter().collect());
+        }
+        if let Some(rows) = event.take() {
+            answers.push(rows);
+        }
+        answers.push(vec![stamp]);
+        out.push(answers);
+    }
+    Ok(out)
+}
+
+impl PgStore {
+    /// Several fenced commands of a group whose rows are all different ([`wave_of`]):
+    /// the wave's load in one pipeline, set-based, then every command's writes in
+    /// another, merged where commands write alike ([`writes`]). In one transaction,
+    /// with rows no other command of the wave touches, each decides what it would
+    /// decide alone.
+    pub(super) async fn wave(
+        &self,
+        conn: &mut super::pool::Conn,
+        jobs: &[&Job],
+        open: &mut bool,
+    ) -> Result<(Vec<Done>, u64), Error> {
+        let offset = self.offset();
+        let keys: Vec<core::Keys> = jobs.iter().map(|j| j.cmd.keys()).collect();
+        let admits: Vec<Option<Admit<'_>>> = jobs.iter().map(|j| admit_of(j.audit.as_ref())).collect();
+        let begin = !std::mem::replace(open, true);
+        let mut tx = Tx { conn };
+        let loads = load(&keys, offset, &admits);
+        // What the commands' own loads would have sent ([`load::fenced_load`]).
+        let alone: usize =
+            keys.iter().map(|k| 6 + usize::from(k.offer.is_some()) + usize::from(k.completion_event)).sum();
+        let mut saved = alone - loads.len();
+        let answers = tx.begun(begin, loads).await?;
+        let (mut records, mut done) = (Vec::with_capacity(jobs.len()), Vec::with_capacity(jobs.len()));
+        for (((job, k), admit), answers) in jobs.iter().zip(&keys).zip(&admits).zip(split(&keys, answers)?) {
+            let loaded: (core::Rows, Millis, _) = load::read_fenced(k, *admit, &mut answers.into_iter())?;
+            let concluded = self.conclude(&job.cmd, job.audit.as_ref().map(|a| &a.record), loaded, offset)?;
+            records.push(Recorded { statements: concluded.record, checks: concluded.checks });
+            done.push(concluded.done);
+        }
+        let (record, rows, merged) = writes(&mut tx, records).await?;
+        saved += merged;
+        if !record.is_empty() {
+            let answers = tx.run(&record).await?;
+            if rows.iter().zip(&answers).any(|(&n, got)| n > 0 && got.len() != n) {
+                return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));
+            }
+        }
+        Ok((done, saved as u64))
+    }
+}
+
+/// One command's statements, and for each whether it is an UPDATE that must find its row.
+struct Recorded {
+    statements: Vec<Statement>,
+    checks: Vec<bool>,
+}
+
+/// The statements that record a wave's decisions, and for each how many rows it must
+/// return (an UPDATE of loaded rows: one per row; 0, not checked). Commands whose
+/// statements are the same, one for one, form a kind; each statement of a kind of
+/// several is sent once for all of them where it can be merged ([`merged_insert`],
+/// [`merged_update`]), and otherwise once per command, in command order.
+/// Also how many statements merging saved.
+async fn writes(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<(Vec<Statement>, Vec<usize>, usize), Error> {
+    let mut kinds: Vec<Vec<Recorded>> = Vec::new();
+    for r in records {
+        match kinds.iter_mut().find(|k| same_statements(&k[0], &r)) {
+            Some(kind) => kind.push(r),
+            None => kinds.push(vec![r]),
+        }
+    }
+    let (mut out, mut rows, mut saved) = (Vec::new(), Vec::new(), 0);
+    for kind in kinds {
+        let n = kind.len();
+        let width = kind[0].statements.len();
+        let checks = kind[0].checks.clone();
+        let mut columns: Vec<Vec<Statement>> = (0..width).map(|_| Vec::with_capacity(n)).collect();
+        for r in kind {
+            for (j, s) in r.statements.into_iter().enumerate() {
+                columns[j].push(s);
+            }
+        }
+        for (column, check) in columns.into_iter().zip(checks) {
+            let sql = column[0].0.clone();
+            let merged = if n == 1 {
+                None
+            } else if let Some(sql) = merged_insert(&sql, column[0].1.len(), n) {
+                Some(sql)
+            } else if let Some(update) = Update::parse(&sql) {
+                let types = tx.conn.prepare(&sql).await?.params().to_vec();
+                update.merged(&types, n)
+            } else {
+                None
+            };
+            match merged {
+                Some(sql) => {
+                    out.push((Cow::Owned(sql), column.into_iter().flat_map(|s| s.1).collect()));
+                    rows.push(if check { n } else { 0 });
+                    saved += n - 1;
+                }
+                None => {
+                    rows.extend(std::iter::repeat_n(usize::from(check), column.len()));
+                    out.extend(column);
+                }
+            }
+        }
+    }
+    Ok((out, rows, saved))
+}
+
+fn same_statements(a: &Recorded, b: &Recorded) -> bool {
+    a.checks == b.checks
+        && a.statements.len() == b.statements.len()
+        && a.statements.iter().zip(&b.statements).all(|(x, y)| x.0 == y.0 && x.1.len() == y.1.len())
+}
+
+/// `sql` with every placeholder `$i` renumbered `$(i + by)`.
+fn shifted(sql: &str, by: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 8);
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits = rest[at + 1..].bytes().take_while(u8::is_ascii_digit).count();
+        match rest[at + 1..at + 1 + digits].parse::<usize>() {
+            Ok(i) => out.push_str(&format!("${}", i + by)),
+            Err(_) => out.push('$'),
+        }
+        rest = &rest[at + 1 + digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// `INSERT INTO t (...) VALUES (row) [rest]` of `params` parameters as one statement
+/// of `n` rows, the parameters of each row after the last's; `None` for any other
+/// statement, or when its rest takes parameters.
+fn merged_insert(sql: &str, params: usize, n: usize) -> Option<String> {
+    if !sql.starts_with("INSERT INTO ") {
+        return None;
+    }
+    let start = sql.find(" VALUES (")? + " VALUES ".len();
+    let mut depth = 0usize;
+    let mut end = None;
+    for (i, c) in sql[start..].char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => {
+                depth -= 1;
+                if depth == 0 {
+                    end = Some(start + i + 1);
+                    break;
+                }
+            }
+            '\'' | '"' => return None,
+            _ => {}
+        }
+    }
+    let end = end?;
+    let (head, row, rest) = (&sql[..start], &sql[start..end], &sql[end..]);
+    if rest.contains('$') {
+        return None;
+    }
+    let rows: Vec<String> = (0..n).map(|i| shifted(row, i * params)).collect();
+    Some(format!("{head}{}{rest}", rows.join(", ")))
+}
+
+/// `UPDATE t SET c = $2[::text::jsonb], ... WHERE key = $1 RETURNING 1`, the update
+/// [`rows::update_changed`] writes.
+#[derive(Debug, PartialEq)]
+struct Update<'a> {
+    table: &'a str,
+    key: &'a str,
+    /// Each column set, its placeholder's number and the cast after it.
+    sets: Vec<(&'a str, usize, &'a str)>,
+}
+
+impl<'a> Update<'a> {
+    fn parse(sql: &'a str) -> Option<Self> {
+        let rest = sql.strip_prefix("UPDATE ")?;
+        let (table, rest) = rest.split_once(" SET ")?;
+        let (sets, rest) = rest.split_once(" WHERE ")?;
+        let key = rest.strip_suffix(" = $1 RETURNING 1")?;
+        let word = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !word(table) || !word(key) {
+            return None;
+        }
+        let sets = sets
+            .split(", ")
+            .map(|set| {
+                let (col, value) = set.split_once(" = $")?;
+                let digits = value.bytes().take_while(u8::is_ascii_digit).count();
+                let cast = &value[digits..];
+                (word(col) && (cast.is_empty() || cast == "::text::jsonb")).then_some((
+                    col,
+                    value[..digits].parse().ok()?,
+                    cast,
+                ))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        // The placeholders are $2, $3, ... in order, after the key's $1.
+        sets.iter().enumerate().all(|(i, s)| s.1 == i + 2).then_some(Self { table, key, sets })
+    }
+
+    /// The same update of `n` rows, each row's parameters after the last's, each cast
+    /// to the type PostgreSQL gave it in the one-row statement (`types`).
+    fn merged(&self, types: &[Type], n: usize) -> Option<String> {
+        let width = self.sets.len() + 1;
+        if types.len() != width {
+            return None;
+        }
+        let row = |r: usize| {
+            let values: Vec<String> =
+                types.iter().enumerate().map(|(i, t)| format!("${}::{}", r * width + i + 1, t.name())).collect();
+            format!("({})", values.join(", "))
+        };
+        let rows: Vec<String> = (0..n).map(row).collect();
+        let names: Vec<String> = (1..=width).map(|i| format!("p{i}")).collect();
+        let sets: Vec<String> = self.sets.iter().map(|(col, i, cast)| format!("{col} = v.p{i}{cast}")).collect();
+        Some(format!(
+            "UPDATE {t} SET {} FROM (VALUES {}) AS v ({}) WHERE {t}.{k} = v.p1 RETURNING 1",
+            sets.join(", "),
+            rows.join(", "),
+            names.join(", "),
+            t = self.table,
+            k = self.key,
+        ))
+    }
+}
+
+/// Whether a command of a group may join a wave: a fenced command (its load is one
+/// pipeline) that is not an unauthenticated request.
+fn wavy(job: &Job, keys: &core::Keys) -> bool {
+    let unauthenticated = matches!(&job.audit, Some(Audit { record, admit: Some(_) }) if record.principal.is_none());
+    !unauthenticated && load::is_fenced(keys)
+}
+
+/// How many of `jobs`, from the first, form a wave: wavy commands that name no session,
+/// attempt, run or offer an earlier one of them names, so none reads a row another
+/// writes. At least one.
+pub(super) fn wave_of(jobs: &[Job]) -> usize {
+    let mut named: Vec<String> = Vec::new();
+    let mut n = 0;
+    for job in jobs {
+        let k = job.cmd.keys();
+        if !wavy(job, &k) {
+            break;
+        }
+        let ids: Vec<String> = [
+            k.session.map(|s| format!("s:{}", s.as_str())),
+            k.attempt.map(|a| format!("a:{}", a.as_str())),
+            k.run.map(|r| format!("r:{}", r.as_str())),
+            k.offer.map(|o| format!("o:{}", o.as_str())),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if ids.iter().any(|id| named.contains(id)) {
+            break;
+        }
+        named.extend(ids);
+        n += 1;
+    }
+    n.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_insert_of_one_row_becomes_one_of_several_each_with_its_own_parameters() {
+        let audit = "INSERT INTO audit (at, principal) VALUES ((floor(x))::bigint + $1::bigint, $2)";
+        assert_eq!(
+            merged_insert(audit, 2, 3).unwrap(),
+            "INSERT INTO audit (at, principal) VALUES ((floor(x))::bigint + $1::bigint, $2), \
+             ((floor(x))::bigint + $3::bigint, $4), ((floor(x))::bigint + $5::bigint, $6)"
+        );
+        let upsert = "INSERT INTO t (id, a) VALUES ($1, $2::text::jsonb) ON CONFLICT (id) DO UPDATE SET a = EXCLUDED.a";
+        assert_eq!(
+            merged_insert(upsert, 2, 2).unwrap(),
+            "INSERT INTO t (id, a) VALUES ($1, $2::text::jsonb), ($3, $4::text::jsonb) \
+             ON CONFLICT (id) DO UPDATE SET a = EXCLUDED.a"
+        );
+        assert_eq!(shifted("$1 + $10, $2", 10), "$11 + $20, $12");
+        // Anything else is sent as it is.
+        assert_eq!(merged_insert("INSERT INTO t (a) VALUES ($1) ON CONFLICT (a) DO UPDATE SET b = $2", 2, 2), None);
+        assert_eq!(merged_insert("INSERT INTO t (a) VALUES ('$1')", 1, 2), None);
+        assert_eq!(merged_insert("SELECT pg_notify($1, $2)", 2, 2), None);
+    }
+
+    #[test]
+    fn an_update_of_one_loaded_row_becomes_one_of_several_that_must_find_each() {
+        let sql = "UPDATE sessions SET seen_at = $2, labels = $3::text::jsonb WHERE id = $1 RETURNING 1";
+        let update = Update::parse(sql).unwrap();
+        assert_eq!(
+            update,
+            Update { table: "sessions", key: "id", sets: vec![("seen_at", 2, ""), ("labels", 3, "::text::jsonb")] }
+        );
+        assert_eq!(
+            update.merged(&[Type::TEXT, Type::INT8, Type::TEXT], 2).unwrap(),
+            "UPDATE sessions SET seen_at = v.p2, labels = v.p3::text::jsonb \
+             FROM (VALUES ($1::text, $2::int8, $3::text), ($4::text, $5::int8, $6::text)) AS v (p1, p2, p3) \
+             WHERE sessions.id = v.p1 RETURNING 1"
+        );
+        assert_eq!(update.merged(&[Type::TEXT], 2), None, "types that do not fit: as it is");
+        for other in [
+            "UPDATE leases SET version = version + 1 WHERE attempt_id = $1 RETURNING 1",
+            "UPDATE leases SET version = $3 WHERE attempt_id = $1 RETURNING 1",
+            "UPDATE leases SET version = $2 WHERE attempt_id = $1",
+            "DELETE FROM schedules WHERE name = $1",
+        ] {
+            assert_eq!(Update::parse(other), None, "{other}");
+        }
+    }
+}
