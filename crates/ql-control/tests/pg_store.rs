@@ -446,6 +446,45 @@ fn runs_rows_read(node: &serde_json::Value) -> f64 {
     own + children
 }
 
+/// A wave locks each command's run by a probe of the runs' key, on the plan the store
+/// runs it on, however few runs the table holds: with `id = ANY($1)` PostgreSQL guessed
+/// ten rows and read a table of a few hundred runs whole.
+#[tokio::test]
+async fn a_waves_load_reads_only_the_runs_it_names() {
+    let b = Pg::new().await;
+    let owner = connect(&b.db().url("ql_owner")).await;
+    owner
+        .batch_execute(
+            "INSERT INTO runs (id, project, spec, labels, agent_labels, status, retry_budget, retries_used, attempts, \
+             lease_generations, created_at) SELECT 'run_' || g, 'default', '{}', '{}', '{}', \
+             'queued', 0, 0, 0, 0, g FROM generate_series(1, 300) g; ANALYZE runs",
+        )
+        .await
+        .unwrap();
+    let lock = ql_control::store::postgres::WAVE_RUNS.as_str();
+    owner
+        .batch_execute(&format!("PREPARE lock (text[]) AS {lock}; SET plan_cache_mode = force_generic_plan; BEGIN"))
+        .await
+        .unwrap();
+    let sql = "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE lock(ARRAY['run_12', 'run_150', 'run_299', 'run_none'])";
+    let text = owner
+        .simple_query(sql)
+        .await
+        .unwrap()
+        .into_iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        })
+        .expect("a plan");
+    let explained: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let plan = &explained[0]["Plan"];
+    assert_eq!(plan["Actual Rows"].as_f64(), Some(3.0), "the three runs that exist: {plan}");
+    // EXPLAIN rounds each probe's rows to a whole one: at most one per key named.
+    let read = runs_rows_read(plan);
+    assert!(read <= 4.0, "the lock read {read} runs for four keys: {plan}");
+}
+
 /// A poll's queue probe, on the plan the store runs it on, reads only the runs of the
 /// session's label sets, up to its room, however many runs wait for other workers, even
 /// when every queued run has the same labels (where PostgreSQL, comparing with `=`,

@@ -109,6 +109,8 @@ pub use group::GroupCommits;
 #[doc(hidden)]
 pub use load::QUEUE_PROBE;
 pub use schema::{ROLES, SCHEMA_VERSION};
+#[doc(hidden)]
+pub use wave::WAVE_RUNS;
 
 /// Records a sweep (see `core::grace`).
 const ALIVE: &str =

@@ -31,21 +31,30 @@ use crate::store::Audit;
 
 use super::group::Job;
 
-/// Every fence of a wave, in attempt order.
-const FENCES: &str = "SELECT pg_advisory_xact_lock(hashtextextended('attempt:' || a, 0)) \
-     FROM (SELECT unnest($1::text[]) AS a ORDER BY 1) f";
+/// Every fence of a wave, in the order of `$1` (sorted: see [`load`]).
+const FENCES: &str = "SELECT pg_advisory_xact_lock(hashtextextended('attempt:' || a, 0)) FROM unnest($1::text[]) AS a";
 
 /// DB time once for the wave, after every lock, with each command's admission (a row per
-/// command, in order; NULLs for a command with none to decide).
+/// command, in order; NULLs for a command with none to decide). Each lookup is its own
+/// subquery, so each is an index probe whatever the planner guesses of the array.
 const STAMPS: &str = "SELECT (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint, \
      w.disabled_at, w.revoked_at, c.worker, c.issued_at, c.not_after, c.revoked_at \
      FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS p (principal, serial, n) \
-     LEFT JOIN workers w ON w.id = p.principal LEFT JOIN certificates c ON c.serial = p.serial ORDER BY p.n";
+     LEFT JOIN LATERAL (SELECT disabled_at, revoked_at FROM workers WHERE id = p.principal OFFSET 0) w ON true \
+     LEFT JOIN LATERAL (SELECT worker, issued_at, not_after, revoked_at FROM certificates \
+     WHERE serial = p.serial OFFSET 0) c ON true ORDER BY p.n";
 
-/// `table`'s rows whose `key` is in `$1`, locked in key order.
+/// `table`'s rows whose `key` is in `$1`, locked in the order of `$1`. A locking
+/// subquery is never merged into the query around it, so each key is one probe of the
+/// key's index: `key = ANY($1)` on a generic plan guesses ten rows and scans a small
+/// table whole (measured: 145 µs for four runs instead of 9 µs each).
 fn locked(table: &str, cols: &str, key: &str) -> String {
-    format!("SELECT {cols} FROM {table} WHERE {key} = ANY($1::text[]) ORDER BY {key} FOR UPDATE")
+    format!("SELECT t.* FROM unnest($1::text[]) AS k (key) CROSS JOIN LATERAL (SELECT {cols} FROM {table} WHERE {key} = k.key FOR UPDATE) t")
 }
+
+/// How a wave locks its runs (a test reads its plan).
+#[doc(hidden)]
+pub static WAVE_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| locked("runs", &RUN_COLS, "id"));
 
 /// The tables a fenced command locks, in lock order, with their key column.
 fn levels() -> [(String, &'static str); 4] {
@@ -57,8 +66,12 @@ fn levels() -> [(String, &'static str); 4] {
     ]
 }
 
+/// Keys as one text array, sorted: every level of a wave is locked in key order, so two
+/// waves lock each level's rows in one order.
 fn texts(ids: impl Iterator<Item = String>) -> rows::Params {
-    vec![Box::new(ids.collect::<Vec<String>>())]
+    let mut ids: Vec<String> = ids.collect();
+    ids.sort_unstable();
+    vec![Box::new(ids)]
 }
 
 /// The load of a wave of fenced commands (`BEGIN` not included): every fence, each
