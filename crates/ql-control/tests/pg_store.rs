@@ -678,9 +678,9 @@ async fn renewals_of_concurrent_agents_are_sent_once_for_all_and_each_renews_its
     let after = store.group_commits();
     assert_eq!((after.transactions - before.transactions, after.commands - before.commands), (1, 4), "{after:?}");
     // The four loads as one statement per level of the lock order and one for DB time
-    // and every admission (6 for 24: 18 saved); the three admitted renewals' audit
-    // record and two writes sent once for all three (3 for 9: 6 saved).
-    assert_eq!(after.saved - before.saved, 24, "{after:?}");
+    // and every admission (6 for 24: 18 saved); the four audit records as one (3 saved);
+    // the three admitted renewals' two writes sent once for all three (2 for 6: 4 saved).
+    assert_eq!(after.saved - before.saved, 25, "{after:?}");
     let mut written: Vec<(String, String)> = store.audits().await.unwrap()[audits..]
         .iter()
         .map(|a| (a.principal.as_ref().unwrap().as_str().to_owned(), a.outcome.clone()))
@@ -697,7 +697,7 @@ async fn renewals_of_concurrent_agents_are_sent_once_for_all_and_each_renews_its
 }
 
 #[tokio::test]
-async fn a_wave_of_different_commands_each_decides_as_it_would_alone() {
+async fn a_wave_of_different_commands_each_decides_as_it_would_alone_and_a_poll_among_them_after_it() {
     let b = Pg::new().await;
     let store = one_lane(&b).await;
     let h = four_held(&store).await;
@@ -708,11 +708,17 @@ async fn a_wave_of_different_commands_each_decides_as_it_would_alone() {
     let ahead = ql_wire::ids::Counter::new(h[3].version.get() + 1).unwrap();
     let stale = Command::Renew(h[3].path.clone(), h[3].fence_at(ahead));
     let stale_before = detail(&store, h[3].run()).await;
+    // A fifth agent polls for a queued run, between the others' commands: the four
+    // fenced commands still form one wave, the poll runs after it.
+    let queued = submit(&store, LONG_TIMEOUT_MS, 0).await;
+    let fifth = open(&store, "router-4").await;
+    let polled = PollOffers { generation: fifth.generation, wait_ms: 0, max: 8 };
     let before = store.group_commits();
 
-    let (a, b2, c, d) = tokio::join!(
+    let (a, b2, p, c, d) = tokio::join!(
         store.execute(h[0].starting()),
         store.execute(h[1].running()),
+        store.execute(Command::PollOffers(fifth.worker.clone(), fifth.session.clone(), polled)),
         store.execute(h[2].renew()),
         store.execute(stale.clone()),
     );
@@ -720,11 +726,17 @@ async fn a_wave_of_different_commands_each_decides_as_it_would_alone() {
     assert_eq!(a.unwrap(), Ok(ack(Outcome::Started)));
     assert_eq!(b2.unwrap(), Ok(ack(Outcome::Running)));
     assert!(matches!(c.unwrap(), Ok(Reply::Renewed(_))));
+    match p.unwrap() {
+        Ok(Reply::Offers(o, _)) => assert_eq!(o.offers.iter().map(|o| &o.run_id).collect::<Vec<_>>(), [&queued]),
+        other => panic!("poll: {other:?}"),
+    }
     let refusal = d.unwrap();
     assert!(refusal.is_err(), "{refusal:?}");
     let after = store.group_commits();
-    assert_eq!((after.transactions - before.transactions, after.commands - before.commands), (1, 4), "{after:?}");
-    assert_eq!(after.saved - before.saved, 18, "one load for the four, each its own writes: {after:?}");
+    assert_eq!((after.transactions - before.transactions, after.commands - before.commands), (1, 5), "{after:?}");
+    // One load for the four (18 saved), and the events of `starting` (one) and `running`
+    // (two) as one statement (2 saved); each command's other writes its own.
+    assert_eq!(after.saved - before.saved, 20, "{after:?}");
     assert_eq!(detail(&store, h[0].run()).await.attempts[0].status, AttemptStatus::Starting);
     assert_eq!(detail(&store, h[1].run()).await.attempts[0].status, AttemptStatus::Running);
     assert_eq!(detail(&store, h[3].run()).await, stale_before, "the refused renewal changed nothing");

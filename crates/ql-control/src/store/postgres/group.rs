@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use ql_wire::ErrorCode;
 
-use super::{wave, Error, Inner, PgStore};
+use super::{wave, Done, Error, Inner, PgStore};
 use crate::core::{Command, Reply};
 use crate::store::Audit;
 
@@ -53,8 +53,8 @@ pub struct GroupCommits {
 pub(super) struct Job {
     pub(super) cmd: Command,
     pub(super) audit: Option<Audit>,
-    session: String,
-    answer: oneshot::Sender<Answer>,
+    pub(super) session: String,
+    pub(super) answer: oneshot::Sender<Answer>,
 }
 
 /// The lanes of one store: their queues, each session's lane, and what they did.
@@ -193,7 +193,8 @@ impl PgStore {
     }
 
     /// Runs commands routed to one lane ([`PgOptions::lanes`](super::PgOptions::lanes)) in one transaction: each
-    /// command's load, decision and writes in turn, in arrival order, then one COMMIT for
+    /// command's load, decision and writes in turn — waves of fenced commands first
+    /// ([`wave::pick`]), the others in arrival order — then one COMMIT for
     /// all (group commit: one flush of the WAL and one transaction's overhead for the
     /// batch). Every answer waits for that COMMIT. If a command fails before it — a
     /// statement, a lock wait PostgreSQL breaks as a deadlock — nothing of the batch is
@@ -206,20 +207,23 @@ impl PgStore {
             Err(e) => return e.each(jobs.len()),
         };
         let mut open = false;
-        let mut done = Vec::with_capacity(jobs.len());
-        let (mut next, mut saved) = (0, 0);
-        while next < jobs.len() {
-            let n = wave::wave_of(&jobs[next..]);
-            let ran = match &jobs[next..next + n] {
-                [job] => {
+        let mut done: Vec<Option<Done>> = jobs.iter().map(|_| None).collect();
+        let (mut pending, mut saved): (Vec<usize>, u64) = ((0..jobs.len()).collect(), 0);
+        while !pending.is_empty() {
+            let picked = wave::pick(jobs, &pending);
+            pending.retain(|i| !picked.contains(i));
+            let ran = match picked.as_slice() {
+                [i] => {
+                    let job = &jobs[*i];
                     self.step(&mut conn, &job.cmd, job.audit.as_ref(), &mut open, false).await.map(|d| (vec![d], 0))
                 }
-                wave => self.wave(&mut conn, &wave.iter().collect::<Vec<_>>(), &mut open).await,
+                wave => self.wave(&mut conn, &wave.iter().map(|&i| &jobs[i]).collect::<Vec<_>>(), &mut open).await,
             };
-            next += n;
             match ran {
                 Ok((d, s)) => {
-                    done.extend(d);
+                    for (i, d) in picked.into_iter().zip(d) {
+                        done[i] = Some(d);
+                    }
                     saved += s;
                 }
                 Err(_) => {
@@ -235,6 +239,7 @@ impl PgStore {
                 }
             }
         }
+        let done: Vec<Done> = done.into_iter().map(|d| d.expect("every command of the group ran")).collect();
         // A COMMIT that fails may or may not have committed: every caller is told the
         // store is unavailable, and its replay finds whatever committed.
         let committed = async {

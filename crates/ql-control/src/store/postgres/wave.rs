@@ -24,9 +24,10 @@ use tokio_postgres::Row;
 
 use super::load::{self, COMPLETION_EVENT_SQL};
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
-use super::{admit_of, Admit, Done, Error, PgStore, Statement, Tx};
+use super::{admit_of, Admit, Done, Error, PgStore, Statement, Tx, AUDIT_SQL};
 use crate::core::{self, COMPLETION_EVENT};
 use crate::model::Millis;
+use crate::store::records::EVENTS;
 use crate::store::Audit;
 
 use super::group::Job;
@@ -155,7 +156,7 @@ fn split(keys: &[core::Keys], answers: impl Iterator<Item = Vec<Row>>) -> Result
 }
 
 impl PgStore {
-    /// Several fenced commands of a group whose rows are all different ([`wave_of`]):
+    /// Several fenced commands of a group whose rows are all different ([`pick`]):
     /// the wave's load in one pipeline, set-based, then every command's writes in
     /// another, merged where commands write alike ([`writes`]). In one transaction,
     /// with rows no other command of the wave touches, each decides what it would
@@ -203,20 +204,37 @@ struct Recorded {
 }
 
 /// The statements that record a wave's decisions, and for each how many rows it must
-/// return (an UPDATE of loaded rows: one per row; 0, not checked). Commands whose
-/// statements are the same, one for one, form a kind; each statement of a kind of
-/// several is sent once for all of them where it can be merged ([`merged_insert`],
-/// [`merged_update`]), and otherwise once per command, in command order.
-/// Also how many statements merging saved.
+/// return (an UPDATE of loaded rows: one per row; 0, not checked), and how many
+/// statements merging saved. Every command's audit records go first, as one multi-row
+/// `INSERT`, and its events last, as another: both tables are only appended to, each
+/// command's own rows keep their order (a run's events their `seq` order), and the
+/// events' foreign keys are checked at COMMIT. Of the rest, commands whose statements
+/// are the same, one for one, form a kind; each statement of a kind of several is sent
+/// once for all of them where it can be merged ([`merged_insert`], [`Update::merged`]),
+/// and otherwise once per command, in command order.
 async fn writes(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<(Vec<Statement>, Vec<usize>, usize), Error> {
-    let mut kinds: Vec<Vec<Recorded>> = Vec::new();
+    let events_sql = rows::upsert(&EVENTS);
+    let (mut audits, mut events, mut kinds): (Vec<Statement>, Vec<Statement>, Vec<Vec<Recorded>>) =
+        (Vec::new(), Vec::new(), Vec::new());
     for r in records {
-        match kinds.iter_mut().find(|k| same_statements(&k[0], &r)) {
-            Some(kind) => kind.push(r),
-            None => kinds.push(vec![r]),
+        let mut rest = Recorded { statements: Vec::new(), checks: Vec::new() };
+        for (statement, check) in r.statements.into_iter().zip(r.checks) {
+            match statement.0.as_ref() {
+                sql if sql == AUDIT_SQL => audits.push(statement),
+                sql if sql == events_sql => events.push(statement),
+                _ => {
+                    rest.statements.push(statement);
+                    rest.checks.push(check);
+                }
+            }
+        }
+        match kinds.iter_mut().find(|k| same_statements(&k[0], &rest)) {
+            Some(kind) => kind.push(rest),
+            None => kinds.push(vec![rest]),
         }
     }
     let (mut out, mut rows, mut saved) = (Vec::new(), Vec::new(), 0);
+    saved += appended(audits, &mut out, &mut rows);
     for kind in kinds {
         let n = kind.len();
         let width = kind[0].statements.len();
@@ -252,7 +270,26 @@ async fn writes(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<(Vec<Statemen
             }
         }
     }
+    saved += appended(events, &mut out, &mut rows);
     Ok((out, rows, saved))
+}
+
+/// Appends rows of one append-only table as one multi-row `INSERT` when there are
+/// several; returns how many statements that saved.
+fn appended(column: Vec<Statement>, out: &mut Vec<Statement>, rows: &mut Vec<usize>) -> usize {
+    let n = column.len();
+    match column.first().and_then(|s| merged_insert(&s.0, s.1.len(), n)).filter(|_| n > 1) {
+        Some(sql) => {
+            out.push((Cow::Owned(sql), column.into_iter().flat_map(|s| s.1).collect()));
+            rows.push(0);
+            n - 1
+        }
+        None => {
+            rows.extend(std::iter::repeat_n(0, n));
+            out.extend(column);
+            0
+        }
+    }
 }
 
 fn same_statements(a: &Recorded, b: &Recorded) -> bool {
@@ -381,38 +418,98 @@ fn wavy(job: &Job, keys: &core::Keys) -> bool {
     !unauthenticated && load::is_fenced(keys)
 }
 
-/// How many of `jobs`, from the first, form a wave: wavy commands that name no session,
-/// attempt, run or offer an earlier one of them names, so none reads a row another
-/// writes. At least one.
-pub(super) fn wave_of(jobs: &[Job]) -> usize {
-    let mut named: Vec<String> = Vec::new();
-    let mut n = 0;
-    for job in jobs {
-        let k = job.cmd.keys();
-        if !wavy(job, &k) {
-            break;
+/// The rows a command names, as `kind:id`: its session, attempt, run and offer.
+fn named(keys: core::Keys) -> Vec<String> {
+    [
+        keys.session.map(|s| format!("s:{}", s.as_str())),
+        keys.attempt.map(|a| format!("a:{}", a.as_str())),
+        keys.run.map(|r| format!("r:{}", r.as_str())),
+        keys.offer.map(|o| format!("o:{}", o.as_str())),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+/// The next commands of a group to run (`pending`, indexes of `jobs` in arrival order):
+/// a wave of every wavy command that names no row an earlier pending command names, or
+/// when no command is wavy, the first alone. A command left for later is about other
+/// rows than the wave's (a poll of another session), so running the wave first is what
+/// running them in arrival order would decide; a command about a row one left for later
+/// names waits its turn behind it.
+pub(super) fn pick(jobs: &[Job], pending: &[usize]) -> Vec<usize> {
+    let mut seen: Vec<String> = Vec::new();
+    let mut wave = Vec::new();
+    for &i in pending {
+        let keys = jobs[i].cmd.keys();
+        let joins = wavy(&jobs[i], &keys);
+        let ids = named(keys);
+        if joins && !ids.iter().any(|id| seen.contains(id)) {
+            wave.push(i);
         }
-        let ids: Vec<String> = [
-            k.session.map(|s| format!("s:{}", s.as_str())),
-            k.attempt.map(|a| format!("a:{}", a.as_str())),
-            k.run.map(|r| format!("r:{}", r.as_str())),
-            k.offer.map(|o| format!("o:{}", o.as_str())),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        if ids.iter().any(|id| named.contains(id)) {
-            break;
-        }
-        named.extend(ids);
-        n += 1;
+        seen.extend(ids);
     }
-    n.max(1)
+    if wave.is_empty() {
+        wave.push(pending[0]);
+    }
+    wave
 }
 
 #[cfg(test)]
 mod tests {
+    use ql_wire::capability::Token;
+    use ql_wire::fence::Fence;
+    use ql_wire::ids::Counter;
+    use ql_wire::route::AttemptPath;
+
     use super::*;
+    use crate::core::Command;
+
+    fn job(cmd: Command) -> Job {
+        let (answer, _) = tokio::sync::oneshot::channel();
+        Job { cmd, audit: None, session: String::new(), answer }
+    }
+
+    /// A renewal of attempt `n` on session `session`.
+    fn renewal(session: u32, n: u32) -> Job {
+        let path = AttemptPath {
+            worker: "router-1".parse().unwrap(),
+            session: format!("ses_{session}").parse().unwrap(),
+            run: format!("run_{n}").parse().unwrap(),
+            attempt: format!("att_{n}").parse().unwrap(),
+        };
+        let fence = Fence {
+            session_generation: Counter::ONE,
+            offer_id: format!("off_{n}").parse().unwrap(),
+            lease_generation: Counter::ONE,
+            lease_token: Token::generate().unwrap(),
+            expected_lease_version: Counter::ONE,
+        };
+        job(Command::Renew(path, fence))
+    }
+
+    /// A heartbeat of session `session` (not wavy, as a poll).
+    fn heartbeat(session: u32) -> Job {
+        let body = ql_wire::session::Heartbeat { generation: Counter::ONE, draining: false };
+        job(Command::Heartbeat("router-1".parse().unwrap(), format!("ses_{session}").parse().unwrap(), body))
+    }
+
+    #[test]
+    fn a_wave_takes_every_fenced_command_about_rows_no_earlier_command_names() {
+        // Renewals of sessions 1 and 2 around another session's heartbeat: one wave, the
+        // heartbeat after it.
+        let jobs = [renewal(1, 1), heartbeat(3), renewal(2, 2)];
+        assert_eq!(pick(&jobs, &[0, 1, 2]), [0, 2]);
+        assert_eq!(pick(&jobs, &[1]), [1], "nothing wavy left: the first alone");
+        // A renewal behind a heartbeat of its own session waits its turn behind it.
+        let jobs = [heartbeat(1), renewal(1, 1), renewal(2, 2)];
+        assert_eq!(pick(&jobs, &[0, 1, 2]), [2]);
+        assert_eq!(pick(&jobs, &[0, 1]), [0]);
+        // Two commands about one attempt: the second waits for the first's wave.
+        let jobs = [renewal(1, 1), renewal(1, 1), renewal(2, 2)];
+        assert_eq!(pick(&jobs, &[0, 1, 2]), [0, 2]);
+        assert_eq!(pick(&jobs, &[1]), [1]);
+    }
 
     #[test]
     fn an_insert_of_one_row_becomes_one_of_several_each_with_its_own_parameters() {
