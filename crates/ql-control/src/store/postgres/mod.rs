@@ -37,9 +37,12 @@
 //! one WAL flush, one transaction's bookkeeping — serves many ACKs; a command that finds
 //! its lane idle runs alone as before. A later command of a group sees the earlier ones'
 //! writes (one transaction), so a group decides what the same commands one at a time
-//! would. Consecutive fenced commands of a group that name no common session, attempt,
-//! run or offer form a wave ([`PgStore::wave`]): all their loads go in one pipeline and
-//! all their writes in another, two round trips for the wave. A session's commands
+//! would. The fenced commands of a group that name no session, attempt, run or offer an
+//! earlier command of it names form a wave ([`wave`]), run before the group's other
+//! commands: one statement per level of the lock order loads every command's rows, and
+//! commands that write alike send each write once for all, every audit record of the
+//! wave in one `INSERT` and every event in another, so a wave of ten costs PostgreSQL
+//! the relations and indexes of about one command. A session's commands
 //! always share a lane, so they never wait for each other from two groups of one
 //! replica. (Two groups can still wait for each other with a command that takes several
 //! fences, a revocation; PostgreSQL breaks such a deadlock, and the group it fails runs
