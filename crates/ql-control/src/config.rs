@@ -117,6 +117,9 @@ pub struct Config {
     pub pg_lanes: u64,
     /// PostgreSQL: most commands one lane's transaction takes.
     pub pg_batch_max: u64,
+    /// PostgreSQL: most statements each connection keeps prepared (past it, its cache
+    /// starts over).
+    pub pg_prepared_max: u64,
     /// Longest wait for the next piece of a request body.
     pub read_timeout_ms: u64,
     /// A request head must be complete this long after its first byte.
@@ -214,6 +217,7 @@ impl Default for Config {
             pg_pool_size: 16,
             pg_lanes: 4,
             pg_batch_max: 32,
+            pg_prepared_max: 512,
             read_timeout_ms: 60_000,
             header_timeout_ms: 10_000,
             idle_timeout_ms: 300_000,
@@ -366,6 +370,7 @@ impl Config {
             ("runtime_threads", self.runtime_threads),
             ("pg_pool_size", self.pg_pool_size),
             ("pg_batch_max", self.pg_batch_max),
+            ("pg_prepared_max", self.pg_prepared_max),
             ("sync_hold_batches", self.sync_hold_batches),
             ("wal_autocheckpoint_pages", self.wal_autocheckpoint_pages),
             ("max_handshakes", self.max_handshakes),
@@ -522,8 +527,13 @@ mod tests {
         // PostgreSQL: each lane's transaction holds a pooled connection while it runs.
         let c = Config { pg_lanes: 17, pg_pool_size: 16, ..Config::default() };
         assert!(c.check().unwrap_err().contains("pg_lanes"));
-        let c = Config { pg_batch_max: 0, ..Config::default() };
-        assert!(c.check().unwrap_err().contains("pg_batch_max"));
+        for name in ["pg_batch_max", "pg_prepared_max"] {
+            let c = match name {
+                "pg_batch_max" => Config { pg_batch_max: 0, ..Config::default() },
+                _ => Config { pg_prepared_max: 0, ..Config::default() },
+            };
+            assert!(c.check().unwrap_err().contains(name), "{name}");
+        }
         let c = Config { pg_lanes: 0, ..Config::default() };
         assert_eq!(c.check(), Ok(()), "no lanes: every command in a transaction of its own");
     }

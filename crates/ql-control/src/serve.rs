@@ -322,6 +322,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                     pool_size: size(config.pg_pool_size),
                     lanes: size(config.pg_lanes),
                     batch_max: size(config.pg_batch_max),
+                    prepared_max: size(config.pg_prepared_max),
                     ..PgOptions::default()
                 };
                 let store = PgStore::open(&url, options).await.map_err(|e| e.to_string())?;

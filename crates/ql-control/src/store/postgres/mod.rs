@@ -201,6 +201,12 @@ pub struct PgOptions {
     pub lanes: usize,
     /// Most commands one lane's transaction takes.
     pub batch_max: usize,
+    /// Most statements each connection keeps prepared; past it, a connection's cache
+    /// starts over (each statement dropped is closed on the server). The store's texts
+    /// are a few hundred at most (each table's reads and writes, and a wave's merged
+    /// writes in a few sizes): the bound keeps the server's memory per connection
+    /// bounded whatever the store sends.
+    pub prepared_max: usize,
 }
 
 impl Default for PgOptions {
@@ -214,6 +220,7 @@ impl Default for PgOptions {
             kill_after_commit: None,
             lanes: 4,
             batch_max: 32,
+            prepared_max: 512,
         }
     }
 }
@@ -225,6 +232,7 @@ impl std::fmt::Debug for PgOptions {
             .field("pool_size", &self.pool_size)
             .field("lanes", &self.lanes)
             .field("batch_max", &self.batch_max)
+            .field("prepared_max", &self.prepared_max)
             .field("audit_url", &self.audit_url.is_some())
             .finish_non_exhaustive()
     }
@@ -283,14 +291,15 @@ impl PgStore {
     /// LISTEN connection. Must be called inside a Tokio runtime.
     pub async fn open(url: &str, options: PgOptions) -> Result<Self, StoreError> {
         let config = parse_url(url)?;
-        let pool = Pool::new(config.clone(), options.pool_size, options.connect_timeout);
+        let prepared = options.prepared_max.max(1);
+        let pool = Pool::new(config.clone(), options.pool_size, options.connect_timeout, prepared);
         {
             let mut conn = pool.get().await?;
             schema::check(conn.client()).await?;
             conn.keep();
         }
         let audit = match &options.audit_url {
-            Some(u) => Some(Pool::new(parse_url(u)?, options.pool_size.min(4), options.connect_timeout)),
+            Some(u) => Some(Pool::new(parse_url(u)?, options.pool_size.min(4), options.connect_timeout, prepared)),
             None => None,
         };
         let wakes = Arc::new(Wakes::default());

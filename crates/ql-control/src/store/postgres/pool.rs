@@ -24,6 +24,8 @@ use super::Error;
 pub(super) struct Conn {
     client: Client,
     statements: HashMap<String, Statement>,
+    /// Most statements kept prepared ([`PgOptions::prepared_max`](super::PgOptions::prepared_max)).
+    most: usize,
 }
 
 impl Conn {
@@ -38,6 +40,9 @@ impl Conn {
             return Ok(s.clone());
         }
         let s = self.client.prepare(sql).await.map_err(Error::Pg)?;
+        if self.statements.len() >= self.most {
+            self.statements.clear();
+        }
         self.statements.insert(sql.to_owned(), s.clone());
         Ok(s)
     }
@@ -46,6 +51,7 @@ impl Conn {
 /// A bounded pool of connections to one database as one role.
 pub(super) struct Pool {
     config: Config,
+    prepared_max: usize,
     idle: Mutex<Vec<Conn>>,
     permits: Arc<Semaphore>,
 }
@@ -60,10 +66,12 @@ pub(super) struct Pooled<'a> {
 }
 
 impl Pool {
-    /// A pool of at most `size` connections (at least one).
-    pub(super) fn new(mut config: Config, size: usize, connect_timeout: Duration) -> Self {
+    /// A pool of at most `size` connections (at least one), each keeping at most
+    /// `prepared_max` statements prepared.
+    pub(super) fn new(mut config: Config, size: usize, connect_timeout: Duration, prepared_max: usize) -> Self {
         config.connect_timeout(connect_timeout);
-        Self { config, idle: Mutex::new(Vec::new()), permits: Arc::new(Semaphore::new(size.max(1))) }
+        let permits = Arc::new(Semaphore::new(size.max(1)));
+        Self { config, prepared_max, idle: Mutex::new(Vec::new()), permits }
     }
 
     /// Opens one connection and starts its connection task.
@@ -89,7 +97,10 @@ impl Pool {
         };
         let conn = match reused {
             Some(c) => c,
-            None => Conn { client: Self::connect(&self.config).await?, statements: HashMap::new() },
+            None => {
+                let client = Self::connect(&self.config).await?;
+                Conn { client, statements: HashMap::new(), most: self.prepared_max }
+            }
         };
         Ok(Pooled { pool: self, conn: Some(conn), keep: false, _permit: permit })
     }

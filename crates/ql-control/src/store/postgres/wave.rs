@@ -1,20 +1,21 @@
-//! A wave: several fenced commands of one group, about rows none of the others names,
-//! loaded and recorded set-based (see the [module doc](super) for groups).
+//! A wave: the fenced commands of one group about rows none of the others names, loaded
+//! and recorded set-based (see the [module doc](super) for groups).
 //!
 //! PostgreSQL's cost of a statement follows the relations and indexes it opens, much
 //! more than the rows it touches: eight renewals' locked loads as one statement per
 //! table, and their audit records and lease writes as one statement each, cost it about
-//! a third less than the same rows a statement each (`bench/pg_ceiling.sh`'s renewal,
-//! replayed in groups). So a wave sends one statement per level of the lock order for
-//! all its commands, each level's rows locked in key order (the order of the module doc
-//! of [`load`](super::load) still holds, level by level, so a wave never waits against
-//! a command in the other direction), then reads each command's rows out by key and
-//! lets each decide alone, as it would alone ([`load::read_fenced`]). Then the writes:
-//! commands whose records are the same statements one for one (eight renewals) send
-//! each of them once, as a multi-row `INSERT` or an `UPDATE ... FROM (VALUES ...)`
-//! that must find every row; others go as they are. Commands of a wave share no row,
-//! so the order between them does not matter, and each command's own writes keep
-//! their order.
+//! a third less than the same rows a statement each (README, Benchmarks). So a wave
+//! sends one statement per level of the lock order for all its commands, each level's
+//! rows locked in key order (the order of [`load`](super::load)'s module doc still
+//! holds, level by level), and one for DB time with every admission; then reads each
+//! command's rows out by key and lets each decide alone, as it would alone
+//! ([`load::read_fenced`]). Then the writes: every audit record first and every event
+//! last, each as multi-row `INSERT`s; of the rest, commands whose records are the same
+//! statements one for one (renewals) send each of them for several at once, as a
+//! multi-row `INSERT` or an `UPDATE ... FROM (VALUES ...)` that must find every row,
+//! in chunks of a power of two so each connection prepares few texts ([`merged`]).
+//! Commands of a wave share no row, so the order between them does not matter, and
+//! each command's own writes keep their order.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -247,49 +248,58 @@ async fn writes(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<(Vec<Statemen
         }
         for (column, check) in columns.into_iter().zip(checks) {
             let sql = column[0].0.clone();
-            let merged = if n == 1 {
-                None
-            } else if let Some(sql) = merged_insert(&sql, column[0].1.len(), n) {
-                Some(sql)
-            } else if let Some(update) = Update::parse(&sql) {
-                let types = tx.conn.prepare(&sql).await?.params().to_vec();
-                update.merged(&types, n)
-            } else {
-                None
+            let width = column[0].1.len();
+            let update = match Update::parse(&sql) {
+                Some(update) if n > 1 => Some((update, tx.conn.prepare(&sql).await?.params().to_vec())),
+                _ => None,
             };
-            match merged {
-                Some(sql) => {
-                    out.push((Cow::Owned(sql), column.into_iter().flat_map(|s| s.1).collect()));
-                    rows.push(if check { n } else { 0 });
-                    saved += n - 1;
-                }
-                None => {
-                    rows.extend(std::iter::repeat_n(usize::from(check), column.len()));
-                    out.extend(column);
-                }
-            }
+            let merge = |k: usize| match &update {
+                Some((update, types)) => update.merged(types, k),
+                None => merged_insert(&sql, width, k),
+            };
+            saved += merged(column, usize::from(check), merge, &mut out, &mut rows);
         }
     }
     saved += appended(events, &mut out, &mut rows);
     Ok((out, rows, saved))
 }
 
-/// Appends rows of one append-only table as one multi-row `INSERT` when there are
-/// several; returns how many statements that saved.
+/// Rows of one append-only table as multi-row `INSERT`s ([`merged`]).
 fn appended(column: Vec<Statement>, out: &mut Vec<Statement>, rows: &mut Vec<usize>) -> usize {
-    let n = column.len();
-    match column.first().and_then(|s| merged_insert(&s.0, s.1.len(), n)).filter(|_| n > 1) {
-        Some(sql) => {
-            out.push((Cow::Owned(sql), column.into_iter().flat_map(|s| s.1).collect()));
-            rows.push(0);
-            n - 1
-        }
-        None => {
-            rows.extend(std::iter::repeat_n(0, n));
-            out.extend(column);
-            0
+    let Some((sql, width)) = column.first().map(|s| (s.0.clone(), s.1.len())) else { return 0 };
+    merged(column, 0, |k| merged_insert(&sql, width, k), out, rows)
+}
+
+/// Sends `column`, statements of one SQL text (each returning `check` rows), in chunks
+/// of a power of two, each chunk of several as the one statement `merge` makes for that
+/// many (or as they are, when it makes none). Chunks of a few sizes keep the texts, and
+/// so each connection's prepared statements, few: ten renewals are a chunk of eight and
+/// one of two. Returns how many statements that saved.
+fn merged(
+    column: Vec<Statement>,
+    check: usize,
+    merge: impl Fn(usize) -> Option<String>,
+    out: &mut Vec<Statement>,
+    rows: &mut Vec<usize>,
+) -> usize {
+    let mut saved = 0;
+    let mut rest = column.into_iter().peekable();
+    while rest.peek().is_some() {
+        let k = 1 << rest.len().ilog2();
+        let chunk: Vec<Statement> = rest.by_ref().take(k).collect();
+        match merge(k).filter(|_| k > 1) {
+            Some(sql) => {
+                out.push((Cow::Owned(sql), chunk.into_iter().flat_map(|s| s.1).collect()));
+                rows.push(check * k);
+                saved += k - 1;
+            }
+            None => {
+                rows.extend(std::iter::repeat_n(check, k));
+                out.extend(chunk);
+            }
         }
     }
+    saved
 }
 
 fn same_statements(a: &Recorded, b: &Recorded) -> bool {
@@ -530,6 +540,25 @@ mod tests {
         assert_eq!(merged_insert("INSERT INTO t (a) VALUES ($1) ON CONFLICT (a) DO UPDATE SET b = $2", 2, 2), None);
         assert_eq!(merged_insert("INSERT INTO t (a) VALUES ('$1')", 1, 2), None);
         assert_eq!(merged_insert("SELECT pg_notify($1, $2)", 2, 2), None);
+    }
+
+    #[test]
+    fn several_alike_go_in_chunks_of_a_power_of_two_each_counting_its_rows() {
+        let sql = "UPDATE leases SET version = $2 WHERE attempt_id = $1 RETURNING 1";
+        let column: Vec<Statement> =
+            (0..11i64).map(|i| (Cow::Borrowed(sql), vec![Box::new(i) as _, Box::new(i) as _])).collect();
+        let (mut out, mut rows) = (Vec::new(), Vec::new());
+        let saved = merged(column, 1, |k| Some(format!("{k} rows")), &mut out, &mut rows);
+        let texts: Vec<&str> = out.iter().map(|s| s.0.as_ref()).collect();
+        assert_eq!(texts, ["8 rows", "2 rows", sql]);
+        assert_eq!(out.iter().map(|s| s.1.len()).collect::<Vec<_>>(), [16, 4, 2], "each row's parameters, in order");
+        assert_eq!(rows, [8, 2, 1], "each must find every row it names");
+        assert_eq!(saved, 8);
+        // Statements that cannot merge go as they are, each with its own count.
+        let column: Vec<Statement> = (0..3i64).map(|i| (Cow::Borrowed(sql), vec![Box::new(i) as _])).collect();
+        let (mut out, mut rows) = (Vec::new(), Vec::new());
+        assert_eq!(merged(column, 1, |_| None, &mut out, &mut rows), 0);
+        assert_eq!((out.len(), rows), (3, vec![1, 1, 1]));
     }
 
     #[test]
