@@ -446,29 +446,20 @@ fn runs_rows_read(node: &serde_json::Value) -> f64 {
     own + children
 }
 
-/// A wave locks each command's run by a probe of the runs' key, on the plan the store
-/// runs it on, however few runs the table holds: with `id = ANY($1)` PostgreSQL guessed
-/// ten rows and read a table of a few hundred runs whole.
-#[tokio::test]
-async fn a_waves_load_reads_only_the_runs_it_names() {
-    let b = Pg::new().await;
-    let owner = connect(&b.db().url("ql_owner")).await;
-    owner
-        .batch_execute(
-            "INSERT INTO runs (id, project, spec, labels, agent_labels, status, retry_budget, retries_used, attempts, \
-             lease_generations, created_at) SELECT 'run_' || g, 'default', '{}', '{}', '{}', \
-             'queued', 0, 0, 0, 0, g FROM generate_series(1, 300) g; ANALYZE runs",
-        )
-        .await
-        .unwrap();
-    let lock = ql_control::store::postgres::WAVE_RUNS.as_str();
-    owner
-        .batch_execute(&format!("PREPARE lock (text[]) AS {lock}; SET plan_cache_mode = force_generic_plan; BEGIN"))
-        .await
-        .unwrap();
-    let sql = "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE lock(ARRAY['run_12', 'run_150', 'run_299', 'run_none'])";
-    let text = owner
-        .simple_query(sql)
+/// `n` runs queued for agents declaring `agent_labels` (JSON), as the owner, analysed.
+async fn queue_runs(owner: &tokio_postgres::Client, n: u32, agent_labels: &str) {
+    let sql = format!(
+        "INSERT INTO runs (id, project, spec, labels, agent_labels, status, retry_budget, retries_used, attempts, \
+         lease_generations, created_at) SELECT 'run_' || g, 'default', '{{}}', '{{}}', '{agent_labels}', \
+         'queued', 0, 0, 0, 0, g FROM generate_series(1, {n}) g; ANALYZE runs"
+    );
+    owner.batch_execute(&sql).await.unwrap();
+}
+
+/// The plan of `EXPLAIN (ANALYZE, FORMAT JSON) {statement}`, run on `client`.
+async fn analysed(client: &tokio_postgres::Client, statement: &str) -> serde_json::Value {
+    let text = client
+        .simple_query(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {statement}"))
         .await
         .unwrap()
         .into_iter()
@@ -478,7 +469,23 @@ async fn a_waves_load_reads_only_the_runs_it_names() {
         })
         .expect("a plan");
     let explained: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let plan = &explained[0]["Plan"];
+    explained[0]["Plan"].clone()
+}
+
+/// A wave locks each command's run by a probe of the runs' key, on the plan the store
+/// runs it on, however few runs the table holds: with `id = ANY($1)` PostgreSQL guessed
+/// ten rows and read a table of a few hundred runs whole.
+#[tokio::test]
+async fn a_waves_load_reads_only_the_runs_it_names() {
+    let b = Pg::new().await;
+    let owner = connect(&b.db().url("ql_owner")).await;
+    queue_runs(&owner, 300, "{}").await;
+    let lock = ql_control::store::postgres::WAVE_RUNS.as_str();
+    owner
+        .batch_execute(&format!("PREPARE lock (text[]) AS {lock}; SET plan_cache_mode = force_generic_plan; BEGIN"))
+        .await
+        .unwrap();
+    let plan = &analysed(&owner, "EXECUTE lock(ARRAY['run_12', 'run_150', 'run_299', 'run_none'])").await;
     assert_eq!(plan["Actual Rows"].as_f64(), Some(3.0), "the three runs that exist: {plan}");
     // EXPLAIN rounds each probe's rows to a whole one: at most one per key named.
     let read = runs_rows_read(plan);
@@ -493,14 +500,7 @@ async fn a_waves_load_reads_only_the_runs_it_names() {
 async fn a_polls_queue_probe_reads_no_run_queued_for_other_label_sets() {
     let b = Pg::new().await;
     let owner = connect(&b.db().url("ql_owner")).await;
-    owner
-        .batch_execute(
-            "INSERT INTO runs (id, project, spec, labels, agent_labels, status, retry_budget, retries_used, attempts, \
-             lease_generations, created_at) SELECT 'run_' || g, 'default', '{}', '{}', '{\"arch\":\"mipsel\"}', \
-             'queued', 0, 0, 0, 0, g FROM generate_series(1, 2000) g; ANALYZE runs",
-        )
-        .await
-        .unwrap();
+    queue_runs(&owner, 2000, r#"{"arch":"mipsel"}"#).await;
     let probe = ql_control::store::postgres::QUEUE_PROBE.as_str();
     owner
         .batch_execute(&format!(
@@ -514,19 +514,7 @@ async fn a_polls_queue_probe_reads_no_run_queued_for_other_label_sets() {
         (r#"ARRAY['{}', '{"arch":"mipsel"}']"#, 4.0, 4.0),
         (r#"ARRAY['{}', '{"arch":"mipsel"}']"#, 1.0, 1.0),
     ] {
-        let sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE probe('{{}}', {sets}, {room})");
-        let text = owner
-            .simple_query(&sql)
-            .await
-            .unwrap()
-            .into_iter()
-            .find_map(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
-                _ => None,
-            })
-            .expect("a plan");
-        let explained: serde_json::Value = serde_json::from_str(&text).unwrap();
-        let plan = &explained[0]["Plan"];
+        let plan = &analysed(&owner, &format!("EXECUTE probe('{{}}', {sets}, {room})")).await;
         assert_eq!(plan["Actual Rows"].as_f64(), Some(offered), "{sets}, room {room}");
         let read = runs_rows_read(plan);
         assert!(read <= room * 2.0, "{sets}, room {room}: the probe read {read} queued runs: {plan}");
