@@ -10,9 +10,8 @@
 //! whose command was refused, once nothing of it is in flight: a worker naming made-up
 //! sessions leaves no place behind. A lane takes every
 //! command waiting on it, up to `batch_max`, and runs them as one group
-//! ([`PgStore::execute_batch`]): one after another in one transaction, consecutive
-//! fenced commands about different rows in waves
-//! ([`wave`]).
+//! ([`PgStore::execute_batch`]) in one transaction: its fenced commands about different
+//! rows first, as a wave ([`wave`]), then the others one after another.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

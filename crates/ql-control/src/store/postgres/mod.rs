@@ -39,14 +39,16 @@
 //! writes (one transaction), so a group decides what the same commands one at a time
 //! would. The fenced commands of a group that name no session, attempt, run or offer an
 //! earlier command of it names form a wave ([`wave`]), run before the group's other
-//! commands: one statement per level of the lock order loads every command's rows, and
-//! commands that write alike send each write once for all, every audit record of the
-//! wave in one `INSERT` and every event in another, so a wave of ten costs PostgreSQL
-//! the relations and indexes of about one command. A session's commands
+//! commands (all of a group's commands are in flight together, so any serial order of
+//! them is one they could have run in): one statement per level of the lock order loads
+//! every command's rows, and commands that write alike send each write once for several,
+//! the wave's audit records and its events as multi-row `INSERT`s, so a wave of ten
+//! costs PostgreSQL the relations and indexes of a few commands. A session's commands
 //! always share a lane, so they never wait for each other from two groups of one
-//! replica. (Two groups can still wait for each other with a command that takes several
-//! fences, a revocation; PostgreSQL breaks such a deadlock, and the group it fails runs
-//! command by command.) If a command of a group fails, nothing of the group is
+//! replica. (A group's commands after its wave take their session's lock after the
+//! wave's lower-level locks, and a wave takes several fences, each level in key order;
+//! a group can so wait for another transaction that waits for it, and PostgreSQL breaks
+//! such a deadlock: the group it fails runs command by command.) If a command of a group fails, nothing of the group is
 //! kept and each command runs again alone; other commands (submits, operator commands,
 //! sweeps) run alone.
 //!

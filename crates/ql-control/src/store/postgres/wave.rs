@@ -159,7 +159,8 @@ fn split(keys: &[core::Keys], answers: impl Iterator<Item = Vec<Row>>) -> Result
 impl PgStore {
     /// Several fenced commands of a group whose rows are all different ([`pick`]):
     /// the wave's load in one pipeline, set-based, then every command's writes in
-    /// another, merged where commands write alike ([`writes`]). In one transaction,
+    /// another, merged where commands write alike ([`writes`]; a merged UPDATE is
+    /// prepared first, a round trip the first time on a connection). In one transaction,
     /// with rows no other command of the wave touches, each decides what it would
     /// decide alone.
     pub(super) async fn wave(
@@ -264,6 +265,9 @@ async fn writes(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<(Vec<Statemen
     Ok((out, rows, saved))
 }
 
+/// Most parameters one statement may carry (the protocol counts them in 16 bits).
+const MAX_PARAMS: usize = 32_767;
+
 /// Rows of one append-only table as multi-row `INSERT`s ([`merged`]).
 fn appended(column: Vec<Statement>, out: &mut Vec<Statement>, rows: &mut Vec<usize>) -> usize {
     let Some((sql, width)) = column.first().map(|s| (s.0.clone(), s.1.len())) else { return 0 };
@@ -274,7 +278,8 @@ fn appended(column: Vec<Statement>, out: &mut Vec<Statement>, rows: &mut Vec<usi
 /// of a power of two, each chunk of several as the one statement `merge` makes for that
 /// many (or as they are, when it makes none). Chunks of a few sizes keep the texts, and
 /// so each connection's prepared statements, few: ten renewals are a chunk of eight and
-/// one of two. Returns how many statements that saved.
+/// one of two. A chunk stays under the protocol's 32,767 parameters a statement, however
+/// large a group. Returns how many statements that saved.
 fn merged(
     column: Vec<Statement>,
     check: usize,
@@ -283,9 +288,11 @@ fn merged(
     rows: &mut Vec<usize>,
 ) -> usize {
     let mut saved = 0;
+    let width = column.first().map_or(1, |s| s.1.len().max(1));
+    let most = 1 << (MAX_PARAMS / width).max(1).ilog2();
     let mut rest = column.into_iter().peekable();
     while rest.peek().is_some() {
-        let k = 1 << rest.len().ilog2();
+        let k = (1 << rest.len().ilog2()).min(most);
         let chunk: Vec<Statement> = rest.by_ref().take(k).collect();
         match merge(k).filter(|_| k > 1) {
             Some(sql) => {
@@ -443,10 +450,10 @@ fn named(keys: core::Keys) -> Vec<String> {
 
 /// The next commands of a group to run (`pending`, indexes of `jobs` in arrival order):
 /// a wave of every wavy command that names no row an earlier pending command names, or
-/// when no command is wavy, the first alone. A command left for later is about other
-/// rows than the wave's (a poll of another session), so running the wave first is what
-/// running them in arrival order would decide; a command about a row one left for later
-/// names waits its turn behind it.
+/// when no command is wavy, the first alone. Every command of a group is in flight at
+/// once, so running the wave first is a serial order they could have run in (a poll left
+/// for later may place a run a command of the wave put back in the queue); a command
+/// about a row one left for later names waits its turn behind it.
 pub(super) fn pick(jobs: &[Job], pending: &[usize]) -> Vec<usize> {
     let mut seen: Vec<String> = Vec::new();
     let mut wave = Vec::new();
@@ -554,6 +561,13 @@ mod tests {
         assert_eq!(out.iter().map(|s| s.1.len()).collect::<Vec<_>>(), [16, 4, 2], "each row's parameters, in order");
         assert_eq!(rows, [8, 2, 1], "each must find every row it names");
         assert_eq!(saved, 8);
+        // However many, a chunk stays under the protocol's parameters per statement.
+        let wide: Vec<Statement> =
+            (0..5000i64).map(|i| (Cow::Borrowed(sql), (0..8).map(|_| Box::new(i) as _).collect())).collect();
+        let (mut out, mut rows) = (Vec::new(), Vec::new());
+        merged(wide, 0, |k| Some(format!("{k} rows")), &mut out, &mut rows);
+        assert!(out.iter().all(|s| s.1.len() <= MAX_PARAMS), "{:?}", out.iter().map(|s| s.1.len()).max());
+        assert_eq!(out.iter().map(|s| s.1.len()).sum::<usize>(), 40_000, "every row sent once");
         // Statements that cannot merge go as they are, each with its own count.
         let column: Vec<Statement> = (0..3i64).map(|i| (Cow::Borrowed(sql), vec![Box::new(i) as _])).collect();
         let (mut out, mut rows) = (Vec::new(), Vec::new());
