@@ -6,7 +6,7 @@
 //! table, and their audit records and lease writes as one statement each, cost it about
 //! a third less than the same rows a statement each (README, Benchmarks). So a wave
 //! sends one statement per level of the lock order for all its commands, each level's
-//! rows locked in key order (the order of [`load`](super::load)'s module doc still
+//! rows locked in key order (the order of [`load`]'s module doc still
 //! holds, level by level), and one for DB time with every admission; then reads each
 //! command's rows out by key and lets each decide alone, as it would alone
 //! ([`load::read_fenced`]). Then the writes: every audit record first and every event
@@ -19,6 +19,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::LazyLock;
 
 use tokio_postgres::types::Type;
 use tokio_postgres::Row;
@@ -33,7 +34,7 @@ use crate::store::Audit;
 
 use super::group::Job;
 
-/// Every fence of a wave, in the order of `$1` (sorted: see [`load`]).
+/// Every fence of a wave, in the order of `$1` (sorted: see [`loads`]).
 const FENCES: &str = "SELECT pg_advisory_xact_lock(hashtextextended('attempt:' || a, 0)) FROM unnest($1::text[]) AS a";
 
 /// DB time once for the wave, after every lock, with each command's admission (a row per
@@ -56,17 +57,20 @@ fn locked(table: &str, cols: &str, key: &str) -> String {
 
 /// How a wave locks its runs (a test reads its plan).
 #[doc(hidden)]
-pub static WAVE_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| locked("runs", &RUN_COLS, "id"));
+pub static WAVE_RUNS: LazyLock<String> = LazyLock::new(|| LEVELS[1].0.clone());
 
-/// The tables a fenced command locks, in lock order, with their key column.
-fn levels() -> [(String, &'static str); 4] {
+/// The tables a fenced command locks, in lock order, each with its key column.
+static LEVELS: LazyLock<[(String, &str); 4]> = LazyLock::new(|| {
     [
         (locked("sessions", &SESSION_COLS, "id"), "id"),
         (locked("runs", &RUN_COLS, "id"), "id"),
         (locked("attempts", &ATTEMPT_COLS, "id"), "id"),
         (locked("leases", &LEASE_COLS, "attempt_id"), "attempt_id"),
     ]
-}
+});
+
+/// How a wave locks the offers its commands name.
+static OFFERS: LazyLock<String> = LazyLock::new(|| locked("offers", &OFFER_COLS, "id"));
 
 /// Keys as one text array, sorted: every level of a wave is locked in key order, so two
 /// waves lock each level's rows in one order.
@@ -79,7 +83,7 @@ fn texts(ids: impl Iterator<Item = String>) -> rows::Params {
 /// The load of a wave of fenced commands (`BEGIN` not included): every fence, each
 /// level's rows, the offers named, the completion events named, and DB time with every
 /// admission last. [`split`] reads the answers.
-fn load(keys: &[core::Keys], offset: i64, admits: &[Option<Admit<'_>>]) -> Vec<Statement> {
+fn loads(keys: &[core::Keys], offset: i64, admits: &[Option<Admit<'_>>]) -> Vec<Statement> {
     let named = |k: &core::Keys| {
         let (Some(a), Some(s), Some(r)) = (&k.attempt, &k.session, &k.run) else {
             unreachable!("a fenced command names its attempt, session and run");
@@ -87,17 +91,17 @@ fn load(keys: &[core::Keys], offset: i64, admits: &[Option<Admit<'_>>]) -> Vec<S
         (a.as_str().to_owned(), s.as_str().to_owned(), r.as_str().to_owned())
     };
     let ids: Vec<_> = keys.iter().map(named).collect();
-    let [sessions, runs, attempts, leases] = levels();
+    let [sessions, runs, attempts, leases] = &*LEVELS;
     let mut out: Vec<Statement> = vec![
         (FENCES.into(), texts(ids.iter().map(|i| i.0.clone()))),
-        (sessions.0.into(), texts(ids.iter().map(|i| i.1.clone()))),
-        (runs.0.into(), texts(ids.iter().map(|i| i.2.clone()))),
-        (attempts.0.into(), texts(ids.iter().map(|i| i.0.clone()))),
-        (leases.0.into(), texts(ids.iter().map(|i| i.0.clone()))),
+        (sessions.0.as_str().into(), texts(ids.iter().map(|i| i.1.clone()))),
+        (runs.0.as_str().into(), texts(ids.iter().map(|i| i.2.clone()))),
+        (attempts.0.as_str().into(), texts(ids.iter().map(|i| i.0.clone()))),
+        (leases.0.as_str().into(), texts(ids.iter().map(|i| i.0.clone()))),
     ];
     if keys.iter().any(|k| k.offer.is_some()) {
         let offers = keys.iter().filter_map(|k| k.offer.as_ref().map(|o| o.as_str().to_owned()));
-        out.push((locked("offers", &OFFER_COLS, "id").into(), texts(offers)));
+        out.push((OFFERS.as_str().into(), texts(offers)));
     }
     for (k, id) in keys.iter().zip(&ids) {
         if k.completion_event {
@@ -110,7 +114,7 @@ fn load(keys: &[core::Keys], offset: i64, admits: &[Option<Admit<'_>>]) -> Vec<S
     out
 }
 
-/// Each command's answers to [`load`], in the shape of its own
+/// Each command's answers to [`loads`], in the shape of its own
 /// [`fenced_load`](load::fenced_load)'s (for [`load::read_fenced`]): its row of each
 /// level found by key, and its row of DB time.
 fn split(keys: &[core::Keys], answers: impl Iterator<Item = Vec<Row>>) -> Result<Vec<Vec<Vec<Row>>>, Error> {
@@ -121,7 +125,7 @@ fn split(keys: &[core::Keys], answers: impl Iterator<Item = Vec<Row>>) -> Result
         rows.into_iter().map(|r| Ok((r.try_get::<_, String>(key).map_err(Error::Pg)?, r))).collect()
     };
     let mut found: Vec<HashMap<String, Row>> = Vec::with_capacity(4);
-    for (_, key) in levels() {
+    for (_, key) in LEVELS.iter() {
         found.push(by_key(next(), key)?);
     }
     let mut offers = if keys.iter().any(|k| k.offer.is_some()) { by_key(next(), "id")? } else { HashMap::new() };
@@ -174,12 +178,12 @@ impl PgStore {
         let admits: Vec<Option<Admit<'_>>> = jobs.iter().map(|j| admit_of(j.audit.as_ref())).collect();
         let begin = !std::mem::replace(open, true);
         let mut tx = Tx { conn };
-        let loads = load(&keys, offset, &admits);
+        let statements = loads(&keys, offset, &admits);
         // What the commands' own loads would have sent ([`load::fenced_load`]).
         let alone: usize =
             keys.iter().map(|k| 6 + usize::from(k.offer.is_some()) + usize::from(k.completion_event)).sum();
-        let mut saved = alone - loads.len();
-        let answers = tx.begun(begin, loads).await?;
+        let mut saved = alone - statements.len();
+        let answers = tx.begun(begin, statements).await?;
         let (mut records, mut done) = (Vec::with_capacity(jobs.len()), Vec::with_capacity(jobs.len()));
         for (((job, k), admit), answers) in jobs.iter().zip(&keys).zip(&admits).zip(split(&keys, answers)?) {
             let loaded: (core::Rows, Millis, _) = load::read_fenced(k, *admit, &mut answers.into_iter())?;
