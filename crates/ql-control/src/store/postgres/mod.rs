@@ -529,7 +529,13 @@ impl Concluded {
 /// row was locked and nothing deletes), but if it did the COMMIT may have run already:
 /// fail loudly rather than answer as if it had been written.
 fn checked(checks: &[bool], answers: &[Vec<Row>]) -> Result<(), Error> {
-    if checks.iter().zip(answers).any(|(&update, rows)| update && rows.len() != 1) {
+    counted(checks.iter().map(|&update| usize::from(update)), answers)
+}
+
+/// [`checked`] for statements that each update `n` loaded rows (0: not an update of
+/// loaded rows), as a wave's merged updates do.
+fn counted(rows: impl IntoIterator<Item = usize>, answers: &[Vec<Row>]) -> Result<(), Error> {
+    if rows.into_iter().zip(answers).any(|(n, got)| n > 0 && got.len() != n) {
         return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));
     }
     Ok(())

@@ -26,7 +26,7 @@ use tokio_postgres::Row;
 
 use super::load::{self, COMPLETION_EVENT_SQL};
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
-use super::{admit_of, Admit, Done, Error, PgStore, Statement, Tx, AUDIT_SQL};
+use super::{admit_of, counted, Admit, Done, Error, PgStore, Statement, Tx, AUDIT_SQL};
 use crate::core::{self, COMPLETION_EVENT};
 use crate::model::Millis;
 use crate::store::records::EVENTS;
@@ -195,9 +195,7 @@ impl PgStore {
         saved += merged;
         if !record.is_empty() {
             let answers = tx.run(&record).await?;
-            if rows.iter().zip(&answers).any(|(&n, got)| n > 0 && got.len() != n) {
-                return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));
-            }
+            counted(rows, &answers)?;
         }
         Ok((done, saved as u64))
     }
