@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ql-control on PostgreSQL: ACK transactions per second with 8 and 64 concurrent mTLS
+# ql-control on PostgreSQL: ACK transactions per second with 8 and 64 (or CLIENTS) concurrent mTLS
 # clients (examples/ack_bench.rs, one keep-alive connection each, every fenced command
 # one short transaction), side by side with `pgbench -N` at the same client count on the
 # same server, their ratio, and the SQLite store's figure on the same machine. Also the
@@ -12,13 +12,16 @@
 #   CYCLES_8=25 CYCLES_64=4 bench/pg_acks.sh   # shorter rounds
 #   PG_POOL=8 bench/pg_acks.sh                 # the replica's pg_pool_size (and the store-level pool)
 #   PG_LANES=0 bench/pg_acks.sh                # the replica's pg_lanes (0: no group commit)
+#   PG_FILL=1 bench/pg_acks.sh                 # the replica's pg_lane_fill (1: spread over every lane)
 #   ROUNDS=3 bench/pg_acks.sh                  # three rounds in turn, a ratio for each
 #   RENEWALS=50 bench/pg_acks.sh               # jobs of fifty lease renewals (default 5)
+#   CLIENTS="8 16 32 64" bench/pg_acks.sh      # other client counts (default "8 64")
 #
 # Each client count runs CYCLES_8 / CYCLES_64 cycles of RENEWALS + 3 ACKs per client (by
 # default 5 renewals, a job of about a minute at the default 30 s lease, and 9,600 and
 # 10,240 ACKs, several seconds each, as pgbench's 10 s; the default cycle counts shrink as
-# RENEWALS grows, to keep about as many ACKs), after a warm-up round
+# RENEWALS grows, to keep about as many ACKs; other client counts run about 9,600 too),
+# after a warm-up round
 # of 8 clients that is not counted: a serving replica's pooled connections have their
 # statements prepared and planned, as pgbench's have once it starts counting.
 #
@@ -62,15 +65,17 @@ fresh_workers() {
 "$bin" init --dir "$work/sqlite-state" --host 127.0.0.1 >/dev/null
 # 64 clients connect at once from one address: more than the per-address handshake cap
 # that protects a real server. PG_POOL sets pg_pool_size (16 by default), PG_LANES
-# pg_lanes (the default when unset).
+# pg_lanes and PG_FILL pg_lane_fill (the defaults when unset).
 for state in "$work/pg-state" "$work/sqlite-state"; do
-  python3 - "$state/control.json" "${PG_POOL:-16}" "${PG_LANES:-}" <<'PY'
+  python3 - "$state/control.json" "${PG_POOL:-16}" "${PG_LANES:-}" "${PG_FILL:-}" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))
 c["max_handshakes_per_ip"] = c["max_handshakes"]
 c["pg_pool_size"] = int(sys.argv[2])
 if sys.argv[3]:
     c["pg_lanes"] = int(sys.argv[3])
+if sys.argv[4]:
+    c["pg_lane_fill"] = int(sys.argv[4])
 json.dump(c, open(sys.argv[1], "w"), indent=2)
 PY
 done
@@ -82,12 +87,15 @@ pg_url=$(sed -n 's/^listening on //p' "$work/pg-state/serve.out")
 "$pgbin/pgbench" -q -i -s 10 -h "$QL_PG_SOCKET" -U postgres pgbench >/dev/null 2>&1
 
 echo "# $(uname -m), $(nproc) cores; PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') (fsync on),"
-echo "# server: $bin serve --database (one replica, pool of ${PG_POOL:-16} connections, pg_lanes ${PG_LANES:-default})"
+echo "# server: $bin serve --database (one replica, pool of ${PG_POOL:-16} connections, pg_lanes ${PG_LANES:-default}, pg_lane_fill ${PG_FILL:-default})"
 renewals=${RENEWALS:-5}
 per_cycle=$((renewals + 3))
 cycles_for() {
-  if [ "$1" = 64 ]; then echo "${CYCLES_64:-$(((20 * 8 + per_cycle - 1) / per_cycle))}"
-  else echo "${CYCLES_8:-$(((150 * 8 + per_cycle - 1) / per_cycle))}"; fi
+  case $1 in
+    64) echo "${CYCLES_64:-$(((20 * 8 + per_cycle - 1) / per_cycle))}" ;;
+    8) echo "${CYCLES_8:-$(((150 * 8 + per_cycle - 1) / per_cycle))}" ;;
+    *) echo "$(((1200 * 8 / $1 + per_cycle - 1) / per_cycle))" ;;
+  esac
 }
 fresh_workers "$work/pg-state"
 "$bench" --dir "$work/pg-state" --url "$pg_url" --clients 8 --cycles 10 --renewals 5 --database "$QL_PG_URL" >/dev/null
@@ -105,7 +113,7 @@ checkpoints() {
 declare -A marked
 declare -A ack tps direct cost pgcost
 for round in $(seq "$rounds"); do
-for clients in 8 64; do
+for clients in ${CLIENTS:-8 64}; do
   k=$clients.$round
   cycles=$(cycles_for "$clients")
   echo "\$ $bench --clients $clients --cycles $cycles --renewals $renewals --database \$QL_PG_URL"
@@ -122,8 +130,8 @@ for clients in 8 64; do
   echo "$line"
   ack[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
   [ "$(checkpoints)" = "$c0" ] || marked[$k]="*"
-  echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles QL_BENCH_RENEWALS=$renewals cargo test --release --test pg_throughput"
-  line=$(QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles QL_BENCH_RENEWALS=$renewals cargo test --release --locked --quiet -p ql-control \
+  echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_FILL=${PG_FILL:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles QL_BENCH_RENEWALS=$renewals cargo test --release --test pg_throughput"
+  line=$(QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_FILL=${PG_FILL:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles QL_BENCH_RENEWALS=$renewals cargo test --release --locked --quiet -p ql-control \
     --test pg_throughput -- --nocapture 2>/dev/null | grep '^store-level')
   echo "$line"
   direct[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
@@ -146,7 +154,7 @@ sqlite_url=$(sed -n 's/^listening on //p' "$work/sqlite-state/serve.out")
 fresh_workers "$work/sqlite-state"
 "$bench" --dir "$work/sqlite-state" --url "$sqlite_url" --clients 8 --cycles 10 --renewals 5 >/dev/null
 declare -A lite
-for clients in 8 64; do
+for clients in ${CLIENTS:-8 64}; do
   cycles=$(cycles_for "$clients")
   echo "\$ $bench --clients $clients --cycles $cycles --renewals $renewals   # SQLite"
   fresh_workers "$work/sqlite-state"
@@ -158,7 +166,7 @@ done
 echo
 echo "clients  PostgreSQL ACK/s (mTLS)  ratio  store-level ACK/s  ratio  pgbench -N tps  SQLite ACK/s (mTLS)"
 echo "(* a checkpoint fell inside the round's ACK or pgbench phase)"
-for clients in 8 64; do
+for clients in ${CLIENTS:-8 64}; do
   for round in $(seq "$rounds"); do
     k=$clients.$round
     awk -v c="$clients" -v a="${ack[$k]}" -v d="${direct[$k]}" -v t="${tps[$k]}" \
@@ -171,7 +179,7 @@ echo "CPU ms of one ACK over mTLS (PostgreSQL, the server, the clients) and of o
 echo "transaction (PostgreSQL, pgbench), on the same $(nproc) cores; a ratio of 0.5 over mTLS needs"
 echo "an ACK's whole cost under twice the transaction's:"
 echo "clients  ACK: PostgreSQL  server  client  total   pgbench tx: PostgreSQL  pgbench  total"
-for clients in 8 64; do
+for clients in ${CLIENTS:-8 64}; do
   for round in $(seq "$rounds"); do
     k=$clients.$round
     read -r p s c <<<"${cost[$k]}"

@@ -110,11 +110,15 @@ pub struct Config {
     /// PostgreSQL (`serve --database`): most connections this replica holds to the
     /// database, beside its LISTEN connection; commands beyond wait for one.
     pub pg_pool_size: u64,
-    /// PostgreSQL: lanes of group commit. A command about a worker session goes to its
-    /// session's lane, which runs the commands waiting on it in one transaction (one
-    /// commit for many concurrent agents); 0 runs every command in a transaction of its
-    /// own. At most `pg_pool_size`.
+    /// PostgreSQL: lanes of group commit. A command about a worker session goes to a
+    /// lane, which runs the commands waiting on it in one transaction (one commit for
+    /// many concurrent agents); 0 runs every command in a transaction of its own. At
+    /// most `pg_pool_size`.
     pub pg_lanes: u64,
+    /// PostgreSQL: commands in flight a lane takes before the next lane takes any. The
+    /// fewer groups carry the same commands, the less each costs the database, but a
+    /// lane runs one group at a time: a few agents share one lane, more spread over all.
+    pub pg_lane_fill: u64,
     /// PostgreSQL: most commands one lane's transaction takes.
     pub pg_batch_max: u64,
     /// PostgreSQL: most statements each connection keeps prepared (past it, its cache
@@ -216,6 +220,7 @@ impl Default for Config {
             runtime_threads: 1,
             pg_pool_size: 16,
             pg_lanes: 4,
+            pg_lane_fill: 16,
             pg_batch_max: 32,
             pg_prepared_max: 512,
             read_timeout_ms: 60_000,
@@ -370,6 +375,7 @@ impl Config {
             ("runtime_threads", self.runtime_threads),
             ("pg_pool_size", self.pg_pool_size),
             ("pg_batch_max", self.pg_batch_max),
+            ("pg_lane_fill", self.pg_lane_fill),
             ("pg_prepared_max", self.pg_prepared_max),
             ("sync_hold_batches", self.sync_hold_batches),
             ("wal_autocheckpoint_pages", self.wal_autocheckpoint_pages),
@@ -527,9 +533,10 @@ mod tests {
         // PostgreSQL: each lane's transaction holds a pooled connection while it runs.
         let c = Config { pg_lanes: 17, pg_pool_size: 16, ..Config::default() };
         assert!(c.check().unwrap_err().contains("pg_lanes"));
-        for name in ["pg_batch_max", "pg_prepared_max"] {
+        for name in ["pg_batch_max", "pg_lane_fill", "pg_prepared_max"] {
             let c = match name {
                 "pg_batch_max" => Config { pg_batch_max: 0, ..Config::default() },
+                "pg_lane_fill" => Config { pg_lane_fill: 0, ..Config::default() },
                 _ => Config { pg_prepared_max: 0, ..Config::default() },
             };
             assert!(c.check().unwrap_err().contains(name), "{name}");

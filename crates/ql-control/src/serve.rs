@@ -321,6 +321,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                     timings: config.timings(),
                     pool_size: size(config.pg_pool_size),
                     lanes: size(config.pg_lanes),
+                    lane_fill: size(config.pg_lane_fill),
                     batch_max: size(config.pg_batch_max),
                     prepared_max: size(config.pg_prepared_max),
                     ..PgOptions::default()

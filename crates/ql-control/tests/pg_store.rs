@@ -575,6 +575,30 @@ async fn commands_of_concurrent_agents_commit_together_each_with_its_own_answer(
     check_invariants(&store.snapshot().await.unwrap());
 }
 
+/// Lanes fill in turn: with room for two commands in flight on each, four agents'
+/// commands at once go two by two to the first two lanes of three; with room for four,
+/// all four to the first. Each group commits once, every agent gets its own answer.
+#[tokio::test]
+async fn lanes_fill_in_turn_so_a_few_agents_share_one_commit() {
+    for (fill, groups) in [(2, 2), (4, 1)] {
+        let b = Pg::new().await;
+        let options = PgOptions { lanes: 3, lane_fill: fill, ..Pg::options(&Arc::new(AtomicI64::new(0))) };
+        let store = b.db().store(options).await;
+        let h = four_held(&store).await;
+        let before = store.group_commits();
+        for answer in starting_at_once(&store, &h).await {
+            assert_eq!(answer.unwrap(), Ok(ack(Outcome::Started)), "fill {fill}");
+        }
+        let after = store.group_commits();
+        assert_eq!(
+            (after.transactions - before.transactions, after.commands - before.commands, after.run_alone, after.placed),
+            (groups, 4, 0, 0),
+            "fill {fill}: {after:?}"
+        );
+        check_invariants(&store.snapshot().await.unwrap());
+    }
+}
+
 /// With room for only a few prepared statements, each connection's cache starts over
 /// again and again through a group's cycle, and every answer is what it would be.
 #[tokio::test]
@@ -613,7 +637,7 @@ async fn a_command_that_fails_among_others_fails_alone_and_the_others_commit() {
             assert_eq!(answer.as_ref().unwrap(), &Ok(ack(Outcome::Started)), "agent {i}");
         }
     }
-    assert_eq!(store.group_commits(), GroupCommits { run_alone: 1, placed: 3, ..GroupCommits::default() });
+    assert_eq!(store.group_commits(), GroupCommits { run_alone: 1, ..GroupCommits::default() });
     assert_eq!(detail(&store, h[1].run()).await, poisoned, "nothing of the failed command was kept");
     for i in [0, 2, 3] {
         let d = detail(&store, h[i].run()).await;
@@ -633,7 +657,7 @@ async fn an_agents_commands_in_one_group_each_see_the_one_before() {
     let (starting, running) = tokio::join!(store.execute(h.starting()), store.execute(h.running()));
     assert_eq!(starting.unwrap(), Ok(ack(Outcome::Started)));
     assert_eq!(running.unwrap(), Ok(ack(Outcome::Running)));
-    assert_eq!(store.group_commits(), GroupCommits { transactions: 1, commands: 2, run_alone: 0, placed: 1, saved: 0 });
+    assert_eq!(store.group_commits(), GroupCommits { transactions: 1, commands: 2, run_alone: 0, placed: 0, saved: 0 });
     assert_eq!(detail(&store, h.run()).await.attempts[0].status, AttemptStatus::Running);
     check_invariants(&store.snapshot().await.unwrap());
 }
@@ -761,7 +785,7 @@ async fn sessions_named_by_refused_commands_hold_no_place_on_the_lanes() {
     let store = one_lane(&b).await;
     let agent = open(&store, "router-1").await;
     assert_eq!(heartbeat(&store, &agent, false).await.map(drop), Ok(()));
-    assert_eq!(store.group_commits().placed, 1, "the live session keeps its place");
+    assert_eq!(store.group_commits().placed, 0, "answered: the live session holds no place");
     let before = store.snapshot().await.unwrap();
 
     // A worker naming sessions that are not its own, as many as it likes: each command
@@ -771,7 +795,7 @@ async fn sessions_named_by_refused_commands_hold_no_place_on_the_lanes() {
             Agent { session: ql_wire::ids::SessionId::parse(format!("ses_made_up_{i}")).unwrap(), ..agent.clone() };
         assert!(heartbeat(&store, &made_up, false).await.is_err(), "session {i} refused");
     }
-    assert_eq!(store.group_commits().placed, 1, "only the live session holds a place");
+    assert_eq!(store.group_commits().placed, 0, "the refused sessions hold none either");
     assert_eq!(store.snapshot().await.unwrap(), before, "refusals changed nothing");
     assert_eq!(heartbeat(&store, &agent, false).await.map(drop), Ok(()));
 }

@@ -4,7 +4,7 @@
 //!
 //! In the test suite it is small (8 clients, 5 cycles). `bench/pg_acks.sh` runs it in
 //! release with `QL_BENCH_CLIENTS`, `QL_BENCH_CYCLES` and `QL_BENCH_RENEWALS` (and the pool
-//! and lanes of group commit with `QL_BENCH_POOL` and `QL_BENCH_LANES`) to put the store-level figure
+//! and lanes of group commit with `QL_BENCH_POOL`, `QL_BENCH_LANES` and `QL_BENCH_FILL`) to put the store-level figure
 //! beside `pgbench -N` at the same client count on the same server.
 
 mod contract;
@@ -39,7 +39,8 @@ async fn concurrent_ack_transactions_keep_every_invariant() {
     let pool_size = env("QL_BENCH_POOL", PgOptions::default().pool_size).min(clients);
     // Its lanes of group commit (`pg_lanes`, QL_BENCH_LANES here), at most one per connection.
     let lanes = env("QL_BENCH_LANES", PgOptions::default().lanes).min(pool_size);
-    let store = db.store(PgOptions { pool_size, lanes, ..Pg::options(&offset) }).await;
+    let lane_fill = env("QL_BENCH_FILL", PgOptions::default().lane_fill).max(1);
+    let store = db.store(PgOptions { pool_size, lanes, lane_fill, ..Pg::options(&offset) }).await;
     for i in 0..clients {
         let labels = BTreeMap::from([("bench".to_owned(), i.to_string())]);
         for _ in 0..cycles {

@@ -1,22 +1,22 @@
 //! Group commit on PostgreSQL: the lanes that run many agents' commands in one
 //! transaction (see the [module doc](super) for what a group decides and why).
 //!
-//! A command about a worker session goes to its session's lane. A session gets a lane
-//! when it is first seen: the lane fewest sessions have, so sessions spread evenly over
-//! the lanes whatever their ids (hashing a few agents' ids would crowd some lanes), and
-//! it keeps it, so its commands run one after another and come back to the same lane,
-//! where each group gathers the agents answered by the one before. A session not seen
-//! for a session's life, with nothing in flight, gives its place up, and so does one
-//! whose command was refused, once nothing of it is in flight: a worker naming made-up
-//! sessions leaves no place behind. A lane takes every
-//! command waiting on it, up to `batch_max`, and runs them as one group
-//! ([`PgStore::execute_batch`]) in one transaction: its fenced commands about different
-//! rows first, as a wave ([`wave`]), then the others one after another.
+//! A command about a worker session goes to a lane. A lane takes every command waiting
+//! on it, up to `batch_max`, and runs them as one group ([`PgStore::execute_batch`]) in
+//! one transaction: its fenced commands about different rows first, as a wave
+//! ([`wave`]), then the others one after another. The fewer groups carry the same
+//! commands, the less each command costs PostgreSQL, but one lane is one backend at a
+//! time. So lanes fill in turn: a command goes to the first lane with fewer than `fill`
+//! commands in flight (waiting or running), and only when every lane has that many to
+//! the one with fewest. A few agents share one lane, whose groups gather the agents the
+//! one before answered; a busier replica spreads over every lane. A session with a
+//! command in flight sends its next one to the same lane, so its commands never wait for
+//! each other from two groups of one replica; with nothing in flight it holds no place
+//! (a worker naming made-up sessions leaves nothing behind).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, Weak};
-use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -41,7 +41,7 @@ pub struct GroupCommits {
     pub commands: u64,
     /// Groups that failed and whose commands ran again, each alone.
     pub run_alone: u64,
-    /// Sessions holding a place on a lane now.
+    /// Sessions with a command in flight on a lane now.
     pub placed: u64,
     /// Statements the committed groups did not send: a wave's one statement for `n`
     /// commands' rows stands for `n` ([`wave`]) and saves `n - 1`.
@@ -66,22 +66,23 @@ pub(super) struct Lanes {
     saved: AtomicU64,
 }
 
-/// Which lane each session has, and how many sessions each lane has.
+/// Which lane each session with a command in flight has, and each lane's commands in
+/// flight.
 struct Places {
-    lanes: Vec<usize>,
-    /// Session id: its lane, its commands in flight, when it was last seen.
-    sessions: HashMap<String, (usize, usize, Instant)>,
-    /// A session not seen for this long, with nothing in flight, gives its place up.
-    idle: Duration,
-    next_sweep: Instant,
+    /// Commands in flight on each lane.
+    load: Vec<usize>,
+    /// Session id: its lane and its commands in flight (at least one).
+    sessions: HashMap<String, (usize, usize)>,
+    /// Commands in flight a lane takes before the next lane takes any.
+    fill: usize,
 }
 
 impl Lanes {
     /// `n` lanes (none: every command alone), and the queue each lane's task takes; a
-    /// session keeps its lane until it has not been seen for `idle`.
-    pub(super) fn new(n: usize, idle: Duration) -> (Self, Vec<mpsc::Receiver<Job>>) {
+    /// lane takes `fill` commands in flight before the next lane takes any.
+    pub(super) fn new(n: usize, fill: usize) -> (Self, Vec<mpsc::Receiver<Job>>) {
         let (queues, receivers) = (0..n).map(|_| mpsc::channel(LANE_QUEUE)).unzip();
-        let places = Places { lanes: vec![0; n], sessions: HashMap::new(), idle, next_sweep: Instant::now() + idle };
+        let places = Places { load: vec![0; n], sessions: HashMap::new(), fill };
         let zero = || AtomicU64::new(0);
         (
             Self {
@@ -100,48 +101,42 @@ impl Lanes {
         !self.queues.is_empty()
     }
 
-    /// The lane of one more command of `session` (in flight until [`Lanes::done`]).
+    /// The lane of one more command of `session` (in flight until [`Lanes::done`]): its
+    /// session's while another of it is in flight, else the first lane below `fill`, else
+    /// the least busy.
     fn route(&self, session: &str) -> usize {
-        let now = Instant::now();
         let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
         let p = &mut *places;
-        if now >= p.next_sweep {
-            let idle = p.idle;
-            p.sessions.retain(|_, (_, in_flight, seen)| *in_flight > 0 || now.duration_since(*seen) < idle);
-            p.lanes.iter_mut().for_each(|n| *n = 0);
-            for (lane, ..) in p.sessions.values() {
-                p.lanes[*lane] += 1;
+        let lane = match p.sessions.get_mut(session) {
+            Some((lane, in_flight)) => {
+                *in_flight += 1;
+                *lane
             }
-            p.next_sweep = now + idle;
-        }
-        if let Some((lane, in_flight, seen)) = p.sessions.get_mut(session) {
-            *in_flight += 1;
-            *seen = now;
-            return *lane;
-        }
-        let lane = (0..p.lanes.len()).min_by_key(|&l| p.lanes[l]).unwrap_or(0);
-        p.lanes[lane] += 1;
-        p.sessions.insert(session.to_owned(), (lane, 1, now));
+            None => {
+                let lanes = 0..p.load.len();
+                let lane = lanes.clone().find(|&l| p.load[l] < p.fill);
+                let lane = lane.or_else(|| lanes.min_by_key(|&l| p.load[l])).unwrap_or(0);
+                p.sessions.insert(session.to_owned(), (lane, 1));
+                lane
+            }
+        };
+        p.load[lane] += 1;
         lane
     }
 
-    /// A command of `session` was answered; `refused`, it was not carried out. A session
-    /// whose last command in flight was refused gives its place up at once: a request
-    /// naming a session that is not the requester's (refused) holds a place only while
-    /// it waits, so made-up session ids cannot fill the map. A real session refused
-    /// once is simply placed again by its next command.
-    fn done(&self, session: &str, refused: bool) {
+    /// A command of `session` was answered.
+    fn done(&self, session: &str) {
         let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
         let p = &mut *places;
-        let Some((lane, in_flight, _)) = p.sessions.get_mut(session) else { return };
-        *in_flight = in_flight.saturating_sub(1);
-        if refused && *in_flight == 0 {
-            p.lanes[*lane] = p.lanes[*lane].saturating_sub(1);
+        let Some((lane, in_flight)) = p.sessions.get_mut(session) else { return };
+        p.load[*lane] = p.load[*lane].saturating_sub(1);
+        *in_flight -= 1;
+        if *in_flight == 0 {
             p.sessions.remove(session);
         }
     }
 
-    /// How many sessions hold a place.
+    /// How many sessions have a command in flight.
     fn placed(&self) -> usize {
         self.places.lock().unwrap_or_else(|e| e.into_inner()).sessions.len()
     }
@@ -185,7 +180,7 @@ impl PgStore {
         let lane = lanes.route(&session);
         let (answer, answered) = oneshot::channel();
         if let Err(refused) = lanes.queues[lane].send(Job { cmd, audit, session, answer }).await {
-            lanes.done(&refused.0.session, true);
+            lanes.done(&refused.0.session);
             return Err(Error::Closed);
         }
         answered.await.map_err(|_| Error::Closed)?
@@ -279,7 +274,7 @@ pub(super) async fn lane(store: Weak<Inner>, mut queue: mpsc::Receiver<Job>, mos
             _ => store.execute_batch(&jobs).await,
         };
         for (job, answer) in jobs.into_iter().zip(answers) {
-            store.inner.lanes.done(&job.session, !matches!(answer, Ok(Ok(_))));
+            store.inner.lanes.done(&job.session);
             let _ = job.answer.send(answer);
         }
     }
@@ -312,54 +307,52 @@ mod tests {
     }
 
     #[test]
-    fn sessions_spread_evenly_over_the_lanes_and_keep_theirs() {
-        let (lanes, _queues) = Lanes::new(4, Duration::from_secs(3600));
-        let first: Vec<usize> = (0..8).map(|i| lanes.route(&format!("s{i}"))).collect();
-        for lane in 0..4 {
-            assert_eq!(first.iter().filter(|&&l| l == lane).count(), 2, "two sessions on lane {lane}: {first:?}");
+    fn lanes_fill_in_turn_and_a_session_in_flight_keeps_its_lane() {
+        let (lanes, _queues) = Lanes::new(3, 2);
+        let lane: Vec<usize> = (0..8).map(|i| lanes.route(&format!("s{i}"))).collect();
+        // Two in flight on each lane in turn, then the least busy: the first of those.
+        assert_eq!(lane, [0, 0, 1, 1, 2, 2, 0, 1]);
+        assert_eq!(lanes.places.lock().unwrap().load, vec![3, 3, 2]);
+        // s0 has a command in flight on lane 0: its next one goes there too, though the
+        // other lanes are less busy.
+        assert_eq!(lanes.route("s0"), 0);
+        lanes.done("s0");
+        // Lane 1 is answered: the next session fills it again before lane 2.
+        for s in ["s2", "s3", "s7"] {
+            lanes.done(s);
         }
-        for (i, lane) in first.iter().enumerate() {
-            lanes.done(&format!("s{i}"), false);
-            assert_eq!(lanes.route(&format!("s{i}")), *lane, "s{i} comes back to its lane");
-        }
+        assert_eq!(lanes.route("s8"), 1);
+        assert_eq!(lanes.route("s9"), 1);
+        // Every lane has two in flight again: the first of the least busy.
+        assert_eq!(lanes.places.lock().unwrap().load, vec![3, 2, 2]);
+        assert_eq!(lanes.route("s10"), 1);
+        // s0 answered, nothing of it in flight: it holds no place, and its next command
+        // goes where a new session's would.
+        lanes.done("s0");
+        assert_eq!(lanes.placed(), 7);
+        assert_eq!(lanes.places.lock().unwrap().load, vec![2, 3, 2]);
+        assert_eq!(lanes.route("s0"), 0);
     }
 
     #[test]
-    fn a_session_gone_quiet_gives_its_place_up_but_never_with_a_command_in_flight() {
-        // Idle at once: every route first lets go of the sessions with nothing in flight.
-        let (lanes, _queues) = Lanes::new(2, Duration::ZERO);
-        let a = lanes.route("a");
-        let b = lanes.route("b");
-        assert_ne!(a, b);
-        lanes.done("a", false);
-        // `a` had nothing in flight: its lane is free again, and the fewest-sessions lane.
-        assert_eq!(lanes.route("c"), a);
-        // `b` still has its command in flight: it keeps its lane, whoever came since.
-        assert_eq!(lanes.route("b"), b);
-        assert_eq!(lanes.places.lock().unwrap().sessions.len(), 2, "b and c: {:?}", lanes.places.lock().unwrap().lanes);
-    }
-
-    #[test]
-    fn a_session_whose_command_was_refused_holds_no_place_once_nothing_is_in_flight() {
-        let (lanes, _queues) = Lanes::new(2, Duration::from_secs(3600));
-        // Made-up sessions, each refused: none keeps a place, and no lane counts them.
+    fn a_session_holds_a_place_only_while_a_command_of_it_is_in_flight() {
+        let (lanes, _queues) = Lanes::new(2, 1);
+        // Made-up sessions, each answered: none keeps a place, and no lane counts them.
         for i in 0..100 {
             lanes.route(&format!("made-up-{i}"));
-            lanes.done(&format!("made-up-{i}"), true);
+            lanes.done(&format!("made-up-{i}"));
         }
         assert_eq!(lanes.placed(), 0);
-        assert_eq!(lanes.places.lock().unwrap().lanes, vec![0, 0]);
-        // Two commands in flight: the first refused leaves the place to the second.
+        assert_eq!(lanes.places.lock().unwrap().load, vec![0, 0]);
+        // Two commands of one session in flight: it keeps its place until both are
+        // answered, and an answer for a session with nothing in flight changes nothing.
         let lane = lanes.route("s");
         assert_eq!(lanes.route("s"), lane);
-        lanes.done("s", true);
+        lanes.done("s");
         assert_eq!(lanes.placed(), 1, "a command of s is still in flight");
-        lanes.done("s", false);
-        assert_eq!(lanes.placed(), 1, "answered: s keeps its place");
-        // A refusal with nothing else in flight gives it up.
-        lanes.route("s");
-        lanes.done("s", true);
+        lanes.done("s");
+        lanes.done("s");
         assert_eq!(lanes.placed(), 0);
-        assert_eq!(lanes.places.lock().unwrap().lanes, vec![0, 0]);
+        assert_eq!(lanes.places.lock().unwrap().load, vec![0, 0]);
     }
 }

@@ -30,7 +30,8 @@
 //! # Group commit
 //!
 //! Commands about a worker session (its polls, claims, heartbeats and attempt commands)
-//! go through one of [`PgOptions::lanes`] lanes, the session's (see [`group`]): a lane takes
+//! go through one of [`PgOptions::lanes`] lanes, which fill in turn, each up to
+//! [`PgOptions::lane_fill`] commands in flight (see [`group`]): a lane takes
 //! every command waiting on it (at most [`PgOptions::batch_max`]) and runs them one after
 //! another in one transaction, each exactly as above but for BEGIN and COMMIT, which the
 //! group shares ([`PgStore::execute_batch`]). Under many concurrent agents one commit —
@@ -43,8 +44,8 @@
 //! them is one they could have run in): one statement per level of the lock order loads
 //! every command's rows, and commands that write alike send each write once for several,
 //! the wave's audit records and its events as multi-row `INSERT`s, so a wave of ten
-//! costs PostgreSQL the relations and indexes of a few commands. A session's commands
-//! always share a lane, so they never wait for each other from two groups of one
+//! costs PostgreSQL the relations and indexes of a few commands. A session's commands in
+//! flight share a lane, so they never wait for each other from two groups of one
 //! replica. (A group's commands after its wave take their session's lock after the
 //! wave's lower-level locks, and a wave takes several fences, each level in key order;
 //! a group can so wait for another transaction that waits for it, and PostgreSQL breaks
@@ -197,10 +198,13 @@ pub struct PgOptions {
     /// Test-only fault injection (see [`KillAfterCommit`]).
     pub kill_after_commit: Option<KillAfterCommit>,
     /// Lanes of group commit: a command about a worker session (its polls, claims and
-    /// attempt commands) goes to the lane of its session, which runs the commands queued
-    /// on it in one transaction each time ([`PgStore::execute_batch`]). Zero: every
-    /// command in a transaction of its own.
+    /// attempt commands) goes to a lane ([`group`]), which runs the commands queued on it
+    /// in one transaction each time ([`PgStore::execute_batch`]). Zero: every command in
+    /// a transaction of its own.
     pub lanes: usize,
+    /// Commands in flight a lane takes before the next lane takes any: a few agents
+    /// share one lane's groups, a busy replica spreads over every lane.
+    pub lane_fill: usize,
     /// Most commands one lane's transaction takes.
     pub batch_max: usize,
     /// Most statements each connection keeps prepared; past it, a connection's cache
@@ -221,6 +225,7 @@ impl Default for PgOptions {
             audit_url: None,
             kill_after_commit: None,
             lanes: 4,
+            lane_fill: 16,
             batch_max: 32,
             prepared_max: 512,
         }
@@ -233,6 +238,7 @@ impl std::fmt::Debug for PgOptions {
             .field("timings", &self.timings)
             .field("pool_size", &self.pool_size)
             .field("lanes", &self.lanes)
+            .field("lane_fill", &self.lane_fill)
             .field("batch_max", &self.batch_max)
             .field("prepared_max", &self.prepared_max)
             .field("audit_url", &self.audit_url.is_some())
@@ -311,8 +317,7 @@ impl PgStore {
         // Listening before the first command: a change committed elsewhere right after
         // `open` returns must not be missed.
         let _ = tokio::time::timeout(options.connect_timeout, ready_rx).await;
-        let idle = Duration::from_millis(options.timings.session_ttl_ms);
-        let (lanes, queues) = group::Lanes::new(options.lanes, idle);
+        let (lanes, queues) = group::Lanes::new(options.lanes, options.lane_fill);
         let inner = Arc::new(Inner {
             pool,
             audit,
