@@ -200,6 +200,12 @@ impl Store for Authority {
             Authority::Postgres(s) => s.wakes_since(seen, now),
         }
     }
+    fn commit_groups(&self) -> Option<crate::store::postgres::GroupCommits> {
+        match self {
+            Authority::Sqlite(s) => s.commit_groups(),
+            Authority::Postgres(s) => s.commit_groups(),
+        }
+    }
 }
 
 /// Whether `database` names a PostgreSQL database (a `postgres://` or `postgresql://`

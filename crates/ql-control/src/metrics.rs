@@ -3,7 +3,8 @@
 //!
 //! Two kinds of figures. Counted in this process as things happen: worker requests by
 //! route and status, their latency, each store command's latency, sweeps and what they
-//! changed, schedule fires, webhook sends, what the artifact store's collection removed.
+//! changed, schedule fires, webhook sends, what the artifact store's collection removed,
+//! and PostgreSQL's group commit (brought up to the store's totals at each scrape).
 //! Read from the database at each scrape (so every replica tells the same): runs,
 //! sessions, leases, fires and deliveries by status, the oldest queued run's age, the
 //! bytes of the stored logs. Every label is a route, a command, a status, an outcome or a
@@ -23,6 +24,7 @@ use tokio::sync::watch;
 
 use crate::blob::Collected;
 use crate::core::{Command, Reply};
+use crate::store::postgres::GroupCommits;
 use crate::store::{Store, StoreError};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -93,6 +95,35 @@ pub struct Metrics {
     collected_bytes: Family<KindLabels, Counter>,
     collections: Family<OutcomeLabels, Counter>,
     unanswered: Counter,
+    groups: GroupFigures,
+}
+
+/// PostgreSQL's group commit on this replica ([`GroupCommits`]), brought up to the
+/// store's own totals at each scrape; the lock makes two scrapes at once add each
+/// increase once.
+#[derive(Default)]
+struct GroupFigures {
+    synced: std::sync::Mutex<()>,
+    transactions: Counter,
+    commands: Counter,
+    run_alone: Counter,
+    saved: Counter,
+    sessions: Gauge,
+}
+
+impl GroupFigures {
+    fn sync(&self, now: &GroupCommits) {
+        let _one = self.synced.lock().unwrap_or_else(|e| e.into_inner());
+        for (counter, total) in [
+            (&self.transactions, now.transactions),
+            (&self.commands, now.commands),
+            (&self.run_alone, now.run_alone),
+            (&self.saved, now.saved),
+        ] {
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
+        self.sessions.set(i64::try_from(now.placed).unwrap_or(i64::MAX));
+    }
 }
 
 impl std::fmt::Debug for Metrics {
@@ -144,6 +175,7 @@ impl Metrics {
             collected_bytes: Family::default(),
             collections: Family::default(),
             unanswered: Counter::default(),
+            groups: GroupFigures::default(),
         };
         registry.register("requests", "Worker requests answered, by route and HTTP status", m.requests.clone());
         registry.register("request_seconds", "Worker request latency, by route", m.request_seconds.clone());
@@ -194,6 +226,28 @@ impl Metrics {
             "artifact_collection_unanswered",
             "Attempts whose old live-log chunks a pass kept because the database did not answer",
             m.unanswered.clone(),
+        );
+        let g = &m.groups;
+        registry.register(
+            "pg_group_transactions",
+            "PostgreSQL transactions of this replica that committed several commands (group commit)",
+            g.transactions.clone(),
+        );
+        registry.register("pg_group_commands", "The commands those transactions carried", g.commands.clone());
+        registry.register(
+            "pg_group_run_alone",
+            "Groups that failed and whose commands ran again, each alone",
+            g.run_alone.clone(),
+        );
+        registry.register(
+            "pg_group_saved_statements",
+            "Statements the committed groups did not send (one statement for a wave's rows stands for several)",
+            g.saved.clone(),
+        );
+        registry.register(
+            "pg_lane_sessions",
+            "Worker sessions with a command in flight on this replica's lanes",
+            g.sessions.clone(),
         );
         Self { registry, ..m }
     }
@@ -270,6 +324,9 @@ impl Metrics {
     /// The OpenMetrics text, after reading the database's figures from `store`.
     pub async fn render<S: Store>(&self, store: &S) -> Result<String, StoreError> {
         let stats = store.stats().await?;
+        if let Some(groups) = store.commit_groups() {
+            self.groups.sync(&groups);
+        }
         for family in [&self.runs, &self.attempts, &self.sessions, &self.leases, &self.fires, &self.deliveries] {
             family.clear();
         }
@@ -389,6 +446,10 @@ impl<S: Store> Store for Measured<S> {
     fn wakes_since(&self, seen: u64, now: u64) -> Option<Vec<crate::core::Want>> {
         self.inner.wakes_since(seen, now)
     }
+
+    fn commit_groups(&self) -> Option<crate::store::postgres::GroupCommits> {
+        self.inner.commit_groups()
+    }
 }
 
 #[cfg(test)]
@@ -417,5 +478,23 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
+    }
+
+    #[test]
+    fn group_commit_counters_follow_the_stores_totals_and_count_each_increase_once() {
+        let figures = GroupFigures::default();
+        let totals = |transactions, commands, placed| GroupCommits {
+            transactions,
+            commands,
+            run_alone: 1,
+            placed,
+            saved: 3 * commands,
+        };
+        figures.sync(&totals(2, 9, 4));
+        figures.sync(&totals(2, 9, 4));
+        assert_eq!((figures.transactions.get(), figures.commands.get(), figures.saved.get()), (2, 9, 27));
+        figures.sync(&totals(5, 20, 0));
+        assert_eq!((figures.transactions.get(), figures.commands.get(), figures.run_alone.get()), (5, 20, 1));
+        assert_eq!((figures.saved.get(), figures.sessions.get()), (60, 0));
     }
 }

@@ -595,6 +595,17 @@ async fn lanes_fill_in_turn_so_a_few_agents_share_one_commit() {
             (groups, 4, 0, 0),
             "fill {fill}: {after:?}"
         );
+        // The same figures on /metrics, as this replica's totals.
+        let text = ql_control::metrics::Metrics::new().render(&store).await.unwrap();
+        for line in [
+            format!("ql_pg_group_transactions_total {}", after.transactions),
+            format!("ql_pg_group_commands_total {}", after.commands),
+            format!("ql_pg_group_saved_statements_total {}", after.saved),
+            "ql_pg_group_run_alone_total 0".to_owned(),
+            "ql_pg_lane_sessions 0".to_owned(),
+        ] {
+            assert!(text.lines().any(|l| l == line), "fill {fill}: {line} in\n{text}");
+        }
         check_invariants(&store.snapshot().await.unwrap());
     }
 }

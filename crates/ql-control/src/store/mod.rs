@@ -248,4 +248,10 @@ pub trait Store: Clone + Send + Sync + 'static {
         let _ = (seen, now);
         None
     }
+
+    /// What this process's group commit did so far, for metrics; `None` for a store
+    /// without one (SQLite's writer batches by its own rules).
+    fn commit_groups(&self) -> Option<postgres::GroupCommits> {
+        None
+    }
 }

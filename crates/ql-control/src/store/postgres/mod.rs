@@ -1097,4 +1097,8 @@ impl Store for PgStore {
     fn wakes_since(&self, seen: u64, now: u64) -> Option<Vec<crate::core::Want>> {
         self.inner.wakes.since(seen, now)
     }
+
+    fn commit_groups(&self) -> Option<GroupCommits> {
+        self.inner.lanes.on().then(|| self.group_commits())
+    }
 }
