@@ -405,7 +405,11 @@ impl<'a> Update<'a> {
     }
 
     /// The same update of `n` rows, each row's parameters after the last's, each cast
-    /// to the type PostgreSQL gave it in the one-row statement (`types`).
+    /// to the type PostgreSQL gave it in the one-row statement (`types`). Each row is
+    /// found by a probe of the key's index and written by its tuple id: joined on the
+    /// key itself, a plan made while the table was small (a connection's prepared
+    /// statement keeps its generic plan until the table is analysed again) read the
+    /// table whole for every group, slower with every run the table gained.
     fn merged(&self, types: &[Type], n: usize) -> Option<String> {
         let width = self.sets.len() + 1;
         if types.len() != width {
@@ -420,7 +424,8 @@ impl<'a> Update<'a> {
         let names: Vec<String> = (1..=width).map(|i| format!("p{i}")).collect();
         let sets: Vec<String> = self.sets.iter().map(|(col, i, cast)| format!("{col} = v.p{i}{cast}")).collect();
         Some(format!(
-            "UPDATE {t} SET {} FROM (VALUES {}) AS v ({}) WHERE {t}.{k} = v.p1 RETURNING 1",
+            "UPDATE {t} SET {} FROM (SELECT v.*, f.tid FROM (VALUES {}) AS v ({}) CROSS JOIN LATERAL \
+             (SELECT ctid AS tid FROM {t} WHERE {k} = v.p1 OFFSET 0) f) v WHERE {t}.ctid = v.tid RETURNING 1",
             sets.join(", "),
             rows.join(", "),
             names.join(", "),
@@ -428,6 +433,13 @@ impl<'a> Update<'a> {
             k = self.key,
         ))
     }
+}
+
+/// The update [`rows::update_changed`] writes for one row (`sql`, its parameters of
+/// `types`) as the one statement a wave sends for `n` rows (a test reads its plan).
+#[doc(hidden)]
+pub fn merged_update(sql: &str, types: &[Type], n: usize) -> Option<String> {
+    Update::parse(sql)?.merged(types, n)
 }
 
 /// Whether a command of a group may join a wave: a fenced command (its load is one
@@ -587,9 +599,10 @@ mod tests {
         );
         assert_eq!(
             update.merged(&[Type::TEXT, Type::INT8, Type::TEXT], 2).unwrap(),
-            "UPDATE sessions SET seen_at = v.p2, labels = v.p3::text::jsonb \
+            "UPDATE sessions SET seen_at = v.p2, labels = v.p3::text::jsonb FROM (SELECT v.*, f.tid \
              FROM (VALUES ($1::text, $2::int8, $3::text), ($4::text, $5::int8, $6::text)) AS v (p1, p2, p3) \
-             WHERE sessions.id = v.p1 RETURNING 1"
+             CROSS JOIN LATERAL (SELECT ctid AS tid FROM sessions WHERE id = v.p1 OFFSET 0) f) v \
+             WHERE sessions.ctid = v.tid RETURNING 1"
         );
         assert_eq!(update.merged(&[Type::TEXT], 2), None, "types that do not fit: as it is");
         for other in [
