@@ -12,7 +12,8 @@
 //! ([`load::read_fenced`]). Then the writes: every audit record first and every event
 //! last, each as multi-row `INSERT`s; of the rest, commands whose records are the same
 //! statements one for one (renewals) send each of them for several at once, as a
-//! multi-row `INSERT` or an `UPDATE ... FROM (VALUES ...)` that must find every row,
+//! multi-row `INSERT` or an `UPDATE ... FROM (VALUES ...)` that must find every row
+//! (each by a probe of its key, written by its tuple id: [`Update::merged`]),
 //! in chunks of a power of two so each connection prepares few texts ([`merged`]).
 //! Commands of a wave share no row, so the order between them does not matter, and
 //! each command's own writes keep their order.
