@@ -496,7 +496,8 @@ async fn a_waves_load_reads_only_the_runs_it_names() {
 /// key even on a generic plan made while the table held a few runs and was never
 /// analysed, as a one-row update does. A connection keeps that plan while the table
 /// grows, until it is analysed: joined on the key, it read the table whole in every
-/// wave (a hash join over a sequential scan, 0.24 ms for four rows of 2,480).
+/// wave (a hash join over a sequential scan: 0.24–0.27 ms a statement as the attempts
+/// and leases grew to 2,480 rows, against 0.05 ms on a key probe).
 #[tokio::test]
 async fn a_waves_merged_update_probes_the_key_of_a_table_never_analysed() {
     use tokio_postgres::types::Type;
