@@ -492,6 +492,25 @@ async fn a_waves_load_reads_only_the_runs_it_names() {
     assert!(read <= 4.0, "the lock read {read} runs for four keys: {plan}");
 }
 
+/// A wave's fences put the rest of its transaction on generic plans, and only its
+/// transaction: PostgreSQL planned every level's lock afresh in every wave, its planning
+/// costing more than the lock (the probes of the test above are the generic plan).
+#[tokio::test]
+async fn a_waves_fences_set_generic_plans_until_its_transaction_ends() {
+    let b = Pg::new().await;
+    let owner = connect(&b.db().url("ql_owner")).await;
+    let show = "SHOW plan_cache_mode";
+    let get = |rows: Vec<tokio_postgres::Row>| rows[0].get::<_, String>(0);
+    assert_eq!(get(owner.query(show, &[]).await.unwrap()), "auto");
+    owner.batch_execute("BEGIN").await.unwrap();
+    let fences = ql_control::store::postgres::WAVE_FENCES;
+    let attempts = vec!["att_1".to_owned(), "att_2".to_owned()];
+    assert_eq!(owner.query(fences, &[&attempts]).await.unwrap().len(), 2, "a fence per attempt");
+    assert_eq!(get(owner.query(show, &[]).await.unwrap()), "force_generic_plan");
+    owner.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(get(owner.query(show, &[]).await.unwrap()), "auto", "for the wave's transaction only");
+}
+
 /// A wave's one update of several commands' runs finds each by a probe of the runs'
 /// key even on a generic plan made while the table held a few runs and was never
 /// analysed, as a one-row update does. A connection keeps that plan while the table

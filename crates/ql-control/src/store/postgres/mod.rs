@@ -116,7 +116,7 @@ pub use group::GroupCommits;
 pub use load::QUEUE_PROBE;
 pub use schema::{ROLES, SCHEMA_VERSION};
 #[doc(hidden)]
-pub use wave::{merged_update, WAVE_RUNS};
+pub use wave::{merged_update, WAVE_FENCES, WAVE_RUNS};
 
 /// Records a sweep (see `core::grace`).
 const ALIVE: &str =
