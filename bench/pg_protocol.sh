@@ -47,7 +47,7 @@ rows() { # TABLE
   echo "INSERT INTO $1 (a, b, payload) VALUES ${values[*]};"
 }
 { echo '\set a random(1, 1000)'; echo 'BEGIN;'; statements; echo 'END;'; } >"$work/each.sql"
-{ echo '\set a random(1, 1000)'; echo '\startpipeline'; echo 'BEGIN;'; statements; echo 'END;'; echo '\endpipeline'; } >"$work/pipeline.sql"
+{ printf '%s\n' '\set a random(1, 1000)' '\startpipeline' 'BEGIN;'; statements; printf '%s\n' 'END;' '\endpipeline'; } >"$work/pipeline.sql"
 { echo '\set a random(1, 1000)'; echo 'BEGIN;'; rows keyed; echo 'END;'; } >"$work/keyed.sql"
 { echo '\set a random(1, 1000)'; echo 'BEGIN;'; rows unkeyed; echo 'END;'; } >"$work/unkeyed.sql"
 
