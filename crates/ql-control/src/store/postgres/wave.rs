@@ -38,11 +38,11 @@ use super::group::Job;
 /// Every fence of a wave, in the order of `$1` (sorted: see [`loads`]); and from there to
 /// the end of the transaction, every statement on its generic plan. Left to choose,
 /// PostgreSQL planned each level's lock and the DB time afresh in every wave: on a
-/// generic plan it guesses ten keys in an array it cannot see, so a plan for the few
-/// a wave sends (four at 8 agents) always looked cheaper. That planning cost more than the statement
-/// (0.04–0.07 ms each, five a wave, against 0.02–0.04 to run), and the generic plan
-/// is the same probes ([`locked`]). The groups' other statements are all by key
-/// (see [`load`]'s `GENERIC_PLANS`).
+/// generic plan it guesses ten keys in an array it cannot see, so a plan for the few a
+/// wave sends (four at 8 agents) always looked cheaper. That planning cost more than the
+/// statement (0.04–0.07 ms each, five a wave, against 0.02–0.04 to run), and the
+/// generic plan is the same probes ([`locked`]). The groups' other statements are all
+/// by key (see [`load`]'s `GENERIC_PLANS`).
 #[doc(hidden)]
 pub const WAVE_FENCES: &str = "SELECT pg_advisory_xact_lock(hashtextextended('attempt:' || a, 0)), \
      set_config('plan_cache_mode', 'force_generic_plan', true) FROM unnest($1::text[]) AS a";
