@@ -180,6 +180,16 @@ async fn worker_work(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Work, Error> 
     Ok(out)
 }
 
+/// The expression that puts the rest of a transaction on generic plans: the poll's
+/// [`GENERIC_PLANS`] and a wave's fences ([`WAVE_FENCES`](super::wave::WAVE_FENCES))
+/// select it.
+macro_rules! generic_plans {
+    () => {
+        "set_config('plan_cache_mode', 'force_generic_plan', true)"
+    };
+}
+pub(super) use generic_plans;
+
 /// Sent before the queue probe by label sets (see [`queue_probe`]), in its round trip: the
 /// probe runs on the plan PostgreSQL prepared once for the connection. Left to choose,
 /// PostgreSQL plans it afresh on every poll (an estimate for the actual number of label
@@ -188,7 +198,7 @@ async fn worker_work(tx: &mut Tx<'_>, worker: &WorkerId) -> Result<Work, Error> 
 /// (a sort of the few runs queued for a label set, or an ordered index scan of a long
 /// queue). For the rest of the transaction only (the poll's writes, by key, and in a
 /// group the commands after it, whose statements are all by key).
-const GENERIC_PLANS: &str = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)";
+const GENERIC_PLANS: &str = concat!("SELECT ", generic_plans!());
 
 /// The queue probe by label sets: `$1` the worker's trusted labels, `$2` the label sets
 /// (JSON text) a run's `agent_labels` may be, `$3` the room. Each set is probed on

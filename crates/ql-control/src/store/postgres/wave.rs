@@ -42,10 +42,13 @@ use super::group::Job;
 /// wave sends (four at 8 agents) always looked cheaper. That planning cost more than the
 /// statement (0.04–0.07 ms each, five a wave, against 0.02–0.04 to run), and the
 /// generic plan is the same probes ([`locked`]). The groups' other statements are all
-/// by key (see [`load`]'s `GENERIC_PLANS`).
+/// by key (see [`load`]'s `GENERIC_PLANS`, which selects the same expression).
 #[doc(hidden)]
-pub const WAVE_FENCES: &str = "SELECT pg_advisory_xact_lock(hashtextextended('attempt:' || a, 0)), \
-     set_config('plan_cache_mode', 'force_generic_plan', true) FROM unnest($1::text[]) AS a";
+pub const WAVE_FENCES: &str = concat!(
+    "SELECT pg_advisory_xact_lock(hashtextextended('attempt:' || a, 0)), ",
+    load::generic_plans!(),
+    " FROM unnest($1::text[]) AS a"
+);
 
 /// DB time once for the wave, after every lock, with each command's admission (a row per
 /// command, in order; NULLs for a command with none to decide). Each lookup is its own
