@@ -121,6 +121,10 @@ pub struct Config {
     pub pg_lane_fill: u64,
     /// PostgreSQL: most commands one lane's transaction takes.
     pub pg_batch_max: u64,
+    /// PostgreSQL: how long, in microseconds, a lane's next group may wait for one
+    /// command from each agent of its last two groups (0: run what is queued at once; a
+    /// lone agent never waits).
+    pub pg_lane_window_us: u64,
     /// PostgreSQL: most statements each connection keeps prepared (past it, its cache
     /// starts over).
     pub pg_prepared_max: u64,
@@ -222,6 +226,7 @@ impl Default for Config {
             pg_lanes: 4,
             pg_lane_fill: 16,
             pg_batch_max: 32,
+            pg_lane_window_us: 1_000,
             pg_prepared_max: 512,
             read_timeout_ms: 60_000,
             header_timeout_ms: 10_000,

@@ -323,6 +323,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
                     lanes: size(config.pg_lanes),
                     lane_fill: size(config.pg_lane_fill),
                     batch_max: size(config.pg_batch_max),
+                    lane_window: Duration::from_micros(config.pg_lane_window_us),
                     prepared_max: size(config.pg_prepared_max),
                     ..PgOptions::default()
                 };

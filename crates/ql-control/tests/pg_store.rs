@@ -674,6 +674,76 @@ async fn lanes_fill_in_turn_so_a_few_agents_share_one_commit() {
 
 /// With room for only a few prepared statements, each connection's cache starts over
 /// again and again through a group's cycle, and every answer is what it would be.
+/// A store with one lane whose groups wait up to an hour for the agents it expects: a
+/// test that waited on it would not end.
+async fn one_patient_lane(b: &Pg) -> PgStore {
+    let options =
+        PgOptions { lanes: 1, lane_window: Duration::from_secs(3600), ..Pg::options(&Arc::new(AtomicI64::new(0))) };
+    b.db().store(options).await
+}
+
+/// Yields to the store's tasks until `done`, failing past a deadline far beyond any
+/// wait the test expects.
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "{what}: not by the deadline");
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Agents a lane answered together come back one by one: the lane waits for each of
+/// them and runs them as one group, rather than the first alone and the rest after.
+#[tokio::test]
+async fn a_lane_waits_for_the_agents_of_its_last_groups_and_runs_them_together() {
+    let b = Pg::new().await;
+    let h = four_held(&one_lane(&b).await).await;
+    let store = one_patient_lane(&b).await;
+    for answer in starting_at_once(&store, &h).await {
+        assert_eq!(answer.unwrap(), Ok(ack(Outcome::Started)));
+    }
+    let before = store.group_commits();
+
+    // One agent's `running` first: queued, and taken by the lane, before the others are sent.
+    let first = tokio::spawn({
+        let (store, cmd) = (store.clone(), h[0].running());
+        async move { store.execute(cmd).await }
+    });
+    until("the first `running` is in flight", || store.group_commits().placed == 1).await;
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    let (b1, c1, d1) =
+        tokio::join!(store.execute(h[1].running()), store.execute(h[2].running()), store.execute(h[3].running()));
+    for answer in [first.await.unwrap(), b1, c1, d1] {
+        assert_eq!(answer.unwrap(), Ok(ack(Outcome::Running)));
+    }
+    let after = store.group_commits();
+    assert_eq!(
+        (after.transactions - before.transactions, after.commands - before.commands, after.run_alone),
+        (1, 4, 0),
+        "the four `running` went in one group: {after:?}"
+    );
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// The lane expects only the agents it answered: a lone agent's commands, one after
+/// another, never wait for the window (an hour here).
+#[tokio::test]
+async fn a_lone_agent_never_waits_for_a_lanes_window() {
+    let b = Pg::new().await;
+    let store = one_patient_lane(&b).await;
+    let alone = async {
+        let mut h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+        to_running(&store, &h).await;
+        renew(&store, &mut h).await;
+        h
+    };
+    let h = tokio::time::timeout(Duration::from_secs(60), alone).await.expect("no command waited for the window");
+    assert_eq!(detail(&store, h.run()).await.attempts[0].status, AttemptStatus::Running);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
 #[tokio::test]
 async fn a_connection_keeping_few_statements_prepared_answers_the_same() {
     let b = Pg::new().await;

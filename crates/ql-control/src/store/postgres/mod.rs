@@ -32,8 +32,9 @@
 //! Commands about a worker session (its polls, claims, heartbeats and attempt commands)
 //! go through one of [`PgOptions::lanes`] lanes, which fill in turn, each up to
 //! [`PgOptions::lane_fill`] commands in flight (see [`group`]): a lane takes
-//! every command waiting on it (at most [`PgOptions::batch_max`]) and runs them one after
-//! another in one transaction, each exactly as above but for BEGIN and COMMIT, which the
+//! every command waiting on it (at most [`PgOptions::batch_max`]; for at most
+//! [`PgOptions::lane_window`], one from each agent of its last two groups) and runs them
+//! one after another in one transaction, each exactly as above but for BEGIN and COMMIT, which the
 //! group shares ([`PgStore::execute_batch`]). Under many concurrent agents one commit —
 //! one WAL flush, one transaction's bookkeeping — serves many ACKs; a command that finds
 //! its lane idle runs alone as before. A later command of a group sees the earlier ones'
@@ -207,6 +208,12 @@ pub struct PgOptions {
     pub lane_fill: usize,
     /// Most commands one lane's transaction takes.
     pub batch_max: usize,
+    /// How long a lane's next group may wait, once its first command is there, for one
+    /// command from each agent of the lane's last two groups (see [`group`]): agents
+    /// answered together come back together, and one group for all of them costs the
+    /// database less than two. Zero runs what is queued at once; a lone agent never
+    /// waits. Tokio's timer rounds it up to the next millisecond.
+    pub lane_window: Duration,
     /// Most statements each connection keeps prepared; past it, a connection's cache
     /// starts over (each statement dropped is closed on the server). The store's texts
     /// are a few hundred at most (each table's reads and writes, and a wave's merged
@@ -227,6 +234,7 @@ impl Default for PgOptions {
             lanes: 4,
             lane_fill: 16,
             batch_max: 32,
+            lane_window: Duration::from_millis(1),
             prepared_max: 512,
         }
     }
@@ -240,6 +248,7 @@ impl std::fmt::Debug for PgOptions {
             .field("lanes", &self.lanes)
             .field("lane_fill", &self.lane_fill)
             .field("batch_max", &self.batch_max)
+            .field("lane_window", &self.lane_window)
             .field("prepared_max", &self.prepared_max)
             .field("audit_url", &self.audit_url.is_some())
             .finish_non_exhaustive()
@@ -330,7 +339,7 @@ impl PgStore {
             lanes,
         });
         for queue in queues {
-            tokio::spawn(group::lane(Arc::downgrade(&inner), queue, options.batch_max.max(1)));
+            tokio::spawn(group::lane(Arc::downgrade(&inner), queue, options.batch_max.max(1), options.lane_window));
         }
         Ok(Self { inner })
     }
