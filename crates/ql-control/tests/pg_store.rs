@@ -672,8 +672,6 @@ async fn lanes_fill_in_turn_so_a_few_agents_share_one_commit() {
     }
 }
 
-/// With room for only a few prepared statements, each connection's cache starts over
-/// again and again through a group's cycle, and every answer is what it would be.
 /// A store with one lane whose groups wait up to an hour for the agents it expects: a
 /// test that waited on it would not end.
 async fn one_patient_lane(b: &Pg) -> PgStore {
@@ -704,7 +702,8 @@ async fn a_lane_waits_for_the_agents_of_its_last_groups_and_runs_them_together()
     }
     let before = store.group_commits();
 
-    // One agent's `running` first: queued, and taken by the lane, before the others are sent.
+    // One agent's `running` first, on its own: the yields let the lane take it before the
+    // others are sent, so a lane that did not wait would run it alone.
     let first = tokio::spawn({
         let (store, cmd) = (store.clone(), h[0].running());
         async move { store.execute(cmd).await }
@@ -744,6 +743,8 @@ async fn a_lone_agent_never_waits_for_a_lanes_window() {
     check_invariants(&store.snapshot().await.unwrap());
 }
 
+/// With room for only a few prepared statements, each connection's cache starts over
+/// again and again through a group's cycle, and every answer is what it would be.
 #[tokio::test]
 async fn a_connection_keeping_few_statements_prepared_answers_the_same() {
     let b = Pg::new().await;
