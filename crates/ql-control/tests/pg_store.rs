@@ -588,6 +588,16 @@ async fn one_lane(b: &Pg) -> PgStore {
     b.db().store(PgOptions { lanes: 1, ..Pg::options(&Arc::new(AtomicI64::new(0))) }).await
 }
 
+/// Asserts that since `before` one transaction carried `n` commands, none run again alone.
+fn one_group_since(store: &PgStore, before: GroupCommits, n: u64, what: &str) {
+    let after = store.group_commits();
+    assert_eq!(
+        (after.transactions - before.transactions, after.commands - before.commands, after.run_alone),
+        (1, n, 0),
+        "{what}: {after:?}"
+    );
+}
+
 /// Four agents, each holding a claimed attempt of a run of its own.
 async fn four_held(store: &PgStore) -> Vec<Held> {
     let mut held = Vec::new();
@@ -623,12 +633,7 @@ async fn commands_of_concurrent_agents_commit_together_each_with_its_own_answer(
     for answer in answers {
         assert_eq!(answer.unwrap(), Ok(ack(Outcome::Started)));
     }
-    let after = store.group_commits();
-    assert_eq!(
-        (after.transactions - before.transactions, after.commands - before.commands, after.run_alone),
-        (1, 4, 0),
-        "one transaction carried the four commands: {after:?}"
-    );
+    one_group_since(&store, before, 4, "one transaction carried the four commands");
     for held in &h {
         let d = detail(&store, held.run()).await;
         assert_eq!(d.attempts[0].status, AttemptStatus::Starting);
@@ -717,12 +722,7 @@ async fn a_lane_waits_for_the_agents_of_its_last_groups_and_runs_them_together()
     for answer in [first.await.unwrap(), b1, c1, d1] {
         assert_eq!(answer.unwrap(), Ok(ack(Outcome::Running)));
     }
-    let after = store.group_commits();
-    assert_eq!(
-        (after.transactions - before.transactions, after.commands - before.commands, after.run_alone),
-        (1, 4, 0),
-        "the four `running` went in one group: {after:?}"
-    );
+    one_group_since(&store, before, 4, "the four `running` went in one group");
     check_invariants(&store.snapshot().await.unwrap());
 }
 
