@@ -943,3 +943,123 @@ async fn sessions_named_by_refused_commands_hold_no_place_on_the_lanes() {
     assert_eq!(store.snapshot().await.unwrap(), before, "refusals changed nothing");
     assert_eq!(heartbeat(&store, &agent, false).await.map(drop), Ok(()));
 }
+
+/// The runs a poll's answer offers.
+fn offered(answer: Result<Result<Reply, ErrorCode>, ql_control::store::StoreError>) -> Vec<ql_wire::ids::RunId> {
+    match answer.expect("the store is available") {
+        Ok(Reply::Offers(o, _)) => o.offers.into_iter().map(|o| o.run_id).collect(),
+        other => panic!("poll: {other:?}"),
+    }
+}
+
+/// A poll of `agent` for at most `max` offers.
+fn poll_of(agent: &Agent, max: u32) -> Command {
+    let body = PollOffers { generation: agent.generation, wait_ms: 0, max };
+    Command::PollOffers(agent.worker.clone(), agent.session.clone(), body)
+}
+
+/// Polls of agents in step run as one wave: one group, their loads sent together, their
+/// alike writes merged, each offered the run its labels fit. A poll refused among them
+/// (a stale generation) is refused as alone and changes nothing.
+#[tokio::test]
+async fn polls_of_concurrent_agents_load_together_and_each_places_its_own_run() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let mut agents = Vec::new();
+    let mut runs = Vec::new();
+    for i in 0..4 {
+        let site = format!("site-{i}");
+        agents.push(open_with(&store, &format!("router-{i}"), 1, &[("site", site.as_str())]).await);
+        runs.push(submit_for(&store, &[("site", site.as_str())]).await);
+    }
+    let stale = Agent { generation: ql_wire::ids::Counter::new(2).unwrap(), ..agents[3].clone() };
+    let (stale_run, stale_session) = (detail(&store, &runs[3]).await, session_row(&store, &stale.session).await);
+    let before = store.group_commits();
+
+    let (a, b2, c, d) = tokio::join!(
+        store.execute(poll_of(&agents[0], 8)),
+        store.execute(poll_of(&agents[1], 8)),
+        store.execute(poll_of(&agents[2], 8)),
+        store.execute(poll_of(&stale, 8)),
+    );
+
+    for (i, answer) in [a, b2, c].into_iter().enumerate() {
+        assert_eq!(offered(answer), [runs[i].clone()], "agent {i} is offered its own run");
+    }
+    assert_eq!(d.unwrap(), Err(ErrorCode::SessionConflict), "the stale poll is refused");
+    one_group_since(&store, before, 4, "one transaction carried the four polls");
+    // Loads: three of the four DB-time reads and of the generic-plan settings (6). Writes,
+    // the same for the three placing polls, in chunks of a power of two: the session, the
+    // run, the attempt and the offer each as one statement for two and one for the third
+    // (4), and their six events as one statement for four and one for two (4).
+    assert_eq!(store.group_commits().saved - before.saved, 14, "{:?}", store.group_commits());
+    check_invariants(&store.snapshot().await.unwrap());
+    assert_eq!(
+        session_row(&store, &stale.session).await,
+        stale_session,
+        "the refused poll wrote nothing of its session"
+    );
+    assert_eq!(detail(&store, &runs[3]).await, stale_run, "its run is still queued");
+}
+
+/// Polls in one wave that fit the same runs decide as one after another would: each run
+/// is placed once, oldest first, and a poll finding none left gets none.
+#[tokio::test]
+async fn polls_in_one_wave_that_fit_the_same_runs_place_each_run_once() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let agents = [open(&store, "router-1").await, open(&store, "router-2").await, open(&store, "router-3").await];
+    let runs = [submit(&store, LONG_TIMEOUT_MS, 0).await, submit(&store, LONG_TIMEOUT_MS, 0).await];
+    let before = store.group_commits();
+
+    let (a, b2, c) = tokio::join!(
+        store.execute(poll_of(&agents[0], 8)),
+        store.execute(poll_of(&agents[1], 8)),
+        store.execute(poll_of(&agents[2], 8)),
+    );
+
+    one_group_since(&store, before, 3, "one transaction carried the three polls");
+    let answers = [offered(a), offered(b2), offered(c)];
+    let mut placed: Vec<_> = answers.iter().flatten().cloned().collect();
+    placed.sort();
+    let mut expected = runs.to_vec();
+    expected.sort();
+    assert_eq!(placed, expected, "each run placed once: {answers:?}");
+    assert_eq!(answers.iter().filter(|a| a.is_empty()).count(), 1, "one poll found none left: {answers:?}");
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// A poll of a wave whose probe could not see past the runs the polls before it placed
+/// runs again after the wave, in the same transaction, and is offered what it would have
+/// been alone: five sessions with room for 64 each, 320 runs for any of them, each
+/// offered 64 of its own though the fifth's probe (at most 256 runs) saw only the four's.
+#[tokio::test]
+async fn a_poll_whose_wave_hid_runs_from_it_runs_again_after_the_wave() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let mut agents = Vec::new();
+    for i in 0..5 {
+        agents.push(open_with(&store, &format!("router-{i}"), 64, &[]).await);
+    }
+    for _ in 0..320 {
+        submit(&store, LONG_TIMEOUT_MS, 0).await;
+    }
+    let before = store.group_commits();
+
+    let (a, b2, c, d, e) = tokio::join!(
+        store.execute(poll_of(&agents[0], 64)),
+        store.execute(poll_of(&agents[1], 64)),
+        store.execute(poll_of(&agents[2], 64)),
+        store.execute(poll_of(&agents[3], 64)),
+        store.execute(poll_of(&agents[4], 64)),
+    );
+
+    one_group_since(&store, before, 5, "one transaction carried the five polls");
+    let answers = [offered(a), offered(b2), offered(c), offered(d), offered(e)];
+    assert!(answers.iter().all(|a| a.len() == 64), "each offered 64: {:?}", answers.map(|a| a.len()));
+    let mut placed: Vec<_> = answers.iter().flatten().collect();
+    placed.sort();
+    placed.dedup();
+    assert_eq!(placed.len(), 320, "every run placed once");
+    check_invariants(&store.snapshot().await.unwrap());
+}

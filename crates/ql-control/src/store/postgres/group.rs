@@ -5,7 +5,8 @@
 //! on it, up to `batch_max`, and, for at most its window, those of the agents it expects
 //! ([`expected`]), and runs them as one group ([`PgStore::execute_batch`]) in one
 //! transaction: its fenced commands about different rows first, as a wave
-//! ([`wave`]), then the others one after another. The fewer groups carry the same
+//! ([`wave`]), then the polls of different sessions, as a wave of polls ([`polls`](super::polls)),
+//! then the others one after another. The fewer groups carry the same
 //! commands, the less each command costs PostgreSQL, but one lane is one backend at a
 //! time. So lanes fill in turn: a command goes to the first lane with fewer than `fill`
 //! commands in flight (waiting or running), and only when every lane has that many to
@@ -189,8 +190,8 @@ impl PgStore {
     }
 
     /// Runs commands routed to one lane ([`PgOptions::lanes`](super::PgOptions::lanes)) in one transaction: each
-    /// command's load, decision and writes in turn — waves of fenced commands first
-    /// ([`wave::pick`]), the others in arrival order — then one COMMIT for
+    /// command's load, decision and writes in turn — waves of fenced commands first,
+    /// then waves of polls ([`wave::pick`]), the others in arrival order — then one COMMIT for
     /// all (group commit: one flush of the WAL and one transaction's overhead for the
     /// batch). Every answer waits for that COMMIT. If a command fails before it — a
     /// statement, a lock wait PostgreSQL breaks as a deadlock — nothing of the batch is
@@ -206,19 +207,31 @@ impl PgStore {
         let mut done: Vec<Option<Done>> = jobs.iter().map(|_| None).collect();
         let (mut pending, mut saved): (Vec<usize>, u64) = ((0..jobs.len()).collect(), 0);
         while !pending.is_empty() {
-            let picked = wave::pick(jobs, &pending);
-            pending.retain(|i| !picked.contains(i));
-            let ran = match picked.as_slice() {
-                [i] => {
-                    let job = &jobs[*i];
-                    self.step(&mut conn, &job.cmd, job.audit.as_ref(), &mut open, false).await.map(|d| (vec![d], 0))
+            let ran = match wave::pick(jobs, &pending) {
+                wave::Pick::Alone(i) => {
+                    let job = &jobs[i];
+                    let step = self.step(&mut conn, &job.cmd, job.audit.as_ref(), &mut open, false).await;
+                    step.map(|d| (vec![(i, Some(d))], 0))
                 }
-                wave => self.wave(&mut conn, &wave.iter().map(|&i| &jobs[i]).collect::<Vec<_>>(), &mut open).await,
+                wave::Pick::Wave(picked) => {
+                    let wave: Vec<&Job> = picked.iter().map(|&i| &jobs[i]).collect();
+                    let ran = self.wave(&mut conn, &wave, &mut open).await;
+                    ran.map(|(d, s)| (picked.into_iter().zip(d.into_iter().map(Some)).collect(), s))
+                }
+                wave::Pick::Polls(picked) => {
+                    let polls: Vec<&Job> = picked.iter().map(|&i| &jobs[i]).collect();
+                    let ran = self.polls(&mut conn, &polls, &mut open).await;
+                    ran.map(|(d, s)| (picked.into_iter().zip(d).collect(), s))
+                }
             };
             match ran {
-                Ok((d, s)) => {
-                    for (i, d) in picked.into_iter().zip(d) {
-                        done[i] = Some(d);
+                Ok((ran, s)) => {
+                    // A poll a wave left out (`None`) stays pending and runs again.
+                    for (i, d) in ran {
+                        if let Some(d) = d {
+                            pending.retain(|&p| p != i);
+                            done[i] = Some(d);
+                        }
                     }
                     saved += s;
                 }

@@ -54,13 +54,13 @@ use ql_wire::ErrorCode;
 use super::rows::SCHEDULE_COLS;
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS, WORKER_COLS};
 use super::{schema, Admit, Error, Statement, Tx, STAMP_ADMIT};
-use crate::core::{Fit, Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
+use crate::core::{placement_room, Fit, Grace, Keys, Lapsed, Rows, Timings, Work, COMPLETION_EVENT};
 use crate::model::{Millis, Session, Worker};
 use crate::store::records::EVENT_COLS;
 use crate::store::records::{CERTIFICATE_COLS, ENROLMENT_COLS};
 
 /// Most queued runs placement looks at per poll.
-pub(super) const PLACEMENT_BATCH: i64 = 256;
+pub(super) const PLACEMENT_BATCH: usize = 256;
 /// Most lapsed rows of each kind one sweep handles.
 pub(super) const SWEEP_BATCH: i64 = 256;
 
@@ -198,7 +198,7 @@ pub(super) use generic_plans;
 /// (a sort of the few runs queued for a label set, or an ordered index scan of a long
 /// queue). For the rest of the transaction only (the poll's writes, by key, and in a
 /// group the commands after it, whose statements are all by key).
-const GENERIC_PLANS: &str = concat!("SELECT ", generic_plans!());
+pub(super) const GENERIC_PLANS: &str = concat!("SELECT ", generic_plans!());
 
 /// The queue probe by label sets: `$1` the worker's trusted labels, `$2` the label sets
 /// (JSON text) a run's `agent_labels` may be, `$3` the room. Each set is probed on
@@ -219,24 +219,21 @@ pub static QUEUE_PROBE: LazyLock<String> = LazyLock::new(|| {
 
 /// Queued runs the worker fits (its trusted labels cover the run's `labels`, the
 /// session's declared ones its `agent_labels`), oldest first, locked with SKIP LOCKED.
-/// Only as many as the session has room for.
+/// At most `limit`: as many as the session has room for ([`poll_probe`]).
 ///
 /// A run fits a session's declared labels exactly when its `agent_labels` is one of their
 /// subsets, so placement probes the queue's index by `agent_labels` once per subset, each
-/// probe taking at most `room` runs in age order (skipping locked ones), then keeps the
-/// oldest `room` of them: its cost follows the session's labels and room, not how many
+/// probe taking at most `limit` runs in age order (skipping locked ones), then keeps the
+/// oldest `limit` of them: its cost follows the session's labels and room, not how many
 /// runs wait for other workers. The runs a probe locked beyond those stay queued and are
 /// released at COMMIT (another replica's poll skips them meanwhile, as any run being
 /// placed). A session declaring more than [`SUBSET_LABELS`](crate::core::SUBSET_LABELS)
 /// labels scans the queue.
 ///
-/// Returns the statements (none when the session has no room) and which of their answers
-/// holds the runs: they go in the poll's second round trip ([`poll`]).
-fn queue_probe(session: &Session, trusted: Option<&Worker>, active: u32) -> Result<(Vec<Statement>, usize), Error> {
-    let room = i64::try_from(crate::core::placement_room(session, active)).unwrap_or(i64::MAX).min(PLACEMENT_BATCH);
-    if room == 0 {
-        return Ok((Vec::new(), 0));
-    }
+/// Returns the statements and which of their answers holds the runs: they go in the
+/// poll's second round trip ([`poll`]).
+fn queue_probe(session: &Session, trusted: Option<&Worker>, limit: usize) -> Result<(Vec<Statement>, usize), Error> {
+    let room = i64::try_from(limit).unwrap_or(i64::MAX);
     let json = |labels: &std::collections::BTreeMap<String, String>| {
         serde_json::to_string(labels).map_err(|e| Error::Corrupt(e.to_string()))
     };
@@ -434,7 +431,7 @@ fn stamp(offset: i64, admit: Option<Admit<'_>>) -> Statement {
 }
 
 /// DB time and the admission's refusal from the answer to [`stamp`].
-fn read_stamp(rows: Vec<Row>, admit: Option<Admit<'_>>) -> Result<(Millis, Option<ErrorCode>), Error> {
+pub(super) fn read_stamp(rows: Vec<Row>, admit: Option<Admit<'_>>) -> Result<(Millis, Option<ErrorCode>), Error> {
     let stamp = rows.into_iter().next().ok_or_else(|| Error::Corrupt("DB time read no row".to_owned()))?;
     match admit {
         None => Ok((stamp.get(0), None)),
@@ -444,15 +441,16 @@ fn read_stamp(rows: Vec<Row>, admit: Option<Admit<'_>>) -> Result<(Millis, Optio
 
 /// Whether `keys` are a poll's (a session, its worker, placement; nothing else): its
 /// load is two pipelines ([`poll`]).
-fn is_poll(keys: &Keys) -> bool {
+pub(super) fn is_poll(keys: &Keys) -> bool {
     let poll = Keys { session: keys.session.clone(), worker: keys.worker.clone(), placement: true, ..Keys::default() };
     keys.session.is_some() && keys.worker.is_some() && *keys == poll
 }
 
 /// A poll's load in two round trips, in the order [`load_in_order`] takes it: `BEGIN`,
 /// the session (locked), the worker, the session's active attempts and open offers in
-/// one pipeline; then what needs the session's labels and room — the queue probe, which
-/// locks the runs it takes — and DB time last, in another.
+/// one pipeline ([`poll_first`]); then what needs the session's labels and room — the
+/// queue probe, which locks the runs it takes ([`poll_probe`]) — and DB time last, in
+/// another.
 async fn poll(
     tx: &mut Tx<'_>,
     keys: &Keys,
@@ -460,17 +458,37 @@ async fn poll(
     admit: Option<Admit<'_>>,
     begin: bool,
 ) -> Result<(Rows, Millis, Option<ErrorCode>), Error> {
+    let mut answers = tx.begun(begin, poll_first(keys)).await?;
+    let mut out = read_poll_first(&mut answers)?;
+    let probe = poll_probe(&out, 0)?;
+    let mut batch = probe.statements;
+    batch.push(stamp(offset, admit));
+    let mut answers = tx.run(&batch).await?;
+    let (now, refused) = read_stamp(answers.pop().unwrap_or_default(), admit)?;
+    if let Some(at) = probe.at {
+        let runs = answers.into_iter().nth(at).unwrap_or_default();
+        out.queued = runs.iter().map(rows::read).collect::<Result<_, _>>()?;
+    }
+    Ok((out, now, refused))
+}
+
+/// A poll's first round trip: its session (locked), the worker its request names, the
+/// session's active attempts and its open offers.
+pub(super) fn poll_first(keys: &Keys) -> [Statement; 4] {
     let (Some(session), Some(worker)) = (&keys.session, &keys.worker) else {
         unreachable!("a poll names its session and worker");
     };
     let s = || -> rows::Params { vec![Box::new(session.as_str().to_owned())] };
-    let load: [Statement; 4] = [
+    [
         (by_id("sessions", &SESSION_COLS, "id", "FOR UPDATE").into(), s()),
         (by_id("workers", &WORKER_COLS, "id", "").into(), vec![Box::new(worker.as_str().to_owned())]),
         (ACTIVE_ATTEMPTS.into(), s()),
         (OPEN_OFFERS.as_str().into(), s()),
-    ];
-    let mut answers = tx.begun(begin, load).await?;
+    ]
+}
+
+/// The rows of [`poll_first`]'s four answers (no session: nothing else).
+pub(super) fn read_poll_first(answers: &mut impl Iterator<Item = Vec<Row>>) -> Result<Rows, Error> {
     let mut next = || answers.next().unwrap_or_default();
     let first = |rows: Vec<Row>| rows.into_iter().next();
     let mut out = Rows {
@@ -479,27 +497,39 @@ async fn poll(
         ..Rows::default()
     };
     let (active, open) = (next(), next());
-    let mut batch = Vec::with_capacity(3);
-    let mut probe = None;
-    // No session, no placement.
-    if let Some(session) = &out.session {
+    if out.session.is_some() {
         let n: i64 = first(active).map_or(0, |r| r.get(0));
         out.active_attempts = u32::try_from(n).unwrap_or(u32::MAX);
         out.open_offers = open.iter().map(rows::read).collect::<Result<_, _>>()?;
-        // The session's own worker, whatever the keys named.
-        let trusted = out.worker.clone().filter(|w| w.id == session.worker);
-        let (statements, at) = queue_probe(session, trusted.as_ref(), out.active_attempts)?;
-        probe = (!statements.is_empty()).then_some(at);
-        batch.extend(statements);
     }
-    batch.push(stamp(offset, admit));
-    let mut answers = tx.run(&batch).await?;
-    let (now, refused) = read_stamp(answers.pop().unwrap_or_default(), admit)?;
-    if let Some(at) = probe {
-        let runs = answers.into_iter().nth(at).unwrap_or_default();
-        out.queued = runs.iter().map(rows::read).collect::<Result<_, _>>()?;
+    Ok(out)
+}
+
+/// A poll's queue probe ([`queue_probe`]): its statements, which of their answers
+/// holds the runs (none: no session, or no room), and the session's room.
+pub(super) struct Probe {
+    pub(super) statements: Vec<Statement>,
+    pub(super) at: Option<usize>,
+    pub(super) room: usize,
+    /// How many runs the probe takes at most: the room and `extra` more.
+    pub(super) limit: usize,
+}
+
+/// The queue probe of a poll whose first round trip read `loaded`, taking up to `extra`
+/// runs more than its room (a wave of polls: [`super::polls`]).
+pub(super) fn poll_probe(loaded: &Rows, extra: usize) -> Result<Probe, Error> {
+    let none = Probe { statements: Vec::new(), at: None, room: 0, limit: 0 };
+    // No session, no placement.
+    let Some(session) = &loaded.session else { return Ok(none) };
+    // The session's own worker, whatever the keys named.
+    let trusted = loaded.worker.clone().filter(|w| w.id == session.worker);
+    let room = placement_room(session, loaded.active_attempts).min(PLACEMENT_BATCH);
+    if room == 0 {
+        return Ok(none);
     }
-    Ok((out, now, refused))
+    let limit = room.saturating_add(extra).min(PLACEMENT_BATCH);
+    let (statements, at) = queue_probe(session, trusted.as_ref(), limit)?;
+    Ok(Probe { statements, at: Some(at), room, limit })
 }
 
 /// The pipelined load of a fenced command (see the module doc).

@@ -45,7 +45,9 @@
 //! them is one they could have run in): one statement per level of the lock order loads
 //! every command's rows, and commands that write alike send each write once for several,
 //! the wave's audit records and its events as multi-row `INSERT`s, so a wave of ten
-//! costs PostgreSQL the relations and indexes of a few commands. A session's commands in
+//! costs PostgreSQL the relations and indexes of a few commands. The polls of different
+//! sessions then form a wave of polls ([`polls`]): three round trips for all of them
+//! instead of three each, every poll deciding as it would after the ones before it. A session's commands in
 //! flight share a lane, so they never wait for each other from two groups of one
 //! replica. (A group's commands after its wave take their session's lock after the
 //! wave's lower-level locks, and a wave takes several fences, each level in key order;
@@ -80,6 +82,7 @@
 
 mod group;
 mod load;
+mod polls;
 mod pool;
 mod rows;
 mod schema;
@@ -475,8 +478,10 @@ impl PgStore {
                 .push(("SELECT pg_notify($1, $2)".into(), vec![Box::new(CHANNEL), Box::new(self.inner.nonce.clone())]));
             checks.push(false);
         }
+        let runs = decision.writes.iter().filter_map(|w| if let Write::Run(r) = w { Some(r.id.clone()) } else { None });
+        let runs = runs.collect();
         let done = Done { answer: Ok(reply), wake: decision.wake, wants: decision.wants };
-        Ok(Concluded { done, record, checks, rollback: false })
+        Ok(Concluded { done, record, checks, runs, rollback: false })
     }
 
     /// A connection inside a REPEATABLE READ, READ ONLY transaction: operator reads see
@@ -528,6 +533,8 @@ struct Concluded {
     record: Vec<Statement>,
     /// For each statement of `record`: an UPDATE of a loaded row, which must find it.
     checks: Vec<bool>,
+    /// The runs the decision writes (a wave of polls: [`polls`]).
+    runs: Vec<RunId>,
     /// Refused with nothing to record: alone, the transaction rolls back.
     rollback: bool,
 }
@@ -535,7 +542,7 @@ struct Concluded {
 impl Concluded {
     fn refused(code: ErrorCode, record: Vec<Statement>) -> Self {
         let checks = vec![false; record.len()];
-        Self { done: Done::refused(code), record, checks, rollback: false }
+        Self { done: Done::refused(code), record, checks, runs: Vec::new(), rollback: false }
     }
 }
 

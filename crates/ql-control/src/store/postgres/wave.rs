@@ -121,10 +121,16 @@ fn loads(keys: &[core::Keys], offset: i64, admits: &[Option<Admit<'_>>]) -> Vec<
             out.push((COMPLETION_EVENT_SQL.as_str().into(), vec![Box::new(id.0.clone()), Box::new(COMPLETION_EVENT)]));
         }
     }
+    out.push(stamps(offset, admits));
+    out
+}
+
+/// DB time once for several commands, after all their locks, with each one's admission
+/// ([`STAMPS`]: a row per command, in the order of `admits`).
+pub(super) fn stamps(offset: i64, admits: &[Option<Admit<'_>>]) -> Statement {
     let principals: Vec<Option<String>> = admits.iter().map(|a| a.map(|a| a.principal.as_str().to_owned())).collect();
     let serials: Vec<Option<String>> = admits.iter().map(|a| a.map(|a| a.serial.to_owned())).collect();
-    out.push((STAMPS.into(), vec![Box::new(offset), Box::new(principals), Box::new(serials)]));
-    out
+    (STAMPS.into(), vec![Box::new(offset), Box::new(principals), Box::new(serials)])
 }
 
 /// Each command's answers to [`loads`], in the shape of its own
@@ -215,9 +221,9 @@ impl PgStore {
 }
 
 /// One command's statements, and for each whether it is an UPDATE that must find its row.
-struct Recorded {
-    statements: Vec<Statement>,
-    checks: Vec<bool>,
+pub(super) struct Recorded {
+    pub(super) statements: Vec<Statement>,
+    pub(super) checks: Vec<bool>,
 }
 
 /// The statements that record a wave's decisions, and for each how many rows it must
@@ -229,7 +235,10 @@ struct Recorded {
 /// are the same, one for one, form a kind; each statement of a kind of several is sent
 /// once for all of them where it can be merged ([`merged_insert`], [`Update::merged`]),
 /// and otherwise once per command, in command order.
-async fn writes(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<(Vec<Statement>, Vec<usize>, usize), Error> {
+pub(super) async fn writes(
+    tx: &mut Tx<'_>,
+    records: Vec<Recorded>,
+) -> Result<(Vec<Statement>, Vec<usize>, usize), Error> {
     let events_sql = rows::upsert(&EVENTS);
     let (mut audits, mut events, mut kinds): (Vec<Statement>, Vec<Statement>, Vec<Vec<Recorded>>) =
         (Vec::new(), Vec::new(), Vec::new());
@@ -458,8 +467,18 @@ pub fn merged_update(sql: &str, types: &[Type], n: usize) -> Option<String> {
 /// Whether a command of a group may join a wave: a fenced command (its load is one
 /// pipeline) that is not an unauthenticated request.
 fn wavy(job: &Job, keys: &core::Keys) -> bool {
-    let unauthenticated = matches!(&job.audit, Some(Audit { record, admit: Some(_) }) if record.principal.is_none());
-    !unauthenticated && load::is_fenced(keys)
+    !unauthenticated(job) && load::is_fenced(keys)
+}
+
+/// Whether a command of a group may join a wave of polls: a poll that is not an
+/// unauthenticated request.
+fn polling(job: &Job, keys: &core::Keys) -> bool {
+    !unauthenticated(job) && load::is_poll(keys)
+}
+
+/// A request with no principal, refused before anything loads ([`PgStore::step`]).
+fn unauthenticated(job: &Job) -> bool {
+    matches!(&job.audit, Some(Audit { record, admit: Some(_) }) if record.principal.is_none())
 }
 
 /// The rows a command names, as `kind:id`: its session, attempt, run and offer.
@@ -475,28 +494,43 @@ fn named(keys: core::Keys) -> Vec<String> {
     .collect()
 }
 
+/// What a group runs next ([`pick`]).
+#[derive(Debug, PartialEq)]
+pub(super) enum Pick {
+    /// Fenced commands about rows no other names ([`PgStore::wave`]).
+    Wave(Vec<usize>),
+    /// Polls of sessions no other names ([`PgStore::polls`](super::polls)).
+    Polls(Vec<usize>),
+    /// One command alone.
+    Alone(usize),
+}
+
 /// The next commands of a group to run (`pending`, indexes of `jobs` in arrival order):
-/// a wave of every wavy command that names no row an earlier pending command names, or
-/// when no command is wavy, the first alone. Every command of a group is in flight at
-/// once, so running the wave first is a serial order they could have run in (a poll left
-/// for later may place a run a command of the wave put back in the queue); a command
-/// about a row one left for later names waits its turn behind it.
-pub(super) fn pick(jobs: &[Job], pending: &[usize]) -> Vec<usize> {
-    let mut seen: Vec<String> = Vec::new();
-    let mut wave = Vec::new();
-    for &i in pending {
-        let keys = jobs[i].cmd.keys();
-        let joins = wavy(&jobs[i], &keys);
-        let ids = named(keys);
-        if joins && !ids.iter().any(|id| seen.contains(id)) {
-            wave.push(i);
+/// a wave of every wavy command that names no row an earlier pending command names;
+/// when there is none, the polls that name no such row; or the first alone. Every command
+/// of a group is in flight at once, so running a wave first is a serial order they could
+/// have run in (a poll left for later may place a run a command of the wave put back in
+/// the queue); a command about a row one left for later names waits its turn behind it.
+pub(super) fn pick(jobs: &[Job], pending: &[usize]) -> Pick {
+    let free = |joins: fn(&Job, &core::Keys) -> bool| {
+        let mut seen: Vec<String> = Vec::new();
+        let mut wave = Vec::new();
+        for &i in pending {
+            let keys = jobs[i].cmd.keys();
+            let joins = joins(&jobs[i], &keys);
+            let ids = named(keys);
+            if joins && !ids.iter().any(|id| seen.contains(id)) {
+                wave.push(i);
+            }
+            seen.extend(ids);
         }
-        seen.extend(ids);
+        wave
+    };
+    match (free(wavy), free(polling)) {
+        (wave, _) if wave.len() > 1 => Pick::Wave(wave),
+        (_, polls) if polls.len() > 1 => Pick::Polls(polls),
+        (wave, _) => Pick::Alone(wave.first().copied().unwrap_or(pending[0])),
     }
-    if wave.is_empty() {
-        wave.push(pending[0]);
-    }
-    wave
 }
 
 #[cfg(test)]
@@ -538,21 +572,43 @@ mod tests {
         job(Command::Heartbeat("router-1".parse().unwrap(), format!("ses_{session}").parse().unwrap(), body))
     }
 
+    /// A poll of session `session`.
+    fn poll(session: u32) -> Job {
+        let body = ql_wire::offer::PollOffers { generation: Counter::ONE, wait_ms: 0, max: 1 };
+        job(Command::PollOffers("router-1".parse().unwrap(), format!("ses_{session}").parse().unwrap(), body))
+    }
+
     #[test]
     fn a_wave_takes_every_fenced_command_about_rows_no_earlier_command_names() {
         // Renewals of sessions 1 and 2 around another session's heartbeat: one wave, the
         // heartbeat after it.
         let jobs = [renewal(1, 1), heartbeat(3), renewal(2, 2)];
-        assert_eq!(pick(&jobs, &[0, 1, 2]), [0, 2]);
-        assert_eq!(pick(&jobs, &[1]), [1], "nothing wavy left: the first alone");
+        assert_eq!(pick(&jobs, &[0, 1, 2]), Pick::Wave(vec![0, 2]));
+        assert_eq!(pick(&jobs, &[1]), Pick::Alone(1), "nothing wavy left: the first alone");
         // A renewal behind a heartbeat of its own session waits its turn behind it.
         let jobs = [heartbeat(1), renewal(1, 1), renewal(2, 2)];
-        assert_eq!(pick(&jobs, &[0, 1, 2]), [2]);
-        assert_eq!(pick(&jobs, &[0, 1]), [0]);
+        assert_eq!(pick(&jobs, &[0, 1, 2]), Pick::Alone(2), "a wave of one runs alone");
+        assert_eq!(pick(&jobs, &[0, 1]), Pick::Alone(0));
         // Two commands about one attempt: the second waits for the first's wave.
         let jobs = [renewal(1, 1), renewal(1, 1), renewal(2, 2)];
-        assert_eq!(pick(&jobs, &[0, 1, 2]), [0, 2]);
-        assert_eq!(pick(&jobs, &[1]), [1]);
+        assert_eq!(pick(&jobs, &[0, 1, 2]), Pick::Wave(vec![0, 2]));
+        assert_eq!(pick(&jobs, &[1]), Pick::Alone(1));
+    }
+
+    #[test]
+    fn polls_of_sessions_no_earlier_command_names_form_a_wave_after_the_fenced_one() {
+        // Fenced commands first, then the polls.
+        let jobs = [poll(1), renewal(2, 2), poll(3), renewal(4, 4), poll(5)];
+        assert_eq!(pick(&jobs, &[0, 1, 2, 3, 4]), Pick::Wave(vec![1, 3]));
+        assert_eq!(pick(&jobs, &[0, 2, 4]), Pick::Polls(vec![0, 2, 4]));
+        // A poll behind a command of its own session waits its turn; so does a second
+        // poll of one session.
+        let jobs = [heartbeat(1), poll(1), poll(2), poll(2), poll(3)];
+        assert_eq!(pick(&jobs, &[0, 1, 2, 3, 4]), Pick::Polls(vec![2, 4]));
+        assert_eq!(pick(&jobs, &[0, 1, 3]), Pick::Alone(0));
+        assert_eq!(pick(&jobs, &[1, 3]), Pick::Polls(vec![1, 3]));
+        // One poll alone is no wave.
+        assert_eq!(pick(&jobs, &[3]), Pick::Alone(3));
     }
 
     #[test]
