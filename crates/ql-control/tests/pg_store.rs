@@ -959,47 +959,67 @@ fn poll_of(agent: &Agent, max: u32) -> Command {
 }
 
 /// Polls of agents in step run as one wave: one group, their loads sent together, their
-/// alike writes merged, each offered the run its labels fit. A poll refused among them
-/// (a stale generation) is refused as alone and changes nothing.
+/// alike writes merged, each offered what it would be alone: the run its labels fit, and
+/// for an agent with an offer still open, that offer and a run for its one free place.
+/// Polls refused among them — a stale generation, a worker naming another's session —
+/// are refused as alone and change nothing.
 #[tokio::test]
 async fn polls_of_concurrent_agents_load_together_and_each_places_its_own_run() {
     let b = Pg::new().await;
     let store = one_lane(&b).await;
     let mut agents = Vec::new();
     let mut runs = Vec::new();
-    for i in 0..4 {
+    for i in 0..5 {
         let site = format!("site-{i}");
-        agents.push(open_with(&store, &format!("router-{i}"), 1, &[("site", site.as_str())]).await);
+        agents.push(open_with(&store, &format!("router-{i}"), 2, &[("site", site.as_str())]).await);
         runs.push(submit_for(&store, &[("site", site.as_str())]).await);
     }
+    // Agent 0 already holds an open offer, of a run before its second.
+    let open_offer = match exec(&store, poll_of(&agents[0], 1)).await {
+        Ok(Reply::Offers(o, _)) => o.offers.into_iter().next().expect("an offer"),
+        other => panic!("poll: {other:?}"),
+    };
+    let second = submit_for(&store, &[("site", "site-0")]).await;
     let stale = Agent { generation: ql_wire::ids::Counter::new(2).unwrap(), ..agents[3].clone() };
-    let (stale_run, stale_session) = (detail(&store, &runs[3]).await, session_row(&store, &stale.session).await);
+    let intruder = Agent { worker: agents[1].worker.clone(), ..agents[4].clone() };
+    let untouched = |store: &PgStore, i: usize| {
+        let (store, run, session) = (store.clone(), runs[i].clone(), agents[i].session.clone());
+        async move { (detail(&store, &run).await, session_row(&store, &session).await) }
+    };
+    let (stale_before, intruded_before) = (untouched(&store, 3).await, untouched(&store, 4).await);
     let before = store.group_commits();
 
-    let (a, b2, c, d) = tokio::join!(
+    let (a, b2, c, d, e) = tokio::join!(
         store.execute(poll_of(&agents[0], 8)),
         store.execute(poll_of(&agents[1], 8)),
         store.execute(poll_of(&agents[2], 8)),
         store.execute(poll_of(&stale, 8)),
+        store.execute(poll_of(&intruder, 8)),
     );
 
-    for (i, answer) in [a, b2, c].into_iter().enumerate() {
+    match a.unwrap() {
+        Ok(Reply::Offers(o, _)) => {
+            let offered: Vec<_> = o.offers.iter().map(|o| (&o.offer_id, &o.run_id)).collect();
+            assert_eq!(offered.len(), 2, "{offered:?}");
+            assert_eq!(offered[0], (&open_offer.offer_id, &open_offer.run_id), "its open offer first");
+            assert_eq!(offered[1].1, &second, "and a run for its free place");
+        }
+        other => panic!("poll: {other:?}"),
+    }
+    for (i, answer) in [(1, b2), (2, c)] {
         assert_eq!(offered(answer), [runs[i].clone()], "agent {i} is offered its own run");
     }
     assert_eq!(d.unwrap(), Err(ErrorCode::SessionConflict), "the stale poll is refused");
-    one_group_since(&store, before, 4, "one transaction carried the four polls");
-    // Loads: three of the four DB-time reads and of the generic-plan settings (6). Writes,
-    // the same for the three placing polls, in chunks of a power of two: the session, the
-    // run, the attempt and the offer each as one statement for two and one for the third
-    // (4), and their six events as one statement for four and one for two (4).
-    assert_eq!(store.group_commits().saved - before.saved, 14, "{:?}", store.group_commits());
+    assert_eq!(e.unwrap(), Err(ErrorCode::NotFound), "another worker's session is not found");
+    one_group_since(&store, before, 5, "one transaction carried the five polls");
+    // Loads: the generic plans once before the five probes (4), one DB-time read for five
+    // (4). Writes: the two agents placing their first run write alike, the session, the
+    // run, the attempt and the offer each as one statement for both (4); the three placing
+    // polls' six events as one statement for four and one for two (4).
+    assert_eq!(store.group_commits().saved - before.saved, 16, "{:?}", store.group_commits());
     check_invariants(&store.snapshot().await.unwrap());
-    assert_eq!(
-        session_row(&store, &stale.session).await,
-        stale_session,
-        "the refused poll wrote nothing of its session"
-    );
-    assert_eq!(detail(&store, &runs[3]).await, stale_run, "its run is still queued");
+    assert_eq!(untouched(&store, 3).await, stale_before, "the stale poll wrote nothing");
+    assert_eq!(untouched(&store, 4).await, intruded_before, "the intruder wrote nothing");
 }
 
 /// Polls in one wave that fit the same runs decide as one after another would: each run
