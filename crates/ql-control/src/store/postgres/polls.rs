@@ -6,7 +6,7 @@
 //! (README, Benchmarks). As a wave they take three in all: every poll's first load
 //! ([`load::poll_first`]) in one pipeline, every poll's queue probe with one DB time for
 //! all in a second, and every poll's writes, merged where they are alike
-//! ([`wave::writes`]), in a third.
+//! ([`wave::record`]), in a third.
 //!
 //! The polls decide one after another, in the order of their sessions (the order their
 //! sessions were locked in), each as it would right after the ones before it in one
@@ -22,7 +22,7 @@
 
 use super::load;
 use super::wave::{self, Recorded};
-use super::{admit_of, counted, Admit, Done, Error, PgStore, Statement, Tx};
+use super::{admit_of, Admit, Done, Error, PgStore, Statement, Tx};
 use crate::core;
 use crate::model::Run;
 
@@ -105,11 +105,7 @@ impl PgStore {
             records.push(Recorded { statements: concluded.record, checks: concluded.checks });
             done[i] = Some(concluded.done);
         }
-        let (record, rows, merged) = wave::writes(&mut tx, records).await?;
-        if !record.is_empty() {
-            let answers = tx.run(&record).await?;
-            counted(rows, &answers)?;
-        }
+        let merged = wave::record(&mut tx, records).await?;
         Ok((done, (saved_loads + merged) as u64))
     }
 }

@@ -210,14 +210,20 @@ impl PgStore {
             records.push(Recorded { statements: concluded.record, checks: concluded.checks });
             done.push(concluded.done);
         }
-        let (record, rows, merged) = writes(&mut tx, records).await?;
-        saved += merged;
-        if !record.is_empty() {
-            let answers = tx.run(&record).await?;
-            counted(rows, &answers)?;
-        }
+        saved += record(&mut tx, records).await?;
         Ok((done, saved as u64))
     }
+}
+
+/// Sends the statements that record a wave's decisions ([`writes`]) and checks that each
+/// update found its rows; returns how many statements merging saved.
+pub(super) async fn record(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<usize, Error> {
+    let (record, rows, merged) = writes(tx, records).await?;
+    if !record.is_empty() {
+        let answers = tx.run(&record).await?;
+        counted(rows, &answers)?;
+    }
+    Ok(merged)
 }
 
 /// One command's statements, and for each whether it is an UPDATE that must find its row.
