@@ -241,10 +241,7 @@ pub(super) struct Recorded {
 /// are the same, one for one, form a kind; each statement of a kind of several is sent
 /// once for all of them where it can be merged ([`merged_insert`], [`Update::merged`]),
 /// and otherwise once per command, in command order.
-pub(super) async fn writes(
-    tx: &mut Tx<'_>,
-    records: Vec<Recorded>,
-) -> Result<(Vec<Statement>, Vec<usize>, usize), Error> {
+async fn writes(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<(Vec<Statement>, Vec<usize>, usize), Error> {
     let events_sql = rows::upsert(&EVENTS);
     let (mut audits, mut events, mut kinds): (Vec<Statement>, Vec<Statement>, Vec<Vec<Recorded>>) =
         (Vec::new(), Vec::new(), Vec::new());
@@ -513,7 +510,8 @@ pub(super) enum Pick {
 
 /// The next commands of a group to run (`pending`, indexes of `jobs` in arrival order):
 /// a wave of every wavy command that names no row an earlier pending command names;
-/// when there is none, the polls that name no such row; or the first alone. Every command
+/// when that is fewer than two, the polls that name no such row; when those are fewer
+/// than two as well, the first wavy command, or the first command, alone. Every command
 /// of a group is in flight at once, so running a wave first is a serial order they could
 /// have run in (a poll left for later may place a run a command of the wave put back in
 /// the queue); a command about a row one left for later names waits its turn behind it.
