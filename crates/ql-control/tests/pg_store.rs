@@ -6,7 +6,8 @@
 //! the hot tables' row rules refuse what their CHECK constraints used to, and a poll's
 //! queue probe reads no run queued for other label sets, and commands of concurrent
 //! agents commit together while a command that fails among them fails alone, and a
-//! session named by refused commands holds no place on the lanes.
+//! session named by refused commands holds no place on the lanes, and the polls of
+//! agents in step run as one wave, each deciding as it would after the ones before it.
 //!
 //! Each test has a database of its own on the server `QL_TEST_PG_URL` names (see
 //! `contract/pg.rs`; `scripts/test` provides one).
@@ -1081,5 +1082,52 @@ async fn a_poll_whose_wave_hid_runs_from_it_runs_again_after_the_wave() {
     placed.sort();
     placed.dedup();
     assert_eq!(placed.len(), 320, "every run placed once");
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
+/// A poll refused at admission in a wave of polls (its certificate revoked since) is
+/// refused as alone: only its audit records are written, its session and its run are
+/// unchanged, and the others place their runs.
+#[tokio::test]
+async fn a_poll_refused_at_admission_in_a_wave_of_polls_writes_only_its_audit_record() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let mut agents = Vec::new();
+    let mut runs = Vec::new();
+    for i in 0..3 {
+        let site = format!("site-{i}");
+        agents.push(open_with(&store, &format!("router-{i}"), 1, &[("site", site.as_str())]).await);
+        runs.push(submit_for(&store, &[("site", site.as_str())]).await);
+    }
+    let cert = ql_control::model::Certificate {
+        serial: "02".into(),
+        worker: worker("router-2"),
+        issued_at: 0,
+        not_after: i64::MAX / 2,
+        revoked_at: None,
+    };
+    exec(&store, Command::RecordCertificate(cert, ql_control::core::Issuer::Operator)).await.unwrap();
+    exec(&store, Command::RevokeCertificate(worker("router-2"), "02".into())).await.unwrap();
+    let refused_before = (detail(&store, &runs[2]).await, session_row(&store, &agents[2].session).await);
+    let (before, audits) = (store.group_commits(), store.audits().await.unwrap().len());
+
+    let poll = |i: usize, serial: &str| {
+        store.execute_audited(poll_of(&agents[i], 8), admitted(&format!("router-{i}"), "offers.poll", serial))
+    };
+    let (a, b2, c) = tokio::join!(poll(0, "0a"), poll(1, "0a"), poll(2, "02"));
+
+    assert_eq!(offered(a), [runs[0].clone()]);
+    assert_eq!(offered(b2), [runs[1].clone()]);
+    assert_eq!(c.unwrap(), Err(ErrorCode::CertificateRevoked));
+    one_group_since(&store, before, 3, "one transaction carried the three polls");
+    let refused_after = (detail(&store, &runs[2]).await, session_row(&store, &agents[2].session).await);
+    assert_eq!(refused_after, refused_before, "the refused poll changed nothing of its run or session");
+    let mut written: Vec<(String, String)> = store.audits().await.unwrap()[audits..]
+        .iter()
+        .map(|a| (a.principal.as_ref().unwrap().as_str().to_owned(), a.outcome.clone()))
+        .collect();
+    written.sort();
+    let expected = [("router-0", "admitted"), ("router-1", "admitted"), ("router-2", "certificate_revoked")];
+    assert_eq!(written, expected.map(|(w, o)| (w.to_owned(), o.to_owned())), "each request on record once");
     check_invariants(&store.snapshot().await.unwrap());
 }
