@@ -807,6 +807,29 @@ async fn an_agents_commands_in_one_group_each_see_the_one_before() {
     check_invariants(&store.snapshot().await.unwrap());
 }
 
+/// Records certificate `serial` of worker `name`, then revokes it.
+async fn revoked(store: &PgStore, name: &str, serial: &str) {
+    let cert = ql_control::model::Certificate {
+        serial: serial.into(),
+        worker: worker(name),
+        issued_at: 0,
+        not_after: i64::MAX / 2,
+        revoked_at: None,
+    };
+    exec(store, Command::RecordCertificate(cert, ql_control::core::Issuer::Operator)).await.unwrap();
+    exec(store, Command::RevokeCertificate(worker(name), serial.into())).await.unwrap();
+}
+
+/// The principal and outcome of every audit record after the first `n`, sorted.
+async fn outcomes_since(store: &PgStore, n: usize) -> Vec<(String, String)> {
+    let mut written: Vec<(String, String)> = store.audits().await.unwrap()[n..]
+        .iter()
+        .map(|a| (a.principal.as_ref().unwrap().as_str().to_owned(), a.outcome.clone()))
+        .collect();
+    written.sort();
+    written
+}
+
 /// A worker request's audit record, its admission decided with its command.
 fn admitted(name: &str, route: &str, serial: &str) -> Option<Audit> {
     let record = AuditRecord { at: 0, principal: Some(worker(name)), route: route.into(), outcome: "admitted".into() };
@@ -822,15 +845,7 @@ async fn renewals_of_concurrent_agents_are_sent_once_for_all_and_each_renews_its
         to_running(&store, held).await;
     }
     // router-2 presents a certificate revoked since: refused at admission, in the wave.
-    let cert = ql_control::model::Certificate {
-        serial: "02".into(),
-        worker: worker("router-2"),
-        issued_at: 0,
-        not_after: i64::MAX / 2,
-        revoked_at: None,
-    };
-    exec(&store, Command::RecordCertificate(cert, ql_control::core::Issuer::Operator)).await.unwrap();
-    exec(&store, Command::RevokeCertificate(worker("router-2"), "02".into())).await.unwrap();
+    revoked(&store, "router-2", "02").await;
     let refused_before = detail(&store, h[2].run()).await;
     let (before, audits) = (store.group_commits(), store.audits().await.unwrap().len());
 
@@ -859,11 +874,7 @@ async fn renewals_of_concurrent_agents_are_sent_once_for_all_and_each_renews_its
     // each of the three admitted renewals' two writes as one for two of them and one
     // for the third (chunks of a power of two: 2 saved).
     assert_eq!(after.saved - before.saved, 23, "{after:?}");
-    let mut written: Vec<(String, String)> = store.audits().await.unwrap()[audits..]
-        .iter()
-        .map(|a| (a.principal.as_ref().unwrap().as_str().to_owned(), a.outcome.clone()))
-        .collect();
-    written.sort();
+    let written = outcomes_since(&store, audits).await;
     let expected = [
         ("router-0", "admitted"),
         ("router-1", "admitted"),
@@ -945,6 +956,19 @@ async fn sessions_named_by_refused_commands_hold_no_place_on_the_lanes() {
     assert_eq!(heartbeat(&store, &agent, false).await.map(drop), Ok(()));
 }
 
+/// `n` agents `router-<i>` with room for `capacity`, each declaring `site=site-<i>`, and
+/// a run queued for each.
+async fn agents_with_a_run_each(store: &PgStore, n: usize, capacity: u32) -> (Vec<Agent>, Vec<ql_wire::ids::RunId>) {
+    let mut agents = Vec::new();
+    let mut runs = Vec::new();
+    for i in 0..n {
+        let site = format!("site-{i}");
+        agents.push(open_with(store, &format!("router-{i}"), capacity, &[("site", site.as_str())]).await);
+        runs.push(submit_for(store, &[("site", site.as_str())]).await);
+    }
+    (agents, runs)
+}
+
 /// The runs a poll's answer offers.
 fn offered(answer: Result<Result<Reply, ErrorCode>, ql_control::store::StoreError>) -> Vec<ql_wire::ids::RunId> {
     match answer.expect("the store is available") {
@@ -968,13 +992,7 @@ fn poll_of(agent: &Agent, max: u32) -> Command {
 async fn polls_of_concurrent_agents_load_together_and_each_places_its_own_run() {
     let b = Pg::new().await;
     let store = one_lane(&b).await;
-    let mut agents = Vec::new();
-    let mut runs = Vec::new();
-    for i in 0..5 {
-        let site = format!("site-{i}");
-        agents.push(open_with(&store, &format!("router-{i}"), 2, &[("site", site.as_str())]).await);
-        runs.push(submit_for(&store, &[("site", site.as_str())]).await);
-    }
+    let (agents, runs) = agents_with_a_run_each(&store, 5, 2).await;
     // Agent 0 already holds an open offer, of a run before its second.
     let open_offer = match exec(&store, poll_of(&agents[0], 1)).await {
         Ok(Reply::Offers(o, _)) => o.offers.into_iter().next().expect("an offer"),
@@ -1092,22 +1110,8 @@ async fn a_poll_whose_wave_hid_runs_from_it_runs_again_after_the_wave() {
 async fn a_poll_refused_at_admission_in_a_wave_of_polls_writes_only_its_audit_record() {
     let b = Pg::new().await;
     let store = one_lane(&b).await;
-    let mut agents = Vec::new();
-    let mut runs = Vec::new();
-    for i in 0..3 {
-        let site = format!("site-{i}");
-        agents.push(open_with(&store, &format!("router-{i}"), 1, &[("site", site.as_str())]).await);
-        runs.push(submit_for(&store, &[("site", site.as_str())]).await);
-    }
-    let cert = ql_control::model::Certificate {
-        serial: "02".into(),
-        worker: worker("router-2"),
-        issued_at: 0,
-        not_after: i64::MAX / 2,
-        revoked_at: None,
-    };
-    exec(&store, Command::RecordCertificate(cert, ql_control::core::Issuer::Operator)).await.unwrap();
-    exec(&store, Command::RevokeCertificate(worker("router-2"), "02".into())).await.unwrap();
+    let (agents, runs) = agents_with_a_run_each(&store, 3, 1).await;
+    revoked(&store, "router-2", "02").await;
     let refused_before = (detail(&store, &runs[2]).await, session_row(&store, &agents[2].session).await);
     let (before, audits) = (store.group_commits(), store.audits().await.unwrap().len());
 
@@ -1122,11 +1126,7 @@ async fn a_poll_refused_at_admission_in_a_wave_of_polls_writes_only_its_audit_re
     one_group_since(&store, before, 3, "one transaction carried the three polls");
     let refused_after = (detail(&store, &runs[2]).await, session_row(&store, &agents[2].session).await);
     assert_eq!(refused_after, refused_before, "the refused poll changed nothing of its run or session");
-    let mut written: Vec<(String, String)> = store.audits().await.unwrap()[audits..]
-        .iter()
-        .map(|a| (a.principal.as_ref().unwrap().as_str().to_owned(), a.outcome.clone()))
-        .collect();
-    written.sort();
+    let written = outcomes_since(&store, audits).await;
     let expected = [("router-0", "admitted"), ("router-1", "admitted"), ("router-2", "certificate_revoked")];
     assert_eq!(written, expected.map(|(w, o)| (w.to_owned(), o.to_owned())), "each request on record once");
     check_invariants(&store.snapshot().await.unwrap());
