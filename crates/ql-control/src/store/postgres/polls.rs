@@ -48,7 +48,6 @@ impl PgStore {
         let begin = !std::mem::replace(open, true);
         let mut tx = Tx { conn };
         let first: Vec<Statement> = order.iter().flat_map(|&i| load::poll_first(&keys[i])).collect();
-        let sent_first = first.len();
         let mut answers = tx.begun(begin, first).await?;
         let mut loaded = Vec::with_capacity(order.len());
         for _ in &order {
@@ -75,7 +74,8 @@ impl PgStore {
         }
         let admits: Vec<Option<Admit<'_>>> = order.iter().map(|&i| admit_of(jobs[i].audit.as_ref())).collect();
         batch.push(wave::stamps(offset, &admits));
-        let saved_loads = (4 * order.len() + alone) - (sent_first + batch.len());
+        // The first loads are each poll's own; the second round trip saves the rest.
+        let saved_loads = alone - batch.len();
         let mut answers = tx.run(&batch).await?;
         let stamps = answers.pop().unwrap_or_default();
         if stamps.len() != order.len() {
