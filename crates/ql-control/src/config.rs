@@ -105,7 +105,9 @@ pub struct Config {
     pub wal_autocheckpoint_pages: u64,
     /// Threads that serve connections (TLS, HTTP), beside the SQLite writer's own. Every
     /// hand-off between threads is a wake-up: one thread made an idle fleet of 10,000
-    /// cost 40 % less CPU than two (README, Benchmarks).
+    /// cost 40 % less CPU than two (README, Benchmarks). One is the main thread, on
+    /// tokio's current-thread scheduler: a multi-thread runtime's one worker wakes its
+    /// own I/O driver for every task an I/O event wakes.
     pub runtime_threads: u64,
     /// PostgreSQL (`serve --database`): most connections this replica holds to the
     /// database, beside its LISTEN connection; commands beyond wait for one.

@@ -305,11 +305,20 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
     // Refused here, before anything listens, when the bucket's settings are unusable.
     let blobs = Blobs::open(&layout, &config, listen.artifacts.as_deref(), true)?;
     let tls = http::tls::server_config_from_dir(dir).map_err(|e| e.to_string())?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(usize::try_from(config.runtime_threads).unwrap_or(usize::MAX).min(64))
-        .enable_all()
-        .build()
-        .map_err(|e| format!("starting the runtime: {e}"))?;
+    let threads = usize::try_from(config.runtime_threads).unwrap_or(usize::MAX).min(64);
+    // One thread: the current-thread scheduler on this one. A multi-thread runtime's
+    // single worker would wake its own I/O driver (an eventfd write and another
+    // epoll_wait) for each task an I/O event wakes: 7 % of the server's CPU under the
+    // PostgreSQL ACK benchmark (README, Benchmarks).
+    let mut builder = match threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        _ => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(threads);
+            b
+        }
+    };
+    let runtime = builder.enable_all().build().map_err(|e| format!("starting the runtime: {e}"))?;
     runtime.block_on(async move {
         match database {
             Some(url) => {
