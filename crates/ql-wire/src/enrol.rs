@@ -160,7 +160,7 @@ pub enum IdentityRoute {
 impl IdentityRoute {
     /// Parses a method and a path, as strictly as [`crate::route::Route::parse`].
     pub fn parse(method: &str, path: &str) -> Option<Self> {
-        if path.contains(['%', '?', '#', '\\']) {
+        if crate::route::escapes(path) {
             return None;
         }
         if (method, path) == ("GET", "/v1/ca") {

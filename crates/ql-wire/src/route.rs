@@ -116,10 +116,17 @@ impl fmt::Display for UnknownRoute {
 
 impl std::error::Error for UnknownRoute {}
 
+/// Whether `path` holds a character no route has: an escape, a query, a fragment or a
+/// backslash. Such a path names no route, however it would decode. Compared as bytes:
+/// these are ASCII, and no byte of a longer UTF-8 character is ASCII.
+pub(crate) fn escapes(path: &str) -> bool {
+    path.bytes().any(|b| matches!(b, b'%' | b'?' | b'#' | b'\\'))
+}
+
 impl Route {
     /// Parses a method and a path (without query), refusing anything not in the table.
     pub fn parse(method: &str, path: &str) -> Result<Self, UnknownRoute> {
-        if path.contains(['%', '?', '#', '\\']) {
+        if escapes(path) {
             return Err(UnknownRoute);
         }
         let rest = path.strip_prefix("/v1/workers/").ok_or(UnknownRoute)?;

@@ -109,8 +109,9 @@ impl<S: Store, B: BlobStore> hyper::service::Service<Request<Incoming>> for Serv
         clock.answering();
         Box::pin(async move {
             shared.stats.requests.fetch_add(1, Ordering::Relaxed);
-            let (route, started) = (route_name(&req), Instant::now());
-            let answer = handle(&shared, principal, serial, req, &reset).await;
+            let (routed, started) = (Routed::of(&req), Instant::now());
+            let route = routed.name();
+            let answer = handle(&shared, principal, serial, req, routed, &reset).await;
             if let Some(metrics) = &shared.cfg.metrics {
                 metrics.request(route, answer.status.as_u16(), started.elapsed());
             }
@@ -186,17 +187,33 @@ impl Answer {
     }
 }
 
-/// The route's name (one of a fixed set, `unknown` for any other request): a metric's
-/// label.
-fn route_name(req: &Request<Incoming>) -> &'static str {
-    let (method, path) = (req.method().as_str(), req.uri().path());
-    if req.uri().query().is_some() {
-        return "unknown";
+/// What a request's method and path name, parsed once for its handling and its metric:
+/// an identity route, or a worker route or none. A query string is never part of a route.
+enum Routed {
+    Identity(ql_wire::enrol::IdentityRoute),
+    Worker(Option<Route>),
+}
+
+impl Routed {
+    fn of(req: &Request<Incoming>) -> Self {
+        let (method, path) = (req.method().as_str(), req.uri().path());
+        if req.uri().query().is_some() {
+            return Self::Worker(None);
+        }
+        match ql_wire::enrol::IdentityRoute::parse(method, path) {
+            Some(route) => Self::Identity(route),
+            None => Self::Worker(Route::parse(method, path).ok()),
+        }
     }
-    if let Some(route) = ql_wire::enrol::IdentityRoute::parse(method, path) {
-        return route.name();
+
+    /// The route's name (one of a fixed set, `unknown` for any other request): a
+    /// metric's label.
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Identity(route) => route.name(),
+            Self::Worker(route) => route.as_ref().map_or("unknown", Route::name),
+        }
     }
-    Route::parse(method, path).map_or("unknown", |r| r.name())
 }
 
 async fn handle<S: Store, B: BlobStore>(
@@ -204,17 +221,14 @@ async fn handle<S: Store, B: BlobStore>(
     principal: Option<WorkerId>,
     serial: String,
     req: Request<Incoming>,
+    routed: Routed,
     reset: &Reset,
 ) -> Answer {
-    if req.uri().query().is_none() {
-        if let Some(route) = ql_wire::enrol::IdentityRoute::parse(req.method().as_str(), req.uri().path()) {
-            return Box::pin(super::identity::handle(shared, principal, serial, route, req)).await;
+    let route = match routed {
+        Routed::Identity(route) => {
+            return Box::pin(super::identity::handle(shared, principal, serial, route, req)).await
         }
-    }
-    // A query string is never part of a route; `Route::parse` sees the path alone.
-    let route = match req.uri().query() {
-        Some(_) => None,
-        None => Route::parse(req.method().as_str(), req.uri().path()).ok(),
+        Routed::Worker(route) => route,
     };
     let name = route.as_ref().map_or("unknown", Route::name);
     let Some(principal) = principal else {
