@@ -224,13 +224,13 @@ async fn handle<S: Store, B: BlobStore>(
     routed: Routed,
     reset: &Reset,
 ) -> Answer {
+    let name = routed.name();
     let route = match routed {
         Routed::Identity(route) => {
             return Box::pin(super::identity::handle(shared, principal, serial, route, req)).await
         }
         Routed::Worker(route) => route,
     };
-    let name = route.as_ref().map_or("unknown", Route::name);
     let Some(principal) = principal else {
         Box::pin(audit_refusal(shared, None, name, ErrorCode::Unauthenticated)).await;
         return Answer::refuse_and_close(ErrorCode::Unauthenticated);
