@@ -47,7 +47,8 @@ pub struct GroupCommits {
     /// Sessions with a command in flight on a lane now.
     pub placed: u64,
     /// Statements the committed groups did not send: a wave's one statement for `n`
-    /// commands' rows stands for `n` ([`wave`]) and saves `n - 1`.
+    /// commands' rows stands for `n` ([`wave`]) and saves `n - 1`, and so does one
+    /// statement for `n` writes into different tables ([`combine`](super::combine)).
     pub saved: u64,
 }
 
@@ -193,17 +194,20 @@ impl PgStore {
     /// command's load, decision and writes in turn — waves of fenced commands first,
     /// then waves of polls ([`wave::pick`]), the others in arrival order — then one COMMIT for
     /// all (group commit: one flush of the WAL and one transaction's overhead for the
-    /// batch). Every answer waits for that COMMIT. If a command fails before it — a
+    /// batch), sent in the pipeline of the last wave's writes when a wave ends the group.
+    /// Every answer waits for that COMMIT. If a command fails before it — a
     /// statement, a lock wait PostgreSQL breaks as a deadlock — nothing of the batch is
     /// kept and each command runs again alone, so one command's failure is only its own.
     /// A COMMIT that fails may have committed: every command is answered with the error
-    /// (`unavailable`, safe to repeat), as a command alone would be.
+    /// (`unavailable`, safe to repeat), as a command alone would be; so is a pipeline
+    /// holding the COMMIT that failed other than by PostgreSQL refusing a statement
+    /// ([`Error::Unsure`]).
     pub(super) async fn execute_batch(&self, jobs: &[Job]) -> Vec<Result<Result<Reply, ErrorCode>, Error>> {
         let mut conn = match self.inner.pool.get().await {
             Ok(conn) => conn,
             Err(e) => return e.each(jobs.len()),
         };
-        let mut open = false;
+        let (mut open, mut committing) = (false, false);
         let mut done: Vec<Option<Done>> = jobs.iter().map(|_| None).collect();
         let (mut pending, mut saved): (Vec<usize>, u64) = ((0..jobs.len()).collect(), 0);
         while !pending.is_empty() {
@@ -214,8 +218,10 @@ impl PgStore {
                     step.map(|d| (vec![(i, Some(d))], 0))
                 }
                 wave::Pick::Wave(picked) => {
+                    // The group's last commands: their writes carry its COMMIT.
+                    committing = picked.len() == pending.len();
                     let wave: Vec<&Job> = picked.iter().map(|&i| &jobs[i]).collect();
-                    let ran = self.wave(&mut conn, &wave, &mut open).await;
+                    let ran = self.wave(&mut conn, &wave, &mut open, committing).await;
                     ran.map(|(d, s)| (picked.into_iter().zip(d.into_iter().map(Some)).collect(), s))
                 }
                 wave::Pick::Polls(picked) => {
@@ -235,6 +241,8 @@ impl PgStore {
                     }
                     saved += s;
                 }
+                // The COMMIT was sent and may have run: no command runs again.
+                Err(e @ Error::Unsure(_)) => return e.each(jobs.len()),
                 Err(_) => {
                     // Nothing of the group committed: the connection is dropped (rolling
                     // it back), and each command runs again on its own.
@@ -252,7 +260,7 @@ impl PgStore {
         // A COMMIT that fails may or may not have committed: every caller is told the
         // store is unavailable, and its replay finds whatever committed.
         let committed = async {
-            if open {
+            if open && !committing {
                 conn.client().batch_execute("COMMIT").await.map_err(Error::Pg)?;
             }
             let cmds: Vec<Command> = jobs.iter().map(|j| j.cmd.clone()).collect();

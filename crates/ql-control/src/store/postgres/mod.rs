@@ -18,7 +18,9 @@
 //! Rows the command loaded are written with a plain UPDATE, new ones with an upsert.
 //!
 //! Round trips: a fenced command sends its whole load (BEGIN, locks, loads, DB time) as
-//! one pipeline and its writes, NOTIFY and COMMIT as a second; a poll sends its load as
+//! one pipeline and its writes, NOTIFY and COMMIT as a second, its writes into different
+//! tables as one statement that counts every update's rows inside the transaction
+//! ([`combine`]: a shortfall aborts it, and the COMMIT behind rolls back); a poll sends its load as
 //! two (the second needs the session's labels and room). A request whose admission
 //! is decided with its command ([`Audit::admit`]) reads it in the statement that reads DB
 //! time, after the locks: no round trip of its own, and a revocation that committed while
@@ -80,6 +82,7 @@
 //! `statement_timestamp()` plus [`PgOptions::clock_offset`], zero in production; tests
 //! move time forward with the offset instead of sleeping.
 
+mod combine;
 mod group;
 mod load;
 mod polls;
@@ -115,6 +118,7 @@ use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIR
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
 
+pub use combine::combined_texts;
 pub use group::GroupCommits;
 #[doc(hidden)]
 pub use load::QUEUE_PROBE;
@@ -145,6 +149,9 @@ pub(crate) enum Error {
     /// The transaction of a group of commands failed as it began or committed; each of
     /// them is told so.
     Group(String),
+    /// A pipeline that held the COMMIT failed where the COMMIT may have run (the
+    /// connection lost): what committed is unknown, so the commands are not run again.
+    Unsure(String),
 }
 
 impl Error {
@@ -169,6 +176,7 @@ impl std::fmt::Display for Error {
             Self::Closed => f.write_str("postgres: the pool is closed"),
             Self::Killed => f.write_str("postgres: the connection was terminated after COMMIT (test hook)"),
             Self::Group(why) => f.write_str(why),
+            Self::Unsure(why) => write!(f, "postgres: the COMMIT may or may not have run: {why}"),
         }
     }
 }
@@ -413,21 +421,24 @@ impl PgStore {
         let mut tx = Tx { conn };
         let begin = !std::mem::replace(open, true);
         let loaded = load::load(&mut tx, &cmd.keys(), offset, &self.inner.timings, admit, begin).await?;
-        let mut concluded = self.conclude(cmd, audit.map(|a| &a.record), loaded, offset)?;
-        if alone {
-            if concluded.rollback {
-                tx.finish("ROLLBACK").await?;
-                return Ok(concluded.done);
-            }
-            concluded.record.push(("COMMIT".into(), Vec::new()));
-            concluded.checks.push(false);
+        let concluded = self.conclude(cmd, audit.map(|a| &a.record), loaded, offset)?;
+        if alone && concluded.rollback {
+            tx.finish("ROLLBACK").await?;
+            return Ok(concluded.done);
         }
-        if !concluded.record.is_empty() {
-            // If any statement fails, PostgreSQL refuses every later one in the aborted
-            // transaction and turns the COMMIT into a rollback; the failure surfaces
-            // from the pipeline, and the connection is discarded.
-            let answers = tx.run(&concluded.record).await?;
-            checked(&concluded.checks, &answers)?;
+        // Each update counts its own rows ([`combine`]). If any statement fails,
+        // PostgreSQL refuses every later one in the aborted transaction and turns the
+        // COMMIT into a rollback; the failure surfaces from the pipeline, and the
+        // connection is discarded.
+        let rows = concluded.checks.iter().map(|&update| usize::from(update)).collect();
+        let (mut record, mut rows) = combine::combine(concluded.record, rows);
+        if alone {
+            record.push(("COMMIT".into(), Vec::new()));
+            rows.push(0);
+        }
+        if !record.is_empty() {
+            let answers = tx.run(&record).await?;
+            counted(rows, &answers)?;
         }
         Ok(concluded.done)
     }
@@ -547,14 +558,10 @@ impl Concluded {
 }
 
 /// An UPDATE of a loaded row that found none would be a lost write. It cannot happen (the
-/// row was locked and nothing deletes), but if it did the COMMIT may have run already:
-/// fail loudly rather than answer as if it had been written.
-fn checked(checks: &[bool], answers: &[Vec<Row>]) -> Result<(), Error> {
-    counted(checks.iter().map(|&update| usize::from(update)), answers)
-}
-
-/// [`checked`] for statements that each update `n` loaded rows (0: not an update of
-/// loaded rows), as a wave's merged updates do.
+/// row was locked and nothing deletes), and PostgreSQL counts every update's rows itself
+/// ([`combine`]); a statement sent as it is that must find `n` rows (0: not counted) is
+/// counted here, and if it fell short the COMMIT may have run already: fail loudly
+/// rather than answer as if it had been written.
 fn counted(rows: impl IntoIterator<Item = usize>, answers: &[Vec<Row>]) -> Result<(), Error> {
     if rows.into_iter().zip(answers).any(|(n, got)| n > 0 && got.len() != n) {
         return Err(Error::Corrupt("an update found no row it had loaded".to_owned()));

@@ -105,7 +105,7 @@ impl PgStore {
             records.push(Recorded { statements: concluded.record, checks: concluded.checks });
             done[i] = Some(concluded.done);
         }
-        let merged = wave::record(&mut tx, records).await?;
+        let merged = wave::record(&mut tx, records, false).await?;
         Ok((done, (saved_loads + merged) as u64))
     }
 }

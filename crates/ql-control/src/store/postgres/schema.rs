@@ -28,6 +28,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0013_placement_by_labels.sql"),
     include_str!("../../../migrations/postgres/0014_checks_by_trigger.sql"),
     include_str!("../../../migrations/postgres/0015_fewer_indexes.sql"),
+    include_str!("../../../migrations/postgres/0016_rows_found.sql"),
 ];
 
 /// The schema version this build reads and writes.

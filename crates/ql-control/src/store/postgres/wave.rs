@@ -25,6 +25,7 @@ use std::sync::LazyLock;
 use tokio_postgres::types::Type;
 use tokio_postgres::Row;
 
+use super::combine::{self, shifted, MAX_PARAMS};
 use super::load::{self, COMPLETION_EVENT_SQL};
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
 use super::{admit_of, counted, Admit, Done, Error, PgStore, Statement, Tx, AUDIT_SQL};
@@ -191,6 +192,7 @@ impl PgStore {
         conn: &mut super::pool::Conn,
         jobs: &[&Job],
         open: &mut bool,
+        commit: bool,
     ) -> Result<(Vec<Done>, u64), Error> {
         let offset = self.offset();
         let keys: Vec<core::Keys> = jobs.iter().map(|j| j.cmd.keys()).collect();
@@ -210,20 +212,39 @@ impl PgStore {
             records.push(Recorded { statements: concluded.record, checks: concluded.checks });
             done.push(concluded.done);
         }
-        saved += record(&mut tx, records).await?;
+        saved += record(&mut tx, records, commit).await?;
         Ok((done, saved as u64))
     }
 }
 
-/// Sends the statements that record a wave's decisions ([`writes`]) and checks that each
-/// update found its rows; returns how many statements merging saved.
-pub(super) async fn record(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<usize, Error> {
+/// Sends the statements that record a wave's decisions ([`writes`]), as few as
+/// [`combine`] makes them, each update counting its rows, and with `commit` the COMMIT
+/// in the same pipeline; returns how many statements merging and combining saved.
+///
+/// With the COMMIT sent, a failure PostgreSQL reported (a statement or the COMMIT
+/// refused) left nothing committed: the transaction aborted, and a COMMIT behind the
+/// failed statement rolled back. Any other failure (the connection lost) may have come
+/// after the COMMIT ran: [`Error::Unsure`].
+pub(super) async fn record(tx: &mut Tx<'_>, records: Vec<Recorded>, commit: bool) -> Result<usize, Error> {
     let (record, rows, merged) = writes(tx, records).await?;
-    if !record.is_empty() {
-        let answers = tx.run(&record).await?;
-        counted(rows, &answers)?;
+    let sent = record.len();
+    let (mut record, rows) = combine::combine(record, rows);
+    let saved = merged + sent - record.len();
+    if commit {
+        record.push(("COMMIT".into(), Vec::new()));
     }
-    Ok(merged)
+    if !record.is_empty() {
+        let answers = match tx.run(&record).await {
+            Err(Error::Pg(e)) if commit && e.as_db_error().is_none() => return Err(Error::Unsure(e.to_string())),
+            answers => answers?,
+        };
+        match counted(rows, &answers) {
+            // The COMMIT ran: answer as unsure, never run the commands again.
+            Err(e) if commit => return Err(Error::Unsure(e.to_string())),
+            checked => checked?,
+        }
+    }
+    Ok(saved)
 }
 
 /// One command's statements, and for each whether it is an UPDATE that must find its row.
@@ -292,9 +313,6 @@ async fn writes(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<(Vec<Statemen
     Ok((out, rows, saved))
 }
 
-/// Most parameters one statement may carry (the protocol counts them in 16 bits).
-const MAX_PARAMS: usize = 32_767;
-
 /// Rows of one append-only table as multi-row `INSERT`s ([`merged`]).
 fn appended(column: Vec<Statement>, out: &mut Vec<Statement>, rows: &mut Vec<usize>) -> usize {
     let Some((sql, width)) = column.first().map(|s| (s.0.clone(), s.1.len())) else { return 0 };
@@ -340,23 +358,6 @@ fn same_statements(a: &Recorded, b: &Recorded) -> bool {
     a.checks == b.checks
         && a.statements.len() == b.statements.len()
         && a.statements.iter().zip(&b.statements).all(|(x, y)| x.0 == y.0 && x.1.len() == y.1.len())
-}
-
-/// `sql` with every placeholder `$i` renumbered `$(i + by)`.
-fn shifted(sql: &str, by: usize) -> String {
-    let mut out = String::with_capacity(sql.len() + 8);
-    let mut rest = sql;
-    while let Some(at) = rest.find('$') {
-        out.push_str(&rest[..at]);
-        let digits = rest[at + 1..].bytes().take_while(u8::is_ascii_digit).count();
-        match rest[at + 1..at + 1 + digits].parse::<usize>() {
-            Ok(i) => out.push_str(&format!("${}", i + by)),
-            Err(_) => out.push('$'),
-        }
-        rest = &rest[at + 1 + digits..];
-    }
-    out.push_str(rest);
-    out
 }
 
 /// `INSERT INTO t (...) VALUES (row) [rest]` of `params` parameters as one statement
