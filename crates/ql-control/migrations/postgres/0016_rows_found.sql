@@ -2,9 +2,9 @@
 -- finds each of them; one that found fewer would drop part of a decision. The store
 -- sends a transaction's last writes and its COMMIT in one pipeline, so a shortfall the
 -- store counted only from the answers would surface after the COMMIT had kept the rest.
--- The writes of a pipeline now count their own rows (several of them as one statement:
--- `WITH w1 AS (UPDATE ... RETURNING 1), ... SELECT rows_found(...)`): a shortfall is
--- an error inside the transaction, which aborts it, and the COMMIT behind it rolls back.
+-- Each such update now counts its own rows (`WITH w AS (UPDATE ... RETURNING 1) SELECT
+-- rows_found(...)`): a shortfall is an error inside the transaction, which aborts it,
+-- and the COMMIT behind it rolls back.
 -- SQLSTATE XX001 (data_corrupted), naming the table, what was found and what was due.
 CREATE FUNCTION rows_found(got BIGINT, due BIGINT, what TEXT) RETURNS BIGINT
 LANGUAGE plpgsql AS $$

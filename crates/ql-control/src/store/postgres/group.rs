@@ -47,8 +47,7 @@ pub struct GroupCommits {
     /// Sessions with a command in flight on a lane now.
     pub placed: u64,
     /// Statements the committed groups did not send: a wave's one statement for `n`
-    /// commands' rows stands for `n` ([`wave`]) and saves `n - 1`, and so does one
-    /// statement for `n` writes into different tables ([`combine`](super::combine)).
+    /// commands' rows stands for `n` ([`wave`]) and saves `n - 1`.
     pub saved: u64,
 }
 

@@ -18,9 +18,9 @@
 //! Rows the command loaded are written with a plain UPDATE, new ones with an upsert.
 //!
 //! Round trips: a fenced command sends its whole load (BEGIN, locks, loads, DB time) as
-//! one pipeline and its writes, NOTIFY and COMMIT as a second, its writes into different
-//! tables as one statement that counts every update's rows inside the transaction
-//! ([`combine`]: a shortfall aborts it, and the COMMIT behind rolls back); a poll sends its load as
+//! one pipeline and its writes, NOTIFY and COMMIT as a second, every update counting its
+//! rows inside the transaction ([`found`]: a shortfall aborts it, and the COMMIT behind
+//! rolls back); a poll sends its load as
 //! two (the second needs the session's labels and room). A request whose admission
 //! is decided with its command ([`Audit::admit`]) reads it in the statement that reads DB
 //! time, after the locks: no round trip of its own, and a revocation that committed while
@@ -82,7 +82,7 @@
 //! `statement_timestamp()` plus [`PgOptions::clock_offset`], zero in production; tests
 //! move time forward with the offset instead of sleeping.
 
-mod combine;
+mod found;
 mod group;
 mod load;
 mod polls;
@@ -118,7 +118,7 @@ use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIR
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
 
-pub use combine::combined_texts;
+pub use found::checked_text;
 pub use group::GroupCommits;
 #[doc(hidden)]
 pub use load::QUEUE_PROBE;
@@ -426,12 +426,12 @@ impl PgStore {
             tx.finish("ROLLBACK").await?;
             return Ok(concluded.done);
         }
-        // Each update counts its own rows ([`combine`]). If any statement fails,
+        // Each update counts its own rows ([`found`]). If any statement fails,
         // PostgreSQL refuses every later one in the aborted transaction and turns the
         // COMMIT into a rollback; the failure surfaces from the pipeline, and the
         // connection is discarded.
         let rows = concluded.checks.iter().map(|&update| usize::from(update)).collect();
-        let (mut record, mut rows) = combine::combine(concluded.record, rows);
+        let (mut record, mut rows) = found::checked(concluded.record, rows);
         if alone {
             record.push(("COMMIT".into(), Vec::new()));
             rows.push(0);
@@ -559,7 +559,7 @@ impl Concluded {
 
 /// An UPDATE of a loaded row that found none would be a lost write. It cannot happen (the
 /// row was locked and nothing deletes), and PostgreSQL counts every update's rows itself
-/// ([`combine`]); a statement sent as it is that must find `n` rows (0: not counted) is
+/// ([`found`]); a statement sent as it is that must find `n` rows (0: not counted) is
 /// counted here, and if it fell short the COMMIT may have run already: fail loudly
 /// rather than answer as if it had been written.
 fn counted(rows: impl IntoIterator<Item = usize>, answers: &[Vec<Row>]) -> Result<(), Error> {

@@ -25,7 +25,7 @@ use std::sync::LazyLock;
 use tokio_postgres::types::Type;
 use tokio_postgres::Row;
 
-use super::combine::{self, shifted, MAX_PARAMS};
+use super::found;
 use super::load::{self, COMPLETION_EVENT_SQL};
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
 use super::{admit_of, counted, Admit, Done, Error, PgStore, Statement, Tx, AUDIT_SQL};
@@ -217,19 +217,17 @@ impl PgStore {
     }
 }
 
-/// Sends the statements that record a wave's decisions ([`writes`]), as few as
-/// [`combine`] makes them, each update counting its rows, and with `commit` the COMMIT
-/// in the same pipeline; returns how many statements merging and combining saved.
+/// Sends the statements that record a wave's decisions ([`writes`]), each update
+/// counting its own rows ([`found`]), and with `commit` the COMMIT in the same
+/// pipeline; returns how many statements merging saved.
 ///
 /// With the COMMIT sent, a failure PostgreSQL reported (a statement or the COMMIT
 /// refused) left nothing committed: the transaction aborted, and a COMMIT behind the
 /// failed statement rolled back. Any other failure (the connection lost) may have come
 /// after the COMMIT ran: [`Error::Unsure`].
 pub(super) async fn record(tx: &mut Tx<'_>, records: Vec<Recorded>, commit: bool) -> Result<usize, Error> {
-    let (record, rows, merged) = writes(tx, records).await?;
-    let sent = record.len();
-    let (mut record, rows) = combine::combine(record, rows);
-    let saved = merged + sent - record.len();
+    let (record, rows, saved) = writes(tx, records).await?;
+    let (mut record, rows) = found::checked(record, rows);
     if commit {
         record.push(("COMMIT".into(), Vec::new()));
     }
@@ -313,6 +311,9 @@ async fn writes(tx: &mut Tx<'_>, records: Vec<Recorded>) -> Result<(Vec<Statemen
     Ok((out, rows, saved))
 }
 
+/// Most parameters one statement may carry (the protocol counts them in 16 bits).
+const MAX_PARAMS: usize = 32_767;
+
 /// Rows of one append-only table as multi-row `INSERT`s ([`merged`]).
 fn appended(column: Vec<Statement>, out: &mut Vec<Statement>, rows: &mut Vec<usize>) -> usize {
     let Some((sql, width)) = column.first().map(|s| (s.0.clone(), s.1.len())) else { return 0 };
@@ -358,6 +359,23 @@ fn same_statements(a: &Recorded, b: &Recorded) -> bool {
     a.checks == b.checks
         && a.statements.len() == b.statements.len()
         && a.statements.iter().zip(&b.statements).all(|(x, y)| x.0 == y.0 && x.1.len() == y.1.len())
+}
+
+/// `sql` with every placeholder `$i` renumbered `$(i + by)`.
+fn shifted(sql: &str, by: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 8);
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits = rest[at + 1..].bytes().take_while(u8::is_ascii_digit).count();
+        match rest[at + 1..at + 1 + digits].parse::<usize>() {
+            Ok(i) => out.push_str(&format!("${}", i + by)),
+            Err(_) => out.push('$'),
+        }
+        rest = &rest[at + 1 + digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `INSERT INTO t (...) VALUES (row) [rest]` of `params` parameters as one statement
