@@ -847,6 +847,58 @@ async fn a_command_that_fails_among_others_fails_alone_and_the_others_commit() {
     check_invariants(&store.snapshot().await.unwrap());
 }
 
+/// A group that ends with a wave sends its COMMIT in the pipeline of that wave's writes.
+/// If the connection ends while that pipeline runs (here its backend is terminated while
+/// it waits inside the events' insert), the COMMIT may have run for all the store can
+/// tell: every command is answered unavailable and none runs again, where a statement
+/// PostgreSQL refused (the test above) leaves nothing committed and runs each again.
+/// The agents' replays then decide from whatever committed: here nothing had.
+#[tokio::test]
+async fn a_group_whose_connection_ends_with_its_commit_sent_runs_nothing_again() {
+    let b = Pg::new().await;
+    let store = one_lane(&b).await;
+    let h = four_held(&store).await;
+    // The superuser, who alone may see and end another role's backend.
+    let admin = contract::pg::admin_config().get_user().unwrap_or("postgres").to_owned();
+    let owner = connect(&b.db().url(&admin)).await;
+    owner
+        .batch_execute(
+            "CREATE FUNCTION held() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN PERFORM pg_advisory_xact_lock_shared(4242); RETURN NULL; END $$; \
+             CREATE TRIGGER held AFTER INSERT ON events FOR EACH STATEMENT EXECUTE FUNCTION held(); \
+             SELECT pg_advisory_lock(4242)",
+        )
+        .await
+        .unwrap();
+    let claimed = detail(&store, h[0].run()).await;
+    let before = store.group_commits();
+    let terminate = async {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let waiting = "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                       WHERE datname = current_database() AND usename = 'ql_runtime' \
+                       AND wait_event_type = 'Lock' AND wait_event = 'advisory'";
+        while owner.query(waiting, &[]).await.unwrap().is_empty() {
+            assert!(std::time::Instant::now() < deadline, "the group never reached its events");
+            tokio::task::yield_now().await;
+        }
+        owner.batch_execute("SELECT pg_advisory_unlock(4242); DROP TRIGGER held ON events").await.unwrap();
+    };
+
+    let (answers, ()) = tokio::join!(starting_at_once(&store, &h), terminate);
+    for (i, answer) in answers.iter().enumerate() {
+        let why = answer.as_ref().expect_err("the COMMIT's fate is unknown: unavailable").to_string();
+        assert!(why.contains("the COMMIT may or may not have run"), "agent {i}: {why}");
+    }
+    let after = store.group_commits();
+    assert_eq!((after.run_alone, after.transactions), (before.run_alone, before.transactions), "{after:?}");
+    assert_eq!(detail(&store, h[0].run()).await, claimed, "the backend ended before COMMIT: nothing kept");
+    // Each agent repeats its `starting` (safe to repeat): decided now, once.
+    for (i, answer) in starting_at_once(&store, &h).await.into_iter().enumerate() {
+        assert_eq!(answer.unwrap(), Ok(ack(Outcome::Started)), "agent {i}");
+    }
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
 #[tokio::test]
 async fn an_agents_commands_in_one_group_each_see_the_one_before() {
     let b = Pg::new().await;

@@ -118,6 +118,7 @@ use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIR
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
 
+#[doc(hidden)]
 pub use found::checked_text;
 pub use group::GroupCommits;
 #[doc(hidden)]
@@ -150,7 +151,8 @@ pub(crate) enum Error {
     /// them is told so.
     Group(String),
     /// A pipeline that held the COMMIT failed where the COMMIT may have run (the
-    /// connection lost): what committed is unknown, so the commands are not run again.
+    /// connection lost, the backend ended): what committed is unknown, so the commands
+    /// are not run again.
     Unsure(String),
 }
 

@@ -221,10 +221,10 @@ impl PgStore {
 /// counting its own rows ([`found`]), and with `commit` the COMMIT in the same
 /// pipeline; returns how many statements merging saved.
 ///
-/// With the COMMIT sent, a failure PostgreSQL reported (a statement or the COMMIT
-/// refused) left nothing committed: the transaction aborted, and a COMMIT behind the
-/// failed statement rolled back. Any other failure (the connection lost) may have come
-/// after the COMMIT ran: [`Error::Unsure`].
+/// With the COMMIT sent, a statement or the COMMIT PostgreSQL refused with an ERROR left
+/// nothing committed: the transaction aborted, and a COMMIT behind the failed statement
+/// rolled back. Any other failure (the connection lost, the backend ended with a FATAL)
+/// may have come after the COMMIT ran: [`Error::Unsure`].
 pub(super) async fn record(tx: &mut Tx<'_>, records: Vec<Recorded>, commit: bool) -> Result<usize, Error> {
     let (record, rows, saved) = writes(tx, records).await?;
     let (mut record, rows) = found::checked(record, rows);
@@ -233,7 +233,7 @@ pub(super) async fn record(tx: &mut Tx<'_>, records: Vec<Recorded>, commit: bool
     }
     if !record.is_empty() {
         let answers = match tx.run(&record).await {
-            Err(Error::Pg(e)) if commit && e.as_db_error().is_none() => return Err(Error::Unsure(e.to_string())),
+            Err(Error::Pg(e)) if commit && !refused(&e) => return Err(Error::Unsure(e.to_string())),
             answers => answers?,
         };
         match counted(rows, &answers) {
@@ -243,6 +243,12 @@ pub(super) async fn record(tx: &mut Tx<'_>, records: Vec<Recorded>, commit: bool
         }
     }
     Ok(saved)
+}
+
+/// Whether PostgreSQL refused a statement with an ERROR, which aborts the transaction
+/// and nothing more (a FATAL ends the backend, whatever it had done).
+fn refused(e: &tokio_postgres::Error) -> bool {
+    e.as_db_error().and_then(|db| db.parsed_severity()) == Some(tokio_postgres::error::Severity::Error)
 }
 
 /// One command's statements, and for each whether it is an UPDATE that must find its row.
