@@ -1,7 +1,7 @@
 //! The PostgreSQL side of the shared row mapping ([`crate::store::records`]):
-//! `tokio_postgres`'s row read as [`Columns`] (in select-list order), a [`Value`] as a parameter, and each
-//! table's select list and upsert, or for a row the command loaded, an update of the
-//! columns its decision changed.
+//! `tokio_postgres`'s row read as [`Columns`] (in select-list order), a [`Value`] as a
+//! parameter, and each table's select list and upsert, or for a row the command loaded,
+//! an update of the columns its decision changed.
 //!
 //! What differs from SQLite: labels are JSONB, so they are selected as `labels::text`
 //! and sent as text cast to JSONB (no serde feature of the driver is needed); the other
