@@ -6,6 +6,13 @@
 //! write of it is a plain `UPDATE`, and a column whose value the decision kept needs no
 //! writing. After a write the written row becomes the known one ([`Loaded::wrote`]), so
 //! a decision that writes one row twice is compared with its own first write.
+//!
+//! The same rows vouch for the events a decision appends ([`Loaded::dangling`]): an
+//! event may name only a run and an attempt of that run that its command loaded or wrote.
+//! Runs and attempts are never deleted and never change their ids, so such a row still
+//! exists when the command commits. That is the events' whole referential check on
+//! PostgreSQL, which keeps no foreign key on them (migration 0017); SQLite keeps its own
+//! as well.
 
 use std::collections::HashMap;
 
@@ -93,6 +100,28 @@ impl<'a> Loaded<'a> {
             Write::Lease(x) => self.leases.get(x.attempt.as_str()).map(|old| Known::Lease(x, old)),
             _ => None,
         }
+    }
+
+    /// Why `write` must not be written, if it is an event that names a run this command
+    /// neither loaded nor wrote, or an attempt that is neither such a row of the event's
+    /// run nor that run's current attempt (which the run's own foreign key vouches for).
+    pub(super) fn dangling(&self, write: &Write) -> Option<String> {
+        let Write::Event(event) = write else { return None };
+        let Some(run) = self.runs.get(event.run.as_str()) else {
+            return Some(format!(
+                "event {} names run {}, which its command neither loaded nor wrote",
+                event.kind, event.run
+            ));
+        };
+        let attempt = event.attempt.as_ref()?;
+        let of_run = self.attempts.get(attempt.as_str()).is_some_and(|a| a.run == event.run);
+        if of_run || run.current_attempt.as_ref() == Some(attempt) {
+            return None;
+        }
+        Some(format!(
+            "event {} names attempt {} of run {}, which its command neither loaded nor wrote",
+            event.kind, attempt, event.run
+        ))
     }
 
     /// `write` was applied: its row is now the known one.

@@ -143,6 +143,10 @@ pub(crate) enum Error {
     Corrupt(String),
     /// Cancel saw the run's current attempt change under it; run the command again.
     Retry,
+    /// A decision's event names a run or attempt its command neither loaded nor wrote
+    /// ([`Loaded::dangling`]): refused before anything is sent, as the foreign keys
+    /// events no longer carry would have refused it at COMMIT (migration 0017).
+    Dangling(String),
     /// The pool is closed.
     Closed,
     /// The test hook of [`PgOptions::kill_after_commit`] ended the connection.
@@ -173,7 +177,7 @@ impl std::fmt::Display for Error {
                 Some(db) => write!(f, "postgres: {} ({})", db.message(), db.code().code()),
                 None => write!(f, "postgres: {e}"),
             },
-            Self::Corrupt(why) => write!(f, "postgres: {why}"),
+            Self::Corrupt(why) | Self::Dangling(why) => write!(f, "postgres: {why}"),
             Self::Retry => f.write_str("postgres: the run changed while cancelling, retries exhausted"),
             Self::Closed => f.write_str("postgres: the pool is closed"),
             Self::Killed => f.write_str("postgres: the connection was terminated after COMMIT (test hook)"),
@@ -675,6 +679,9 @@ fn plan(loaded_rows: &Rows, writes: &[Write]) -> Result<Vec<Planned>, Error> {
     let mut loaded = Loaded::of(loaded_rows);
     let mut planned = Vec::with_capacity(writes.len());
     for write in writes {
+        if let Some(why) = loaded.dangling(write) {
+            return Err(Error::Dangling(why));
+        }
         let (sql, params, update) = match loaded.known(write) {
             None => (write_sql(write).into(), write_params(write)?, false),
             Some(known) => {
@@ -1125,5 +1132,35 @@ impl Store for PgStore {
 
     fn commit_groups(&self) -> Option<GroupCommits> {
         self.inner.lanes.on().then(|| self.group_commits())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::testkit;
+    use crate::model::{AttemptStatus, Event};
+
+    #[test]
+    fn an_event_naming_a_run_its_command_did_not_load_plans_no_statement() {
+        let rows = testkit::world(AttemptStatus::Running);
+        let run = rows.run.as_ref().unwrap();
+        let event = |run: &str| Event {
+            id: "evt_1".parse().unwrap(),
+            run: run.parse().unwrap(),
+            attempt: run.eq("run_1").then(|| "att_1".parse().unwrap()),
+            kind: "attempt.completed".into(),
+            from_status: None,
+            to_status: None,
+            payload: serde_json::json!({}),
+            at: 1,
+        };
+        assert_eq!(run.id.as_str(), "run_1");
+        assert_eq!(plan(&rows, &[Write::Event(event("run_1"))]).map(|p| p.len()).ok(), Some(1), "its own run");
+        let before = Write::Run(run.clone());
+        match plan(&rows, &[before, Write::Event(event("run_9"))]) {
+            Err(Error::Dangling(why)) => assert!(why.contains("run_9"), "{why}"),
+            other => panic!("planned {:?}", other.map(|p| p.len())),
+        }
     }
 }

@@ -29,6 +29,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0014_checks_by_trigger.sql"),
     include_str!("../../../migrations/postgres/0015_fewer_indexes.sql"),
     include_str!("../../../migrations/postgres/0016_rows_found.sql"),
+    include_str!("../../../migrations/postgres/0017_events_named_by_the_store.sql"),
 ];
 
 /// The schema version this build reads and writes.

@@ -668,6 +668,9 @@ impl Writer {
         // fleet's every poll) its two times, a renewal its lease's expiry.
         let mut loaded = Loaded::of(&rows);
         for write in &decision.writes {
+            if let Some(why) = loaded.dangling(write) {
+                return Err(StoreError(why));
+            }
             match loaded.known(write) {
                 Some(Known::Session(new, old)) => rows::update_changed(conn, new, old),
                 Some(Known::Run(new, old)) => rows::update_changed(conn, new, old),

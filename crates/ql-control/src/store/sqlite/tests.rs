@@ -270,6 +270,36 @@ fn a_row_written_twice_by_one_decision_is_compared_with_its_first_write() {
 }
 
 #[test]
+fn an_event_names_only_a_run_and_an_attempt_of_it_its_command_loaded_or_wrote() {
+    let id = |s: &str| AttemptId::parse(s).unwrap();
+    let event = |run: &str, attempt: Option<&str>| {
+        Write::Event(Event { run: RunId::parse(run).unwrap(), attempt: attempt.map(id), ..full_event() })
+    };
+    // run_1 loaded, its current attempt att_1 not; att_2 of run_1 loaded.
+    let rows = crate::core::Rows {
+        run: Some(full_run()),
+        attempt: Some(Attempt { id: id("att_2"), ..full_attempt() }),
+        ..Default::default()
+    };
+    let mut loaded = Loaded::of(&rows);
+    assert_eq!(loaded.dangling(&event("run_1", None)), None, "a loaded run");
+    assert_eq!(loaded.dangling(&event("run_1", Some("att_2"))), None, "a loaded attempt of that run");
+    assert_eq!(loaded.dangling(&event("run_1", Some("att_1"))), None, "the loaded run's current attempt");
+    let unknown_run = loaded.dangling(&event("run_9", None)).expect("a run never loaded");
+    assert!(unknown_run.contains("run_9") && unknown_run.contains(&full_event().kind), "{unknown_run}");
+    let unknown = loaded.dangling(&event("run_1", Some("att_9"))).expect("an attempt never loaded");
+    assert!(unknown.contains("att_9"), "{unknown}");
+    // A run written by the decision counts from its write on; an attempt must be its run's.
+    let new_run = Write::Run(Run { id: RunId::parse("run_2").unwrap(), current_attempt: None, ..full_run() });
+    assert!(loaded.dangling(&event("run_2", None)).is_some(), "not yet written");
+    loaded.wrote(&new_run);
+    assert_eq!(loaded.dangling(&event("run_2", None)), None, "written");
+    assert!(loaded.dangling(&event("run_2", Some("att_2"))).is_some(), "att_2 is run_1's");
+    assert!(loaded.dangling(&event("run_2", Some("att_1"))).is_some(), "run_1's current attempt is not run_2's");
+    assert_eq!(loaded.dangling(&new_run), None, "only events are checked");
+}
+
+#[test]
 fn empty_optional_fields_round_trip_as_null() {
     let dir = TempDir::new("nulls");
     let mut c = conn(&dir);
