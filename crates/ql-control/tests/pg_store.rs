@@ -639,6 +639,49 @@ async fn a_polls_queue_probe_reads_no_run_queued_for_other_label_sets() {
     }
 }
 
+/// The same when PostgreSQL's statistics were taken while the queue was empty, as
+/// autovacuum takes them between bursts, and the queue filled afterwards: the generic
+/// plan still probes by label set. While a second index of the queue by age alone
+/// existed (until migration 0018), PostgreSQL found that smaller index as cheap for a
+/// queue it believed empty, and every poll read every queued run.
+#[tokio::test]
+async fn a_polls_queue_probe_reads_by_label_set_after_statistics_of_an_empty_queue() {
+    let b = Pg::new().await;
+    let owner = connect(&b.db().url("ql_owner")).await;
+    owner
+        .batch_execute(
+            "INSERT INTO runs (id, project, spec, labels, agent_labels, status, retry_budget, retries_used, \
+             attempts, lease_generations, created_at) SELECT 'run_done_' || lpad(g::text, 20, '0'), 'default', '{}', \
+             '{}', jsonb_build_object('arch', 'arm', 'shard', g % 8), 'queued', 0, 0, 0, 0, g \
+             FROM generate_series(1, 5000) g; \
+             UPDATE runs SET status = 'succeeded'",
+        )
+        .await
+        .unwrap();
+    // Run, and ended: the queue's indexes keep the pages they grew to, empty.
+    owner.batch_execute("VACUUM ANALYZE runs").await.unwrap();
+    owner
+        .batch_execute(
+            "INSERT INTO runs (id, project, spec, labels, agent_labels, status, retry_budget, retries_used, \
+             attempts, lease_generations, created_at) SELECT CASE WHEN g % 1000 = 0 THEN 'mine_' ELSE 'other_' END || g, \
+             'default', '{}', '{}', CASE WHEN g % 1000 = 0 THEN '{\"arch\":\"arm\"}' ELSE '{\"arch\":\"mipsel\"}' END::jsonb, \
+             'queued', 0, 0, 0, 0, 5000 + g FROM generate_series(1, 2000) g",
+        )
+        .await
+        .unwrap();
+    let probe = ql_control::store::postgres::QUEUE_PROBE.as_str();
+    owner
+        .batch_execute(&format!(
+            "PREPARE probe (text, text[], bigint) AS {probe}; SET plan_cache_mode = force_generic_plan"
+        ))
+        .await
+        .unwrap();
+    let plan = &analysed(&owner, r#"EXECUTE probe('{}', ARRAY['{}', '{"arch":"arm"}'], 4)"#).await;
+    assert_eq!(plan["Actual Rows"].as_f64(), Some(2.0), "the two runs queued for arm: {plan}");
+    let read = runs_rows_read(plan);
+    assert!(read <= 8.0, "the probe read {read} queued runs: {plan}");
+}
+
 /// A store on `b`'s database with one lane: every session's commands share it.
 async fn one_lane(b: &Pg) -> PgStore {
     b.db().store(PgOptions { lanes: 1, ..Pg::options(&Arc::new(AtomicI64::new(0))) }).await

@@ -206,7 +206,10 @@ pub(super) const GENERIC_PLANS: &str = concat!("SELECT ", generic_plans!());
 /// set is compared as `= ANY (ARRAY[set])` and the order names `agent_labels`, so that
 /// index is the only one that yields the order: with `=`, PostgreSQL would treat the
 /// column as constant and could walk the whole queue in age order instead (it does when
-/// every queued run has the same labels, guessing they all match any set).
+/// every queued run has the same labels, guessing they all match any set). It is also
+/// the queue's only index (migration 0018): with statistics taken while the queue was
+/// empty, PostgreSQL took a second, smaller one by age alone for as cheap, and read the
+/// whole queue.
 pub static QUEUE_PROBE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT c.* FROM unnest($2::text[]) AS s (fit) CROSS JOIN LATERAL (SELECT {} FROM runs r \
