@@ -10,6 +10,7 @@
 #
 #   bench/pg_acks.sh            # prints the figures and the commands behind them
 #   CYCLES_8=25 CYCLES_64=4 bench/pg_acks.sh   # shorter rounds
+#   PG_BUFFERS=128MB bench/pg_acks.sh          # the cluster's shared_buffers (default 512MB: room for both databases)
 #   PG_POOL=8 bench/pg_acks.sh                 # the replica's pg_pool_size (and the store-level pool)
 #   PG_LANES=0 bench/pg_acks.sh                # the replica's pg_lanes (0: no group commit)
 #   PG_FILL=1 bench/pg_acks.sh                 # the replica's pg_lane_fill (1: spread over every lane)
@@ -44,6 +45,12 @@ trap cleanup EXIT
 
 eval "$(scripts/pg start "$work/cluster" --durable)"
 pgbin=$(cat "$work/cluster/bindir")
+# Room in shared buffers for both databases (pgbench's at scale 10 is about 160 MB, the
+# default buffers 128 MB), as each would have on a server of its own: otherwise the
+# phase after a pgbench run finds its tables evicted and writes pgbench's dirty pages out
+# to read them back, while pgbench, whose tables ours barely displace, never pays back.
+"$pgbin/psql" -X -q -h "$QL_PG_SOCKET" -U postgres -d postgres -c "ALTER SYSTEM SET shared_buffers = '${PG_BUFFERS:-512MB}'"
+scripts/pg restart "$work/cluster"
 
 # shellcheck source=bench/lib/pg.sh
 source bench/lib/pg.sh
@@ -110,6 +117,15 @@ checkpoints() {
   "$pgbin/psql" -X -q -At -h "$QL_PG_SOCKET" -U postgres -d postgres \
     -c "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"
 }
+# Every phase starts with both databases vacuumed and analysed, as pgbench vacuums its
+# own tables before each run: otherwise autovacuum, set off by the phase before (pgbench's
+# 50,000 updates or more, or a round's runs and events), works on the two cores during a
+# round of a few seconds, and the round after a pgbench run paid for pgbench's upkeep.
+settle() {
+  for db in qinglong pgbench; do
+    "$pgbin/psql" -X -q -h "$QL_PG_SOCKET" -U postgres -d "$db" -c "VACUUM (ANALYZE)"
+  done
+}
 declare -A marked
 declare -A ack tps direct cost pgcost
 for round in $(seq "$rounds"); do
@@ -118,6 +134,7 @@ for clients in ${CLIENTS:-8 64}; do
   cycles=$(cycles_for "$clients")
   echo "\$ $bench --clients $clients --cycles $cycles --renewals $renewals --database \$QL_PG_URL"
   fresh_workers "$work/pg-state"
+  settle
   c0=$(checkpoints)
   pg0=$(cluster_cpu "$work/cluster") server0=$(process_cpu "$pg_server")
   line=$(timed "$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals "$renewals" \
@@ -131,11 +148,13 @@ for clients in ${CLIENTS:-8 64}; do
   ack[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
   [ "$(checkpoints)" = "$c0" ] || marked[$k]="*"
   echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_FILL=${PG_FILL:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles QL_BENCH_RENEWALS=$renewals cargo test --release --test pg_throughput"
+  settle
   line=$(QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_FILL=${PG_FILL:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles QL_BENCH_RENEWALS=$renewals cargo test --release --locked --quiet -p ql-control \
     --test pg_throughput -- --nocapture 2>/dev/null | grep '^store-level')
   echo "$line"
   direct[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
   echo "\$ pgbench -N -c $clients -j 2 -T 10 pgbench"
+  settle
   c0=$(checkpoints)
   pg0=$(cluster_cpu "$work/cluster")
   out=$(timed "$pgbin/pgbench" -N -c "$clients" -j 2 -T 10 -h "$QL_PG_SOCKET" -U postgres pgbench)
