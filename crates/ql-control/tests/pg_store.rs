@@ -619,13 +619,7 @@ async fn a_polls_queue_probe_reads_no_run_queued_for_other_label_sets() {
     let b = Pg::new().await;
     let owner = connect(&b.db().url("ql_owner")).await;
     queue_runs(&owner, 2000, r#"{"arch":"mipsel"}"#).await;
-    let probe = ql_control::store::postgres::QUEUE_PROBE.as_str();
-    owner
-        .batch_execute(&format!(
-            "PREPARE probe (text, text[], bigint) AS {probe}; SET plan_cache_mode = force_generic_plan"
-        ))
-        .await
-        .unwrap();
+    prepare_probe(&owner).await;
     // (the session's label sets, its room, the runs it is offered)
     for (sets, room, offered) in [
         (r#"ARRAY['{}', '{"arch":"arm"}']"#, 4.0, 0.0),
@@ -669,17 +663,22 @@ async fn a_polls_queue_probe_reads_by_label_set_after_statistics_of_an_empty_que
         )
         .await
         .unwrap();
+    prepare_probe(&owner).await;
+    let plan = &analysed(&owner, r#"EXECUTE probe('{}', ARRAY['{}', '{"arch":"arm"}'], 4)"#).await;
+    assert_eq!(plan["Actual Rows"].as_f64(), Some(2.0), "the two runs queued for arm: {plan}");
+    let read = runs_rows_read(plan);
+    assert!(read <= 8.0, "the probe read {read} queued runs: {plan}");
+}
+
+/// Prepares the queue probe as `probe` on `client`, on the generic plan the store runs.
+async fn prepare_probe(client: &tokio_postgres::Client) {
     let probe = ql_control::store::postgres::QUEUE_PROBE.as_str();
-    owner
+    client
         .batch_execute(&format!(
             "PREPARE probe (text, text[], bigint) AS {probe}; SET plan_cache_mode = force_generic_plan"
         ))
         .await
         .unwrap();
-    let plan = &analysed(&owner, r#"EXECUTE probe('{}', ARRAY['{}', '{"arch":"arm"}'], 4)"#).await;
-    assert_eq!(plan["Actual Rows"].as_f64(), Some(2.0), "the two runs queued for arm: {plan}");
-    let read = runs_rows_read(plan);
-    assert!(read <= 8.0, "the probe read {read} queued runs: {plan}");
 }
 
 /// A store on `b`'s database with one lane: every session's commands share it.
