@@ -8,9 +8,10 @@
 //! a decision that writes one row twice is compared with its own first write.
 //!
 //! The same rows vouch for the events a decision appends ([`Loaded::dangling`]): an
-//! event may name only a run and an attempt of that run that its command loaded or wrote.
-//! Runs and attempts are never deleted and never change their ids, so such a row still
-//! exists when the command commits. That is the events' whole referential check on
+//! event may name only a run its command loaded or wrote, and an attempt of that run
+//! that it loaded or wrote or that is the run's current attempt. Runs and attempts are
+//! never deleted and never change their ids, so such a row still exists when the
+//! command commits. That is the events' whole referential check on
 //! PostgreSQL, which keeps no foreign key on them (migration 0017); SQLite keeps its own
 //! as well.
 
