@@ -225,8 +225,12 @@ impl PgStore {
                 }
                 wave::Pick::Polls(picked) => {
                     let polls: Vec<&Job> = picked.iter().map(|&i| &jobs[i]).collect();
-                    let ran = self.polls(&mut conn, &polls, &mut open).await;
-                    ran.map(|(d, s)| (picked.into_iter().zip(d).collect(), s))
+                    let last = picked.len() == pending.len();
+                    let ran = self.polls(&mut conn, &polls, &mut open, last).await;
+                    ran.map(|(d, s, commit)| {
+                        committing = commit;
+                        (picked.into_iter().zip(d).collect(), s)
+                    })
                 }
             };
             match ran {

@@ -257,13 +257,45 @@ fn queue_probe(session: &Session, trusted: Option<&Worker>, limit: usize) -> Res
     Ok((vec![(sql.into(), params)], 0))
 }
 
+/// The statuses of an attempt that hold its session's capacity.
+macro_rules! active {
+    () => {
+        "status IN ('offered', 'claimed', 'starting', 'running')"
+    };
+}
+
 /// A session's active attempts (`$1` the session).
-const ACTIVE_ATTEMPTS: &str =
-    "SELECT COUNT(*) FROM attempts WHERE session_id = $1 AND status IN ('offered', 'claimed', 'starting', 'running')";
+const ACTIVE_ATTEMPTS: &str = concat!("SELECT COUNT(*) FROM attempts WHERE session_id = $1 AND ", active!());
+
+/// Each session's active attempts, a row (session, count) per key of `$1`.
+#[doc(hidden)]
+pub const ACTIVE_ATTEMPTS_OF: &str = concat!(
+    "SELECT k.key, (SELECT COUNT(*) FROM attempts WHERE session_id = k.key AND ",
+    active!(),
+    ") FROM unnest($1::text[]) AS k (key)"
+);
 
 /// A session's open offers, oldest deadline first (`$1` the session).
 static OPEN_OFFERS: LazyLock<String> = LazyLock::new(|| {
     format!("SELECT {} FROM offers WHERE session_id = $1 AND state = 'open' ORDER BY expires_at, id", *OFFER_COLS)
+});
+
+/// The open offers of every session of `$1`, each session's oldest deadline first.
+/// `OFFSET 0` keeps each session's lookup a probe of its index, whatever the planner
+/// guesses of the array.
+#[doc(hidden)]
+pub static OPEN_OFFERS_OF: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT o.* FROM unnest($1::text[]) AS k (key) CROSS JOIN LATERAL (SELECT {} FROM offers \
+         WHERE session_id = k.key AND state = 'open' ORDER BY expires_at, id OFFSET 0) o ORDER BY k.key, o.expires_at, o.id",
+        *OFFER_COLS
+    )
+});
+
+/// The workers of `$1`, a probe of the key each.
+#[doc(hidden)]
+pub static WORKERS_OF: LazyLock<String> = LazyLock::new(|| {
+    format!("SELECT w.* FROM unnest($1::text[]) AS k (key) CROSS JOIN LATERAL (SELECT {} FROM workers WHERE id = k.key OFFSET 0) w", *WORKER_COLS)
 });
 
 /// Locks and loads the attempt's run, attempt and lease (in that order).

@@ -3,10 +3,13 @@
 //!
 //! Agents that move in step poll in step: at 8 agents, eight polls reach a lane at once.
 //! One after another, each takes its own two load round trips and a third for its writes
-//! (README, Benchmarks). As a wave they take three in all: every poll's first load
-//! ([`load::poll_first`]) in one pipeline, every poll's queue probe with one DB time for
-//! all in a second, and every poll's writes, merged where they are alike
-//! ([`wave::record`]), in a third.
+//! (README, Benchmarks). As a wave they take three in all, the last carrying the group's
+//! COMMIT when the wave ends it: every poll's first load ([`load::poll_first`]) set-based
+//! in one pipeline, a statement for all of each of its four reads ([`first`]), every
+//! poll's queue probe with one DB time for all in a second, and every poll's writes,
+//! merged where they are alike ([`wave::record`]), in a third. The generic plans
+//! ([`load::GENERIC_PLANS`]) are chosen first, as a wave of fenced commands does, so
+//! that a wave's size never makes PostgreSQL plan its statements afresh.
 //!
 //! The polls decide one after another, in the order of their sessions (the order their
 //! sessions were locked in), each as it would right after the ones before it in one
@@ -20,24 +23,33 @@
 //! again after it, alone ([`PgStore::polls`] answers `None` for it). The first poll of a
 //! wave takes no more than its room and is never left out, so a group always moves on.
 
+use std::collections::HashMap;
+use std::sync::LazyLock;
+
+use tokio_postgres::Row;
+
 use super::load;
+use super::rows::{self, SESSION_COLS};
 use super::wave::{self, Recorded};
 use super::{admit_of, Admit, Done, Error, PgStore, Statement, Tx};
 use crate::core;
-use crate::model::Run;
+use crate::model::{Offer, Run, Session, Worker};
 
 use super::group::Job;
 
 impl PgStore {
     /// Polls of a group, each of a session no other names ([`wave::pick`]), in three
-    /// round trips (see the module doc). Returns each poll's decision, or `None` for a
-    /// poll to run again after the wave, and how many statements the wave did not send.
+    /// round trips (see the module doc), the COMMIT in the last when `last` (the wave
+    /// ends the group) and no poll is left out. Returns each poll's decision, or `None`
+    /// for a poll to run again after the wave, how many statements the wave did not
+    /// send, and whether it sent the COMMIT.
     pub(super) async fn polls(
         &self,
         conn: &mut super::pool::Conn,
         jobs: &[&Job],
         open: &mut bool,
-    ) -> Result<(Vec<Option<Done>>, u64), Error> {
+        last: bool,
+    ) -> Result<(Vec<Option<Done>>, u64, bool), Error> {
         let offset = self.offset();
         let keys: Vec<core::Keys> = jobs.iter().map(|j| j.cmd.keys()).collect();
         // Sessions are locked in key order, so two waves lock them in one order.
@@ -47,22 +59,23 @@ impl PgStore {
         });
         let begin = !std::mem::replace(open, true);
         let mut tx = Tx { conn };
-        let first: Vec<Statement> = order.iter().flat_map(|&i| load::poll_first(&keys[i])).collect();
-        let mut answers = tx.begun(begin, first).await?;
-        let mut loaded = Vec::with_capacity(order.len());
-        for _ in &order {
-            loaded.push(load::read_poll_first(&mut answers)?);
-        }
+        let ordered: Vec<&core::Keys> = order.iter().map(|&i| &keys[i]).collect();
+        let statements = first(&ordered);
+        // What each poll's own first load would have sent.
+        let mut alone = 4 * ordered.len();
+        let mut sent = statements.len();
+        let answers = tx.begun(begin, statements).await?;
+        let mut loaded = read_first(&ordered, answers)?;
         // Each probe, its runs' answer in the batch; every room before it is its extra.
-        let (mut batch, mut probes, mut before, mut alone) = (Vec::<Statement>::new(), Vec::new(), 0usize, 0usize);
+        let (mut batch, mut probes, mut before) = (Vec::<Statement>::new(), Vec::new(), 0usize);
         for rows in &loaded {
             let probe = load::poll_probe(rows, before)?;
             before = before.saturating_add(probe.room);
             alone += probe.statements.len() + 1;
             let mut at = None;
             for (j, statement) in probe.statements.into_iter().enumerate() {
-                // The generic plans hold for the rest of the transaction: once is enough.
-                if statement.0 == load::GENERIC_PLANS && batch.iter().any(|s| s.0 == load::GENERIC_PLANS) {
+                // The first round trip chose the generic plans for the whole transaction.
+                if statement.0 == load::GENERIC_PLANS {
                     continue;
                 }
                 if probe.at == Some(j) {
@@ -74,8 +87,8 @@ impl PgStore {
         }
         let admits: Vec<Option<Admit<'_>>> = order.iter().map(|&i| admit_of(jobs[i].audit.as_ref())).collect();
         batch.push(wave::stamps(offset, &admits));
-        // The first loads are each poll's own; the second round trip saves the rest.
-        let saved_loads = alone - batch.len();
+        sent += batch.len();
+        let saved_loads = alone.saturating_sub(sent);
         let mut answers = tx.run(&batch).await?;
         let stamps = answers.pop().unwrap_or_default();
         if stamps.len() != order.len() {
@@ -84,7 +97,7 @@ impl PgStore {
         let mut done: Vec<Option<Done>> = jobs.iter().map(|_| None).collect();
         let (mut placed, mut records) = (Vec::new(), Vec::new());
         for ((((&i, mut rows), (at, room, limit)), stamp), admit) in
-            order.iter().zip(loaded).zip(probes).zip(stamps).zip(&admits)
+            order.iter().zip(loaded.drain(..)).zip(probes).zip(stamps).zip(&admits)
         {
             if let Some(at) = at {
                 let found: Vec<Run> =
@@ -105,7 +118,64 @@ impl PgStore {
             records.push(Recorded { statements: concluded.record, checks: concluded.checks });
             done[i] = Some(concluded.done);
         }
-        let merged = wave::record(&mut tx, records, false).await?;
-        Ok((done, (saved_loads + merged) as u64))
+        let commit = last && done.iter().all(Option::is_some);
+        let merged = wave::record(&mut tx, records, commit).await?;
+        Ok((done, (saved_loads + merged) as u64, commit))
     }
+}
+
+/// The wave's sessions, each locked as a poll locks its own, in key order.
+static SESSIONS: LazyLock<String> = LazyLock::new(|| wave::locked("sessions", &SESSION_COLS, "id"));
+
+/// Every poll's first load ([`load::poll_first`]) as one statement for each of its four
+/// reads, after the generic plans: the sessions (locked, in key order), the workers the
+/// requests name, each session's active attempts and its open offers. Each poll's own
+/// reads of its attempts and offers come after its session's lock as they do alone, and
+/// what a session's lock guards no other command changes until the COMMIT.
+fn first(keys: &[&core::Keys]) -> Vec<Statement> {
+    let named = |k: &&core::Keys| {
+        let (Some(session), Some(worker)) = (&k.session, &k.worker) else {
+            unreachable!("a poll names its session and worker");
+        };
+        (session.as_str().to_owned(), worker.as_str().to_owned())
+    };
+    let (sessions, mut workers): (Vec<String>, Vec<String>) = keys.iter().map(named).unzip();
+    workers.sort_unstable();
+    workers.dedup();
+    vec![
+        (load::GENERIC_PLANS.into(), Vec::new()),
+        (SESSIONS.as_str().into(), wave::texts(sessions.iter().cloned())),
+        (load::WORKERS_OF.as_str().into(), wave::texts(workers.into_iter())),
+        (load::ACTIVE_ATTEMPTS_OF.into(), wave::texts(sessions.iter().cloned())),
+        (load::OPEN_OFFERS_OF.as_str().into(), wave::texts(sessions.into_iter())),
+    ]
+}
+
+/// Each poll's rows from [`first`]'s answers, in the order of `keys`, as
+/// [`load::read_poll_first`] reads a poll's own (no session: nothing else).
+fn read_first(keys: &[&core::Keys], mut answers: impl Iterator<Item = Vec<Row>>) -> Result<Vec<core::Rows>, Error> {
+    let mut next = || answers.next().unwrap_or_default();
+    let _plans = next();
+    let sessions: Vec<Session> = next().iter().map(rows::read).collect::<Result<_, _>>()?;
+    let workers: Vec<Worker> = next().iter().map(rows::read).collect::<Result<_, _>>()?;
+    let active: HashMap<String, i64> = next().iter().map(|r| (r.get(0), r.get(1))).collect();
+    let offers: Vec<Offer> = next().iter().map(rows::read).collect::<Result<_, _>>()?;
+    let mut out = Vec::with_capacity(keys.len());
+    for k in keys {
+        let (Some(session), Some(worker)) = (&k.session, &k.worker) else {
+            unreachable!("a poll names its session and worker");
+        };
+        let mut rows = core::Rows {
+            session: sessions.iter().find(|s| s.id == *session).cloned(),
+            worker: workers.iter().find(|w| w.id == *worker).cloned(),
+            ..core::Rows::default()
+        };
+        if rows.session.is_some() {
+            let n = active.get(session.as_str()).copied().unwrap_or(0);
+            rows.active_attempts = u32::try_from(n).unwrap_or(u32::MAX);
+            rows.open_offers = offers.iter().filter(|o| o.session == *session).cloned().collect();
+        }
+        out.push(rows);
+    }
+    Ok(out)
 }
