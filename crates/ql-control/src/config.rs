@@ -103,11 +103,12 @@ pub struct Config {
     /// SQLite: WAL pages after which the writer checkpoints inside a commit; with
     /// `checkpoint_ms` set, a backstop that bounds the WAL.
     pub wal_autocheckpoint_pages: u64,
-    /// Threads that serve connections (TLS, HTTP), beside the SQLite writer's own. Every
-    /// hand-off between threads is a wake-up: one thread made an idle fleet of 10,000
-    /// cost 40 % less CPU than two (README, Benchmarks). One is the main thread, on
-    /// tokio's current-thread scheduler: a multi-thread runtime's one worker wakes its
-    /// own I/O driver for every task an I/O event wakes.
+    /// Threads that serve connections (TLS, HTTP), beside the SQLite writer's own; 0: the
+    /// store's ([`serving_threads`](crate::serve::serving_threads)). Every hand-off between
+    /// threads is a wake-up: on SQLite, one thread made an idle fleet of 10,000 cost 40 %
+    /// less CPU than two (README, Benchmarks). One is the main thread, on tokio's
+    /// current-thread scheduler: a multi-thread runtime's one worker wakes its own I/O
+    /// driver for every task an I/O event wakes.
     pub runtime_threads: u64,
     /// PostgreSQL (`serve --database`): most connections this replica holds to the
     /// database, beside its LISTEN connection; commands beyond wait for one.
@@ -223,7 +224,7 @@ impl Default for Config {
             idle_batch_window_ms: 10,
             checkpoint_ms: 1_000,
             wal_autocheckpoint_pages: u64::from(crate::store::sqlite::WAL_BACKSTOP_PAGES),
-            runtime_threads: 1,
+            runtime_threads: 0,
             pg_pool_size: 16,
             pg_lanes: 4,
             pg_lane_fill: 16,
@@ -379,7 +380,6 @@ impl Config {
             ("idle_timeout_ms", self.idle_timeout_ms),
             ("handshake_timeout_ms", self.handshake_timeout_ms),
             ("max_connections", self.max_connections),
-            ("runtime_threads", self.runtime_threads),
             ("pg_pool_size", self.pg_pool_size),
             ("pg_batch_max", self.pg_batch_max),
             ("pg_lane_fill", self.pg_lane_fill),
