@@ -65,7 +65,7 @@ impl PgStore {
         let mut alone = 4 * ordered.len();
         let mut sent = statements.len();
         let answers = tx.begun(begin, statements).await?;
-        let mut loaded = read_first(&ordered, answers)?;
+        let loaded = read_first(&ordered, answers)?;
         // Each probe, its runs' answer in the batch; every room before it is its extra.
         let (mut batch, mut probes, mut before) = (Vec::<Statement>::new(), Vec::new(), 0usize);
         for rows in &loaded {
@@ -97,7 +97,7 @@ impl PgStore {
         let mut done: Vec<Option<Done>> = jobs.iter().map(|_| None).collect();
         let (mut placed, mut records) = (Vec::new(), Vec::new());
         for ((((&i, mut rows), (at, room, limit)), stamp), admit) in
-            order.iter().zip(loaded.drain(..)).zip(probes).zip(stamps).zip(&admits)
+            order.iter().zip(loaded).zip(probes).zip(stamps).zip(&admits)
         {
             if let Some(at) = at {
                 let found: Vec<Run> =
