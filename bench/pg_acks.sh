@@ -36,7 +36,7 @@ bin=target/release/ql-control
 bench=target/release/examples/ack_bench
 work=$(mktemp -d /tmp/ql-pg-bench.XXXXXX)
 cleanup() {
-  kill -TERM ${pg_server:-} ${sqlite_server:-} 2>/dev/null || true
+  kill -TERM ${pg_server:+"$pg_server"} ${sqlite_server:+"$sqlite_server"} 2>/dev/null || true
   wait 2>/dev/null || true
   scripts/pg stop "$work/cluster"
   rm -rf "$work"
