@@ -891,6 +891,23 @@ async fn a_lone_agent_never_waits_for_a_lanes_window() {
     check_invariants(&store.snapshot().await.unwrap());
 }
 
+/// A worker whose commands name a session that does not exist holds no group of its lane:
+/// the lane expects back only the sessions it decided for, so an honest agent's next
+/// command runs at once rather than after the window (an hour here) for the made-up one.
+#[tokio::test]
+async fn a_made_up_session_does_not_hold_a_lanes_next_group() {
+    let b = Pg::new().await;
+    let store = one_patient_lane(&b).await;
+    let mut h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    to_running(&store, &h).await;
+    let made_up = Agent { session: "ses_madeup".parse().unwrap(), ..h.agent.clone() };
+    assert_eq!(heartbeat(&store, &made_up, false).await, Err(ErrorCode::NotFound));
+    let next = tokio::time::timeout(Duration::from_secs(60), renew(&store, &mut h)).await;
+    next.expect("the honest agent's renewal did not wait for the made-up session");
+    assert_eq!(detail(&store, h.run()).await.attempts[0].status, AttemptStatus::Running);
+    check_invariants(&store.snapshot().await.unwrap());
+}
+
 /// With room for only a few prepared statements, each connection's cache starts over
 /// again and again through a group's cycle, and every answer is what it would be.
 #[tokio::test]

@@ -286,18 +286,18 @@ impl PgStore {
 /// for the agents it expects ([`expected`]), and runs them as one group, and again, for
 /// as long as the store lives.
 pub(super) async fn lane(store: Weak<Inner>, mut queue: mpsc::Receiver<Job>, most: usize, window: Duration) {
-    // The lane keys of the last two groups' commands, the older first.
+    // The lane keys of the last two groups' decided commands, the older first.
     let mut recent: [Vec<String>; 2] = Default::default();
     while let Some(first) = queue.recv().await {
         let jobs = gather(&mut queue, first, most.min(expected(&recent)), most, window).await;
-        recent.rotate_left(1);
-        recent[1] = jobs.iter().map(|j| j.session.clone()).collect();
         let Some(inner) = store.upgrade() else { return };
         let store = PgStore { inner };
         let answers = match jobs.as_slice() {
             [job] => vec![store.execute_retrying(&job.cmd, job.audit.as_ref()).await],
             _ => store.execute_batch(&jobs).await,
         };
+        recent.rotate_left(1);
+        recent[1] = decided(jobs.iter().map(|j| j.session.as_str()), &answers);
         for (job, answer) in jobs.into_iter().zip(answers) {
             store.inner.lanes.done(&job.session);
             let _ = job.answer.send(answer);
@@ -305,8 +305,16 @@ pub(super) async fn lane(store: Weak<Inner>, mut queue: mpsc::Receiver<Job>, mos
     }
 }
 
+/// The sessions of a group that its lane expects back ([`expected`]): those whose
+/// command was decided. A command refused or failed names a session no agent may come
+/// back on (made up, another worker's, closed): counted, a worker sending commands for
+/// made-up sessions would hold its lane's next two groups for the whole window each time.
+fn decided<'a>(sessions: impl Iterator<Item = &'a str>, answers: &[Answer]) -> Vec<String> {
+    sessions.zip(answers).filter(|(_, answer)| matches!(answer, Ok(Ok(_)))).map(|(s, _)| s.to_owned()).collect()
+}
+
 /// How many commands a lane's next group waits for: one from each session of its last
-/// two groups. Agents a group answered come back together; those of the group before,
+/// two groups whose command was decided ([`decided`]). Agents a group answered come back together; those of the group before,
 /// answered while this one ran, are back already. Waiting for the sessions of only the
 /// last group would leave a lane whose agents split into two halves running half
 /// groups for ever, each queued while the other runs. Measured at 8 agents: groups of 8
@@ -351,6 +359,21 @@ mod tests {
         let halves = [keys(&["a", "b", "c", "d"]), keys(&["e", "f", "g", "h"])];
         assert_eq!(expected(&halves), 8, "agents split into halves are all expected");
         assert_eq!(expected(&[keys(&["a", "b"]), keys(&["b", "c"])]), 3);
+    }
+
+    #[test]
+    fn a_lane_expects_back_only_the_sessions_its_group_decided_for() {
+        let answers: Vec<Answer> = vec![
+            Ok(Ok(Reply::Swept(0))),
+            Ok(Err(ErrorCode::NotFound)),
+            Ok(Err(ErrorCode::SessionConflict)),
+            Err(Error::Closed),
+            Ok(Ok(Reply::Swept(1))),
+        ];
+        let sessions = ["real-1", "made-up", "closed", "unavailable", "real-2"];
+        let kept = decided(sessions.into_iter(), &answers);
+        assert_eq!(kept, ["real-1", "real-2"]);
+        assert_eq!(expected(&[Vec::new(), kept]), 2, "the refused ones are not waited for");
     }
 
     #[test]
