@@ -554,6 +554,44 @@ async fn a_waves_load_reads_only_the_runs_it_names() {
     assert!(read <= 4.0, "the lock read {read} runs for four keys: {plan}");
 }
 
+/// A wave of completions reads each attempt's completion event by a probe of the
+/// events' unique key, on the generic plan it runs on, however many events other
+/// attempts have: 2,000 attempts with three events each, four named.
+#[tokio::test]
+async fn a_waves_completion_events_are_read_by_a_probe_of_each_attempt() {
+    use ql_control::core::COMPLETION_EVENT;
+    use ql_control::store::postgres::COMPLETION_EVENTS_OF;
+    let b = Pg::new().await;
+    let admin = connect(&b.db().url("postgres")).await;
+    // Rows alone, without the runs and the rules behind them (replica role: no triggers).
+    admin
+        .batch_execute(&format!(
+            "SET session_replication_role = replica; \
+             INSERT INTO attempts (id, run_id, number, executor_type, status, offer_id, session_id, worker, created_at) \
+             SELECT 'a_' || g, 'r_' || g, 1, 'shell', 'succeeded', 'o_' || g, 's_' || g, 'w_' || g, g \
+             FROM generate_series(1, 2000) g; \
+             INSERT INTO events (id, run_id, attempt_id, kind, payload, at) \
+             SELECT 'e_' || k || '_' || g, 'r_' || g, 'a_' || g, k, '{{}}', g \
+             FROM generate_series(1, 2000) g, unnest(ARRAY['attempt.started', 'attempt.running', '{COMPLETION_EVENT}']) k; \
+             ANALYZE attempts, events"
+        ))
+        .await
+        .unwrap();
+    let owner = connect(&b.db().url("ql_owner")).await;
+    let events = COMPLETION_EVENTS_OF.as_str();
+    owner
+        .batch_execute(&format!("PREPARE events (text[], text) AS {events}; SET plan_cache_mode = force_generic_plan"))
+        .await
+        .unwrap();
+    let keys = "ARRAY['a_12', 'a_150', 'a_1999', 'a_none']";
+    let plan = &analysed(&owner, &format!("EXECUTE events({keys}, '{COMPLETION_EVENT}')")).await;
+    assert_eq!(plan["Actual Rows"].as_f64(), Some(3.0), "the three attempts' completion events: {plan}");
+    for table in ["events", "attempts"] {
+        let read = rows_read(plan, table);
+        assert!(read <= 4.0, "{table}: read {read} rows for four keys: {plan}");
+    }
+}
+
 /// A wave of polls reads each session's worker, active attempts and open offers by a
 /// probe of its key, on the generic plans it runs on, however many rows other sessions
 /// have: 2,000 sessions with an active attempt and an open offer each, and four named
@@ -680,6 +718,16 @@ async fn a_polls_queue_probe_reads_no_run_queued_for_other_label_sets() {
         assert_eq!(plan["Actual Rows"].as_f64(), Some(offered), "{sets}, room {room}");
         let read = runs_rows_read(plan);
         assert!(read <= room * 2.0, "{sets}, room {room}: the probe read {read} queued runs: {plan}");
+        // A wave's probes as one: this poll's sets, and another poll's that fit no run.
+        let others = r#"ARRAY['{}', '{"arch":"arm"}']"#;
+        let probes = format!(
+            "EXECUTE probes(ARRAY[0, 0, 1, 1], ARRAY['{{}}', '{{}}', '{{}}', '{{}}'], {sets} || {others}, \
+             ARRAY[{room}, {room}, {room}, {room}]::bigint[])"
+        );
+        let plan = &analysed(&owner, &probes).await;
+        assert_eq!(plan["Actual Rows"].as_f64(), Some(offered), "{sets}, room {room}, in a wave");
+        let read = runs_rows_read(plan);
+        assert!(read <= room * 2.0, "{sets}, room {room}: the wave's probe read {read} queued runs: {plan}");
     }
 }
 
@@ -720,12 +768,16 @@ async fn a_polls_queue_probe_reads_by_label_set_after_statistics_of_an_empty_que
     assert!(read <= 8.0, "the probe read {read} queued runs: {plan}");
 }
 
-/// Prepares the queue probe as `probe` on `client`, on the generic plan the store runs.
+/// Prepares the queue probe as `probe`, and a wave's probes as `probes`, on `client`, on
+/// the generic plans the store runs.
 async fn prepare_probe(client: &tokio_postgres::Client) {
     let probe = ql_control::store::postgres::QUEUE_PROBE.as_str();
+    let probes = ql_control::store::postgres::QUEUE_PROBES_OF.as_str();
     client
         .batch_execute(&format!(
-            "PREPARE probe (text, text[], bigint) AS {probe}; SET plan_cache_mode = force_generic_plan"
+            "PREPARE probe (text, text[], bigint) AS {probe}; \
+             PREPARE probes (bigint[], text[], text[], bigint[]) AS {probes}; \
+             SET plan_cache_mode = force_generic_plan"
         ))
         .await
         .unwrap();
@@ -1248,11 +1300,12 @@ async fn polls_of_concurrent_agents_load_together_and_each_places_its_own_run() 
     assert_eq!(e.unwrap(), Err(ErrorCode::NotFound), "another worker's session is not found");
     one_group_since(&store, before, 5, "one transaction carried the five polls");
     // Loads: the generic plans and four statements for the five polls' first loads of
-    // four each (15), the generic plans not again before the five probes (5), one DB-time
-    // read for five (4). Writes: the two agents placing their first run write alike, the
-    // session, the run, the attempt and the offer each as one statement for both (4); the
-    // three placing polls' six events as one statement for four and one for two (4).
-    assert_eq!(store.group_commits().saved - before.saved, 32, "{:?}", store.group_commits());
+    // four each (15), the generic plans not again before the five probes (5), the five
+    // probes as one (4), one DB-time read for five (4). Writes: the two agents placing
+    // their first run write alike, the session, the run, the attempt and the offer each
+    // as one statement for both (4); the three placing polls' six events as one
+    // statement for four and one for two (4).
+    assert_eq!(store.group_commits().saved - before.saved, 36, "{:?}", store.group_commits());
     check_invariants(&store.snapshot().await.unwrap());
     assert_eq!(untouched(&store, 3).await, stale_before, "the stale poll wrote nothing");
     assert_eq!(untouched(&store, 4).await, intruded_before, "the intruder wrote nothing");

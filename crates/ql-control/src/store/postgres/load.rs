@@ -44,6 +44,7 @@
 //! a sweep waits for is the `authority` row (outage grace), which only sweeps take, and
 //! first.
 
+use std::collections::HashMap;
 use std::sync::LazyLock;
 
 use tokio_postgres::Row;
@@ -77,6 +78,18 @@ pub(super) static COMPLETION_EVENT_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT {EVENT_COLS} FROM events WHERE run_id = (SELECT run_id FROM attempts WHERE id = $1) \
          AND COALESCE(attempt_id, '') = $1 AND kind = $2"
+    )
+});
+
+/// The event of a kind (`$2`) of each attempt of `$1`, as [`COMPLETION_EVENT_SQL`] finds
+/// one's. `OFFSET 0` keeps each lookup a probe of the unique index, whatever the planner
+/// guesses of the array.
+#[doc(hidden)]
+pub static COMPLETION_EVENTS_OF: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT e.* FROM unnest($1::text[]) AS k (key) CROSS JOIN LATERAL (SELECT {EVENT_COLS} FROM events \
+         WHERE run_id = (SELECT run_id FROM attempts WHERE id = k.key) AND COALESCE(attempt_id, '') = k.key \
+         AND kind = $2 OFFSET 0) e"
     )
 });
 
@@ -190,7 +203,7 @@ macro_rules! generic_plans {
 }
 pub(super) use generic_plans;
 
-/// Sent before the queue probe by label sets (see [`queue_probe`]), in its round trip: the
+/// Sent before the queue probe by label sets (see [`Queue`]), in its round trip: the
 /// probe runs on the plan PostgreSQL prepared once for the connection. Left to choose,
 /// PostgreSQL plans it afresh on every poll (an estimate for the actual number of label
 /// sets always looks cheaper than the generic one), and that planning costs several
@@ -220,41 +233,107 @@ pub static QUEUE_PROBE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// Queued runs the worker fits (its trusted labels cover the run's `labels`, the
-/// session's declared ones its `agent_labels`), oldest first, locked with SKIP LOCKED.
-/// At most `limit`: as many as the session has room for ([`poll_probe`]).
+/// The queue probes of several polls as one statement: a row of `$1`..`$4` (the poll,
+/// its worker's trusted labels, one of its label sets, its limit) for each label set of
+/// each poll, each probed as [`QUEUE_PROBE`] probes one, in the order of the rows (so the
+/// runs are locked in the order the polls' own probes would lock them, one after
+/// another). Each run found is tagged with its poll (`probe`), and the answer is in
+/// poll order, each poll's runs oldest first: a poll keeps its first `limit`
+/// ([`probed`]).
+#[doc(hidden)]
+pub static QUEUE_PROBES_OF: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT q.* FROM (SELECT c.*, p.n AS probe \
+         FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bigint[]) AS p (n, trusted, fit, lim) \
+         CROSS JOIN LATERAL (SELECT {} FROM runs r WHERE r.status = 'queued' \
+         AND r.agent_labels = ANY (ARRAY[p.fit::jsonb]) AND p.trusted::jsonb @> r.labels \
+         ORDER BY r.agent_labels, r.created_at, r.id LIMIT p.lim FOR UPDATE SKIP LOCKED) c) q \
+         ORDER BY q.probe, q.created_at, q.id",
+        *RUN_COLS
+    )
+});
+
+/// How a poll probes the queue for runs its worker fits (its trusted labels cover the
+/// run's `labels`, the session's declared ones its `agent_labels`), oldest first, locked
+/// with SKIP LOCKED, at most as many as its limit ([`poll_probe`]).
 ///
 /// A run fits a session's declared labels exactly when its `agent_labels` is one of their
 /// subsets, so placement probes the queue's index by `agent_labels` once per subset, each
-/// probe taking at most `limit` runs in age order (skipping locked ones), then keeps the
-/// oldest `limit` of them: its cost follows the session's labels and room, not how many
-/// runs wait for other workers. The runs a probe locked beyond those stay queued and are
+/// probe taking at most the limit in age order (skipping locked ones), then keeps the
+/// oldest of them: its cost follows the session's labels and room, not how many runs
+/// wait for other workers. The runs a probe locked beyond those stay queued and are
 /// released at COMMIT (another replica's poll skips them meanwhile, as any run being
 /// placed). A session declaring more than [`SUBSET_LABELS`](crate::core::SUBSET_LABELS)
 /// labels scans the queue.
-///
-/// Returns the statements and which of their answers holds the runs: they go in the
-/// poll's second round trip ([`poll`]).
-fn queue_probe(session: &Session, trusted: Option<&Worker>, limit: usize) -> Result<(Vec<Statement>, usize), Error> {
-    let room = i64::try_from(limit).unwrap_or(i64::MAX);
-    let json = |labels: &std::collections::BTreeMap<String, String>| {
-        serde_json::to_string(labels).map_err(|e| Error::Corrupt(e.to_string()))
-    };
-    let fit = Fit { trusted: trusted.map(|w| w.labels.clone()).unwrap_or_default(), declared: session.labels.clone() };
-    let trusted = json(&fit.trusted)?;
-    if let Some(subsets) = fit.declared_subsets() {
-        let fits = subsets.iter().map(json).collect::<Result<Vec<_>, _>>()?;
-        let params: rows::Params = vec![Box::new(trusted), Box::new(fits), Box::new(room)];
-        return Ok((vec![(GENERIC_PLANS.into(), Vec::new()), (QUEUE_PROBE.as_str().into(), params)], 1));
+pub(super) enum Queue {
+    /// By label sets: the trusted labels and each set, as JSON.
+    Fits { trusted: String, fits: Vec<String> },
+    /// A scan: the trusted labels and the declared ones, as JSON.
+    Scan { trusted: String, declared: String },
+}
+
+impl Queue {
+    fn of(session: &Session, trusted: Option<&Worker>) -> Result<Self, Error> {
+        let json = |labels: &std::collections::BTreeMap<String, String>| {
+            serde_json::to_string(labels).map_err(|e| Error::Corrupt(e.to_string()))
+        };
+        let fit =
+            Fit { trusted: trusted.map(|w| w.labels.clone()).unwrap_or_default(), declared: session.labels.clone() };
+        let trusted = json(&fit.trusted)?;
+        Ok(match fit.declared_subsets() {
+            Some(subsets) => Queue::Fits { trusted, fits: subsets.iter().map(json).collect::<Result<_, _>>()? },
+            None => Queue::Scan { trusted, declared: json(&fit.declared)? },
+        })
     }
-    let declared = json(&fit.declared)?;
-    let sql = format!(
-        "SELECT {} FROM runs WHERE status = 'queued' AND $1::text::jsonb @> labels \
-         AND $2::text::jsonb @> agent_labels ORDER BY created_at, id LIMIT $3 FOR UPDATE SKIP LOCKED",
-        *RUN_COLS
-    );
-    let params: rows::Params = vec![Box::new(trusted), Box::new(declared), Box::new(room)];
-    Ok((vec![(sql.into(), params)], 0))
+
+    /// The statements of one poll's probe taking at most `limit`, and which of their
+    /// answers holds the runs: they go in the poll's second round trip ([`poll`]).
+    pub(super) fn statements(self, limit: usize) -> (Vec<Statement>, usize) {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        match self {
+            Queue::Fits { trusted, fits } => {
+                let params: rows::Params = vec![Box::new(trusted), Box::new(fits), Box::new(limit)];
+                (vec![(GENERIC_PLANS.into(), Vec::new()), (QUEUE_PROBE.as_str().into(), params)], 1)
+            }
+            Queue::Scan { trusted, declared } => {
+                let sql = format!(
+                    "SELECT {} FROM runs WHERE status = 'queued' AND $1::text::jsonb @> labels \
+                     AND $2::text::jsonb @> agent_labels ORDER BY created_at, id LIMIT $3 FOR UPDATE SKIP LOCKED",
+                    *RUN_COLS
+                );
+                (vec![(sql.into(), vec![Box::new(trusted), Box::new(declared), Box::new(limit)])], 0)
+            }
+        }
+    }
+}
+
+/// Several polls' probes by label sets ([`Queue::Fits`]) as one statement
+/// ([`QUEUE_PROBES_OF`]): each (the poll, its trusted labels, its label sets, its limit).
+pub(super) fn probes(probes: Vec<(usize, String, Vec<String>, usize)>) -> Statement {
+    let (mut n, mut trusted, mut fit, mut lim) = (Vec::<i64>::new(), Vec::new(), Vec::new(), Vec::<i64>::new());
+    for (poll, labels, fits, limit) in probes {
+        for f in fits {
+            n.push(i64::try_from(poll).unwrap_or(i64::MAX));
+            trusted.push(labels.clone());
+            fit.push(f);
+            lim.push(i64::try_from(limit).unwrap_or(i64::MAX));
+        }
+    }
+    (QUEUE_PROBES_OF.as_str().into(), vec![Box::new(n), Box::new(trusted), Box::new(fit), Box::new(lim)])
+}
+
+/// Each poll's runs in the answer to [`probes`], oldest first, at most its `limit`.
+pub(super) fn probed(rows: Vec<Row>, limits: &HashMap<usize, usize>) -> Result<HashMap<usize, Vec<Row>>, Error> {
+    let mut out: HashMap<usize, Vec<Row>> = HashMap::new();
+    for row in rows {
+        let poll: i64 = row.try_get("probe").map_err(Error::Pg)?;
+        let poll = usize::try_from(poll).map_err(|_| Error::Corrupt(format!("a queue probe of poll {poll}")))?;
+        let runs = out.entry(poll).or_default();
+        if runs.len() < limits.get(&poll).copied().unwrap_or(0) {
+            runs.push(row);
+        }
+    }
+    Ok(out)
 }
 
 /// The statuses of an attempt that hold its session's capacity.
@@ -496,11 +575,17 @@ async fn poll(
     let mut answers = tx.begun(begin, poll_first(keys)).await?;
     let mut out = read_poll_first(&mut answers)?;
     let probe = poll_probe(&out, 0)?;
-    let mut batch = probe.statements;
+    let (mut batch, at) = match probe.queue {
+        Some(queue) => {
+            let (statements, at) = queue.statements(probe.limit);
+            (statements, Some(at))
+        }
+        None => (Vec::new(), None),
+    };
     batch.push(stamp(offset, admit));
     let mut answers = tx.run(&batch).await?;
     let (now, refused) = read_stamp(answers.pop().unwrap_or_default(), admit)?;
-    if let Some(at) = probe.at {
+    if let Some(at) = at {
         let runs = answers.into_iter().nth(at).unwrap_or_default();
         out.queued = runs.iter().map(rows::read).collect::<Result<_, _>>()?;
     }
@@ -540,20 +625,19 @@ pub(super) fn read_poll_first(answers: &mut impl Iterator<Item = Vec<Row>>) -> R
     Ok(out)
 }
 
-/// A poll's queue probe ([`queue_probe`]): its statements, which of their answers
-/// holds the runs (none: no session, or no room), and the session's room.
+/// A poll's queue probe ([`Queue`]; none: no session, or no room), the session's room,
+/// and how many runs the probe takes at most.
 pub(super) struct Probe {
-    pub(super) statements: Vec<Statement>,
-    pub(super) at: Option<usize>,
+    pub(super) queue: Option<Queue>,
     pub(super) room: usize,
-    /// How many runs the probe takes at most: the room and `extra` more.
+    /// The room and `extra` more.
     pub(super) limit: usize,
 }
 
 /// The queue probe of a poll whose first round trip read `loaded`, taking up to `extra`
 /// runs more than its room (a wave of polls: [`super::polls`]).
 pub(super) fn poll_probe(loaded: &Rows, extra: usize) -> Result<Probe, Error> {
-    let none = Probe { statements: Vec::new(), at: None, room: 0, limit: 0 };
+    let none = Probe { queue: None, room: 0, limit: 0 };
     // No session, no placement.
     let Some(session) = &loaded.session else { return Ok(none) };
     // The session's own worker, whatever the keys named.
@@ -563,8 +647,7 @@ pub(super) fn poll_probe(loaded: &Rows, extra: usize) -> Result<Probe, Error> {
         return Ok(none);
     }
     let limit = room.saturating_add(extra).min(PLACEMENT_BATCH);
-    let (statements, at) = queue_probe(session, trusted.as_ref(), limit)?;
-    Ok(Probe { statements, at: Some(at), room, limit })
+    Ok(Probe { queue: Some(Queue::of(session, trusted.as_ref())?), room, limit })
 }
 
 /// The pipelined load of a fenced command (see the module doc).

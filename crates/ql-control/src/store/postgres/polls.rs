@@ -6,7 +6,8 @@
 //! (README, Benchmarks). As a wave they take three in all, the last carrying the group's
 //! COMMIT when the wave ends it: every poll's first load ([`load::poll_first`]) set-based
 //! in one pipeline, a statement for all of each of its four reads ([`first`]), every
-//! poll's queue probe with one DB time for all in a second, and every poll's writes,
+//! poll's queue probe (those by label sets as one statement: [`load::probes`]) with
+//! one DB time for all in a second, and every poll's writes,
 //! merged where they are alike ([`wave::record`]), in a third. The generic plans
 //! ([`load::GENERIC_PLANS`]) are chosen first, as a wave of fenced commands does, so
 //! that a wave's size never makes PostgreSQL plan its statements afresh.
@@ -66,25 +67,38 @@ impl PgStore {
         let mut sent = statements.len();
         let answers = tx.begun(begin, statements).await?;
         let loaded = read_first(&ordered, answers)?;
-        // Each probe, its runs' answer in the batch; every room before it is its extra.
+        // Each probe: its room and limit, and where its runs are, probes by label sets
+        // all in one statement; every room before it is its extra.
         let (mut batch, mut probes, mut before) = (Vec::<Statement>::new(), Vec::new(), 0usize);
-        for rows in &loaded {
+        let (mut by_fits, mut limits) = (Vec::new(), HashMap::new());
+        for (poll, rows) in loaded.iter().enumerate() {
             let probe = load::poll_probe(rows, before)?;
             before = before.saturating_add(probe.room);
-            alone += probe.statements.len() + 1;
-            let mut at = None;
-            for (j, statement) in probe.statements.into_iter().enumerate() {
-                // The first round trip chose the generic plans for the whole transaction.
-                if statement.0 == load::GENERIC_PLANS {
-                    continue;
+            let found = match probe.queue {
+                None => {
+                    alone += 1; // DB time
+                    Found::Nothing
                 }
-                if probe.at == Some(j) {
-                    at = Some(batch.len());
+                Some(load::Queue::Fits { trusted, fits }) => {
+                    alone += 3; // the generic plans, the probe, DB time
+                    limits.insert(poll, probe.limit);
+                    by_fits.push((poll, trusted, fits, probe.limit));
+                    Found::Fits
                 }
-                batch.push(statement);
-            }
-            probes.push((at, probe.room, probe.limit));
+                Some(queue) => {
+                    let (statements, at) = queue.statements(probe.limit);
+                    alone += statements.len() + 1;
+                    let at = batch.len() + at;
+                    batch.extend(statements);
+                    Found::At(at)
+                }
+            };
+            probes.push((found, probe.room, probe.limit));
         }
+        let fits_at = (!by_fits.is_empty()).then(|| {
+            batch.push(load::probes(by_fits));
+            batch.len() - 1
+        });
         let admits: Vec<Option<Admit<'_>>> = order.iter().map(|&i| admit_of(jobs[i].audit.as_ref())).collect();
         batch.push(wave::stamps(offset, &admits));
         sent += batch.len();
@@ -94,14 +108,22 @@ impl PgStore {
         if stamps.len() != order.len() {
             return Err(Error::Corrupt(format!("DB time read {} rows for {} polls", stamps.len(), order.len())));
         }
+        let mut by_fits = match fits_at {
+            Some(at) => load::probed(std::mem::take(&mut answers[at]), &limits)?,
+            None => HashMap::new(),
+        };
         let mut done: Vec<Option<Done>> = jobs.iter().map(|_| None).collect();
         let (mut placed, mut records) = (Vec::new(), Vec::new());
-        for ((((&i, mut rows), (at, room, limit)), stamp), admit) in
-            order.iter().zip(loaded).zip(probes).zip(stamps).zip(&admits)
+        for (poll, ((((&i, mut rows), (found, room, limit)), stamp), admit)) in
+            order.iter().zip(loaded).zip(probes).zip(stamps).zip(&admits).enumerate()
         {
-            if let Some(at) = at {
-                let found: Vec<Run> =
-                    answers.get(at).into_iter().flatten().map(super::rows::read).collect::<Result<_, _>>()?;
+            let runs = match found {
+                Found::Nothing => None,
+                Found::Fits => Some(by_fits.remove(&poll).unwrap_or_default()),
+                Found::At(at) => Some(std::mem::take(&mut answers[at])),
+            };
+            if let Some(runs) = runs {
+                let found: Vec<Run> = runs.iter().map(super::rows::read).collect::<Result<_, _>>()?;
                 let seen = found.len();
                 let mut queued: Vec<Run> = found.into_iter().filter(|r| !placed.contains(&r.id)).collect();
                 if queued.len() < room && seen == limit {
@@ -122,6 +144,16 @@ impl PgStore {
         let merged = wave::record(&mut tx, records, commit).await?;
         Ok((done, (saved_loads + merged) as u64, commit))
     }
+}
+
+/// Where a poll's queued runs are in the answers of a wave's second round trip.
+enum Found {
+    /// No probe: no session, or no room.
+    Nothing,
+    /// In the one probe of every poll by label sets ([`load::probes`]).
+    Fits,
+    /// In the answer at this index (a scan).
+    At(usize),
 }
 
 /// The wave's sessions, each locked as a poll locks its own, in key order.

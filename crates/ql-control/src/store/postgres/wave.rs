@@ -26,7 +26,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::Row;
 
 use super::found;
-use super::load::{self, COMPLETION_EVENT_SQL};
+use super::load::{self, COMPLETION_EVENTS_OF};
 use super::rows::{self, ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SESSION_COLS};
 use super::{admit_of, counted, Admit, Done, Error, PgStore, Statement, Tx, AUDIT_SQL};
 use crate::core::{self, COMPLETION_EVENT};
@@ -95,7 +95,7 @@ pub(super) fn texts(ids: impl Iterator<Item = String>) -> rows::Params {
 }
 
 /// The load of a wave of fenced commands (`BEGIN` not included): every fence, each
-/// level's rows, the offers named, the completion events named, and DB time with every
+/// level's rows, the offers named, the completion events named (one statement for all), and DB time with every
 /// admission last. [`split`] reads the answers.
 fn loads(keys: &[core::Keys], offset: i64, admits: &[Option<Admit<'_>>]) -> Vec<Statement> {
     let named = |k: &core::Keys| {
@@ -117,10 +117,10 @@ fn loads(keys: &[core::Keys], offset: i64, admits: &[Option<Admit<'_>>]) -> Vec<
         let offers = keys.iter().filter_map(|k| k.offer.as_ref().map(|o| o.as_str().to_owned()));
         out.push((OFFERS.as_str().into(), texts(offers)));
     }
-    for (k, id) in keys.iter().zip(&ids) {
-        if k.completion_event {
-            out.push((COMPLETION_EVENT_SQL.as_str().into(), vec![Box::new(id.0.clone()), Box::new(COMPLETION_EVENT)]));
-        }
+    let events: Vec<String> =
+        keys.iter().zip(&ids).filter(|(k, _)| k.completion_event).map(|(_, id)| id.0.clone()).collect();
+    if !events.is_empty() {
+        out.push((COMPLETION_EVENTS_OF.as_str().into(), vec![Box::new(events), Box::new(COMPLETION_EVENT)]));
     }
     out.push(stamps(offset, admits));
     out
@@ -149,8 +149,13 @@ fn split(keys: &[core::Keys], answers: impl Iterator<Item = Vec<Row>>) -> Result
         found.push(by_key(next(), key)?);
     }
     let mut offers = if keys.iter().any(|k| k.offer.is_some()) { by_key(next(), "id")? } else { HashMap::new() };
-    let mut events: Vec<Option<Vec<Row>>> =
-        keys.iter().map(|k| if k.completion_event { Some(next()) } else { None }).collect();
+    let mut events: HashMap<String, Vec<Row>> = HashMap::new();
+    if keys.iter().any(|k| k.completion_event) {
+        for row in next() {
+            let attempt: Option<String> = row.try_get("attempt_id").map_err(Error::Pg)?;
+            events.entry(attempt.unwrap_or_default()).or_default().push(row);
+        }
+    }
     let stamps = next();
     if stamps.len() != keys.len() {
         return Err(Error::Corrupt(format!("DB time read {} rows for {} commands", stamps.len(), keys.len())));
@@ -159,7 +164,7 @@ fn split(keys: &[core::Keys], answers: impl Iterator<Item = Vec<Row>>) -> Result
         id.and_then(|id| found[level].remove(id)).into_iter().collect()
     };
     let mut out = Vec::with_capacity(keys.len());
-    for ((k, stamp), event) in keys.iter().zip(stamps).zip(events.iter_mut()) {
+    for (k, stamp) in keys.iter().zip(stamps) {
         let attempt = k.attempt.as_ref().map(|a| a.as_str());
         let mut answers = vec![
             Vec::new(),
@@ -171,8 +176,8 @@ fn split(keys: &[core::Keys], answers: impl Iterator<Item = Vec<Row>>) -> Result
         if let Some(o) = &k.offer {
             answers.push(offers.remove(o.as_str()).into_iter().collect());
         }
-        if let Some(rows) = event.take() {
-            answers.push(rows);
+        if k.completion_event {
+            answers.push(attempt.and_then(|a| events.remove(a)).unwrap_or_default());
         }
         answers.push(vec![stamp]);
         out.push(answers);
