@@ -554,6 +554,50 @@ async fn a_waves_load_reads_only_the_runs_it_names() {
     assert!(read <= 4.0, "the lock read {read} runs for four keys: {plan}");
 }
 
+/// The keys every command probes compare byte for byte (migration 0019), as SQLite's
+/// do, whatever the database's collation: each column is "C", and so is `events_once`,
+/// whose key is an expression of one.
+#[tokio::test]
+async fn the_keys_of_the_hot_tables_compare_byte_for_byte() {
+    let b = Pg::new().await;
+    let owner = connect(&b.db().url("ql_owner")).await;
+    let keys = [
+        ("sessions", "id"),
+        ("sessions", "worker"),
+        ("runs", "id"),
+        ("runs", "current_attempt_id"),
+        ("attempts", "id"),
+        ("attempts", "run_id"),
+        ("attempts", "offer_id"),
+        ("attempts", "session_id"),
+        ("leases", "attempt_id"),
+        ("leases", "run_id"),
+        ("offers", "id"),
+        ("offers", "run_id"),
+        ("offers", "attempt_id"),
+        ("offers", "session_id"),
+        ("events", "id"),
+        ("events", "run_id"),
+        ("events", "attempt_id"),
+        ("events", "kind"),
+        ("log_chunks", "attempt_id"),
+        ("deliveries", "run_id"),
+        ("workers", "id"),
+        ("certificates", "serial"),
+        ("certificates", "worker"),
+    ];
+    let collation = "SELECT c.collname::text FROM pg_attribute a JOIN pg_collation c ON c.oid = a.attcollation \
+                     WHERE a.attrelid = $1::text::regclass AND a.attname = $2";
+    for (table, column) in keys {
+        let name: String = owner.query_one(collation, &[&table, &column]).await.unwrap().get(0);
+        assert_eq!(name, "C", "{table}.{column}");
+    }
+    let index = "SELECT c.collname::text FROM pg_index i, unnest(i.indcollation) AS k (oid) \
+                 JOIN pg_collation c ON c.oid = k.oid WHERE i.indexrelid = 'events_once'::regclass";
+    let names: Vec<String> = owner.query(index, &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(names, ["C", "C", "C"], "events_once (run_id, COALESCE(attempt_id, ''), kind)");
+}
+
 /// A wave of completions reads each attempt's completion event by a probe of the
 /// events' unique key, on the generic plan it runs on, however many events other
 /// attempts have: 2,000 attempts with three events each, four named.
