@@ -95,8 +95,8 @@ pub(super) fn texts(ids: impl Iterator<Item = String>) -> rows::Params {
 }
 
 /// The load of a wave of fenced commands (`BEGIN` not included): every fence, each
-/// level's rows, the offers named, the completion events named (one statement for all), and DB time with every
-/// admission last. [`split`] reads the answers.
+/// level's rows, the offers named, the completion events named (one statement for all),
+/// and DB time with every admission last. [`split`] reads the answers.
 fn loads(keys: &[core::Keys], offset: i64, admits: &[Option<Admit<'_>>]) -> Vec<Statement> {
     let named = |k: &core::Keys| {
         let (Some(a), Some(s), Some(r)) = (&k.attempt, &k.session, &k.run) else {
