@@ -238,8 +238,8 @@ pub static QUEUE_PROBE: LazyLock<String> = LazyLock::new(|| {
 /// each poll, each probed as [`QUEUE_PROBE`] probes one, in the order of the rows (so the
 /// runs are locked in the order the polls' own probes would lock them, one after
 /// another). Each run found is tagged with its poll (`probe`), and the answer is in
-/// poll order, each poll's runs oldest first: a poll keeps its first `limit`
-/// ([`probed`]).
+/// poll order, each poll's runs oldest first ([`probed`]): a poll keeps the first up to
+/// its limit, as its own probe's outer `LIMIT` would.
 #[doc(hidden)]
 pub static QUEUE_PROBES_OF: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -322,16 +322,14 @@ pub(super) fn probes(probes: Vec<(usize, String, Vec<String>, usize)>) -> Statem
     (QUEUE_PROBES_OF.as_str().into(), vec![Box::new(n), Box::new(trusted), Box::new(fit), Box::new(lim)])
 }
 
-/// Each poll's runs in the answer to [`probes`], oldest first, at most its `limit`.
-pub(super) fn probed(rows: Vec<Row>, limits: &HashMap<usize, usize>) -> Result<HashMap<usize, Vec<Row>>, Error> {
+/// Each poll's runs in the answer to [`probes`], oldest first (all a probe by set took:
+/// the poll keeps the first of them up to its limit, as one poll's probe does).
+pub(super) fn probed(rows: Vec<Row>) -> Result<HashMap<usize, Vec<Row>>, Error> {
     let mut out: HashMap<usize, Vec<Row>> = HashMap::new();
     for row in rows {
         let poll: i64 = row.try_get("probe").map_err(Error::Pg)?;
         let poll = usize::try_from(poll).map_err(|_| Error::Corrupt(format!("a queue probe of poll {poll}")))?;
-        let runs = out.entry(poll).or_default();
-        if runs.len() < limits.get(&poll).copied().unwrap_or(0) {
-            runs.push(row);
-        }
+        out.entry(poll).or_default().push(row);
     }
     Ok(out)
 }

@@ -70,7 +70,7 @@ impl PgStore {
         // Each probe: its room and limit, and where its runs are, probes by label sets
         // all in one statement; every room before it is its extra.
         let (mut batch, mut probes, mut before) = (Vec::<Statement>::new(), Vec::new(), 0usize);
-        let (mut by_fits, mut limits) = (Vec::new(), HashMap::new());
+        let mut by_fits = Vec::new();
         for (poll, rows) in loaded.iter().enumerate() {
             let probe = load::poll_probe(rows, before)?;
             before = before.saturating_add(probe.room);
@@ -81,7 +81,6 @@ impl PgStore {
                 }
                 Some(load::Queue::Fits { trusted, fits }) => {
                     alone += 3; // the generic plans, the probe, DB time
-                    limits.insert(poll, probe.limit);
                     by_fits.push((poll, trusted, fits, probe.limit));
                     Found::Fits
                 }
@@ -109,7 +108,7 @@ impl PgStore {
             return Err(Error::Corrupt(format!("DB time read {} rows for {} polls", stamps.len(), order.len())));
         }
         let mut by_fits = match fits_at {
-            Some(at) => load::probed(std::mem::take(&mut answers[at]), &limits)?,
+            Some(at) => load::probed(std::mem::take(&mut answers[at]))?,
             None => HashMap::new(),
         };
         let mut done: Vec<Option<Done>> = jobs.iter().map(|_| None).collect();
@@ -119,7 +118,11 @@ impl PgStore {
         {
             let runs = match found {
                 Found::Nothing => None,
-                Found::Fits => Some(by_fits.remove(&poll).unwrap_or_default()),
+                Found::Fits => {
+                    let mut runs = by_fits.remove(&poll).unwrap_or_default();
+                    runs.truncate(limit);
+                    Some(runs)
+                }
                 Found::At(at) => Some(std::mem::take(&mut answers[at])),
             };
             if let Some(runs) = runs {
