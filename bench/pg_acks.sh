@@ -17,6 +17,8 @@
 #   ROUNDS=3 bench/pg_acks.sh                  # three rounds in turn, a ratio for each
 #   RENEWALS=50 bench/pg_acks.sh               # jobs of fifty lease renewals (default 5)
 #   CLIENTS="8 16 32 64" bench/pg_acks.sh      # other client counts (default "8 64")
+#   LOW_LATENCY=1 bench/pg_acks.sh             # the whole run (pgbench too) with idle cores kept
+#                                              # awake: a CPU latency request of 0 (root)
 #
 # Each client count runs CYCLES_8 / CYCLES_64 cycles of RENEWALS + 3 ACKs per client (by
 # default 5 renewals, a job of about a minute at the default 30 s lease, and 9,600 and
@@ -42,6 +44,14 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
+
+# LOW_LATENCY: a PM QoS request of 0 us held on /dev/cpu_dma_latency until the script
+# exits, so that idle cores poll instead of sleeping (as a host tuned for latency does,
+# e.g. tuned's latency-performance profile): every phase, pgbench's too, runs with it.
+if [ -n "${LOW_LATENCY:-}" ]; then
+  exec {qos}>/dev/cpu_dma_latency || { echo "LOW_LATENCY needs /dev/cpu_dma_latency writable (root)" >&2; exit 1; }
+  echo 0 >&"$qos"
+fi
 
 eval "$(scripts/pg start "$work/cluster" --durable)"
 pgbin=$(cat "$work/cluster/bindir")
@@ -95,6 +105,7 @@ pg_url=$(sed -n 's/^listening on //p' "$work/pg-state/serve.out")
 
 echo "# $(uname -m), $(nproc) cores; PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') (fsync on),"
 echo "# server: $bin serve --database (one replica, pool of ${PG_POOL:-16} connections, pg_lanes ${PG_LANES:-default}, pg_lane_fill ${PG_FILL:-default})"
+[ -z "${LOW_LATENCY:-}" ] || echo "# LOW_LATENCY: a CPU latency request of 0 us held for the whole run (idle cores poll)"
 renewals=${RENEWALS:-5}
 per_cycle=$((renewals + 3))
 cycles_for() {
