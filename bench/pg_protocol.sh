@@ -13,7 +13,7 @@
 #
 # The store sends its statements as pipelines, but tokio-postgres puts a Sync after each
 # one; the first two bound what one Sync per pipeline could save. The last two size a
-# deferred foreign-key check, which a group's events cost at COMMIT (README, Benchmarks).
+# deferred foreign-key check, which a group's events cost at COMMIT (bench/RESULTS.md).
 #
 #   bench/pg_protocol.sh
 #   ROUNDS=3 SECONDS_EACH=10 bench/pg_protocol.sh

@@ -106,7 +106,7 @@ pub struct Config {
     /// Threads that serve connections (TLS, HTTP), beside the SQLite writer's own; 0: the
     /// store's ([`serving_threads`](crate::serve::serving_threads)). Every hand-off between
     /// threads is a wake-up: on SQLite, one thread made an idle fleet of 10,000 cost 40 %
-    /// less CPU than two (README, Benchmarks). One is the main thread, on tokio's
+    /// less CPU than two (bench/RESULTS.md). One is the main thread, on tokio's
     /// current-thread scheduler: a multi-thread runtime's one worker wakes its own I/O
     /// driver for every task an I/O event wakes.
     pub runtime_threads: u64,

@@ -17,7 +17,7 @@ use cli::setup::{Enroll, Init, Migrate, OperatorCmd, Serve};
 use cli::workers::{Label, Workers};
 
 /// The server allocates for every request, statement and row it reads. mimalloc took
-/// 12 % off the server's CPU per ACK against glibc's malloc (README, Benchmarks), with the
+/// 12 % off the server's CPU per ACK against glibc's malloc (bench/RESULTS.md), with the
 /// same memory per idle agent.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

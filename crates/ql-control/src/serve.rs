@@ -298,7 +298,7 @@ pub fn api_config(config: &Config) -> ApiConfig {
 /// the lanes and their database connections run on these threads too. On two cores, which
 /// such a replica often shares with its database, a hand-off between two threads wakes a
 /// core that may be asleep: at 8 agents in step, one thread made 8 % more ACKs than two
-/// in alternate rounds, and as many at 64 (README, Benchmarks).
+/// in alternate rounds, and as many at 64 (bench/RESULTS.md).
 pub fn serving_threads(configured: u64, postgres: bool, cores: usize) -> usize {
     match configured {
         0 if postgres && cores > 2 => 2,
@@ -325,7 +325,7 @@ pub fn run(dir: &Path, listen: Listen, database: Option<String>) -> Result<(), S
     // One thread: the current-thread scheduler on this one. A multi-thread runtime's
     // single worker would wake its own I/O driver (an eventfd write and another
     // epoll_wait) for each task an I/O event wakes: 7 % of the server's CPU under the
-    // PostgreSQL ACK benchmark (README, Benchmarks).
+    // PostgreSQL ACK benchmark (bench/RESULTS.md).
     let mut builder = match threads {
         1 => tokio::runtime::Builder::new_current_thread(),
         _ => {

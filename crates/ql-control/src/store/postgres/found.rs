@@ -15,7 +15,7 @@
 //!
 //! Writes into different tables could go as one statement of several such `WITH`
 //! queries, a statement fewer each; measured, that gained nothing at 8 agents and cost a
-//! tenth at 64, whose mixed groups made many more texts to prepare (README, Benchmarks).
+//! tenth at 64, whose mixed groups made many more texts to prepare (bench/RESULTS.md).
 
 use std::borrow::Cow;
 

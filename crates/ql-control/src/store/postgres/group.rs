@@ -319,7 +319,7 @@ fn decided<'a>(sessions: impl Iterator<Item = &'a str>, answers: &[Answer]) -> V
 /// Waiting for the sessions of only the last group would leave a lane whose agents split
 /// into two halves running half groups for ever, each queued while the other runs.
 /// Measured at 8 agents: groups of 8 instead of 4, a renewal answered in 2.1–2.6 ms
-/// instead of 3.6–4.3, a fifth more ACKs (README, Benchmarks).
+/// instead of 3.6–4.3, a fifth more ACKs (bench/RESULTS.md).
 fn expected(recent: &[Vec<String>; 2]) -> usize {
     let mut sessions: Vec<&str> = recent.iter().flatten().map(String::as_str).collect();
     sessions.sort_unstable();

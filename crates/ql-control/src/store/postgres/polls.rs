@@ -3,7 +3,7 @@
 //!
 //! Agents that move in step poll in step: at 8 agents, eight polls reach a lane at once.
 //! One after another, each takes its own two load round trips and a third for its writes
-//! (README, Benchmarks). As a wave they take three in all, the last carrying the group's
+//! (bench/RESULTS.md). As a wave they take three in all, the last carrying the group's
 //! COMMIT when the wave ends it: every poll's first load ([`load::poll_first`]) set-based
 //! in one pipeline, a statement for all of each of its four reads ([`first`]), every
 //! poll's queue probe (those by label sets as one statement: [`load::probes`]) with

@@ -4,7 +4,7 @@
 //! PostgreSQL's cost of a statement follows the relations and indexes it opens, much
 //! more than the rows it touches: eight renewals' locked loads as one statement per
 //! table, and their audit records and lease writes as one statement each, cost it about
-//! a third less than the same rows a statement each (README, Benchmarks). So a wave
+//! a third less than the same rows a statement each (bench/RESULTS.md). So a wave
 //! sends one statement per level of the lock order for all its commands, each level's
 //! rows locked in key order (the order of [`load`]'s module doc still
 //! holds, level by level), and one for DB time with every admission; then reads each

@@ -4,7 +4,7 @@
 //! SQLite's automatic checkpoint runs inside the COMMIT that crosses
 //! `wal_autocheckpoint` pages, on the committing connection: the writer, whose batch then
 //! waits for the copy and two more syncs (the WAL's, then the database file's). Under 64
-//! concurrent clients that was a quarter of the server's sync calls (README, Benchmarks).
+//! concurrent clients that was a quarter of the server's sync calls (bench/RESULTS.md).
 //! This thread instead runs a `PASSIVE` checkpoint every
 //! [`SqliteOptions::checkpoint_interval`](super::SqliteOptions::checkpoint_interval)
 //! once something was committed since the last one (`PRAGMA data_version`): `PASSIVE`
