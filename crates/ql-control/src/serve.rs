@@ -294,11 +294,12 @@ pub fn api_config(config: &Config) -> ApiConfig {
 
 /// How many threads serve connections: `configured` (at most 64), or with 0 the store's
 /// own. One on SQLite, whose writer has a thread of its own: an idle fleet costs least
-/// there. On PostgreSQL one too on a machine of one or two cores, and two on more, since
-/// the lanes and their database connections run on these threads too. On two cores, which
-/// such a replica often shares with its database, a hand-off between two threads wakes a
-/// core that may be asleep: at 8 agents in step, one thread made 8 % more ACKs than two
-/// in alternate rounds, and as many at 64 (bench/RESULTS.md).
+/// there. On PostgreSQL, where the lanes and their database connections run on these
+/// threads too, one on a machine of one or two cores and two on more: on two cores a
+/// hand-off between two threads often wakes a core that sleeps, which costs more than the
+/// second thread gains (at 8 agents in step, with the database on the same two cores, one
+/// thread made 8 % more ACKs than two in alternate rounds, and as many at 64;
+/// bench/RESULTS.md).
 pub fn serving_threads(configured: u64, postgres: bool, cores: usize) -> usize {
     match configured {
         0 if postgres && cores > 2 => 2,
