@@ -38,7 +38,8 @@ use crate::log::Level;
 /// Where the agent looks for its configuration when `--config` is not given.
 pub(crate) const DEFAULT_PATH: &str = "/etc/ql-agent/agent.conf";
 
-/// A setting's name, its default (`None`: required or empty), and a one-line description.
+/// A setting's name, its default (`None`: required; `Some("")`: optional, unset unless
+/// given), and a one-line description.
 /// The README's table is written from the same list.
 pub(crate) const SETTINGS: &[(&str, Option<&str>, &str)] = &[
     ("server", None, "base URL of ql-control, `https://host:port`"),
@@ -73,7 +74,7 @@ pub(crate) const SETTINGS: &[(&str, Option<&str>, &str)] = &[
     ("lock_wait_ms", Some("120000"), "at start, how long to wait for another agent using state_dir to exit"),
     (
         "reload_marker",
-        None,
+        Some(""),
         "a file whose presence turns the next SIGTERM into a handover (exit at once, jobs run on): set by a service manager's reload",
     ),
 ];
@@ -382,7 +383,7 @@ mod tests {
         // The defaults in SETTINGS are what the README shows: each must be valid on its own.
         let mut text = MINIMAL.to_owned();
         for (key, default, _) in SETTINGS {
-            if let (Some(d), false) = (default, MINIMAL.contains(key)) {
+            if let (Some(d), false) = (default.filter(|d| !d.is_empty()), MINIMAL.contains(key)) {
                 text.push_str(&format!("{key} = {d}\n"));
             }
         }
@@ -480,7 +481,11 @@ mod tests {
         for (key, default, _) in SETTINGS {
             let row =
                 section.lines().find(|l| l.starts_with(&format!("| `{key}` |"))).unwrap_or_else(|| panic!("{key}"));
-            let want = default.map_or("required".to_owned(), |d| format!("`{d}`"));
+            let want = match default {
+                None => "required".to_owned(),
+                Some("") => "none".to_owned(),
+                Some(d) => format!("`{d}`"),
+            };
             assert!(row.contains(&format!("| {want} |")), "{key}: {row}");
         }
         assert!(section.contains("| `label.<name>` |"));

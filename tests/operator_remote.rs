@@ -156,8 +156,17 @@ fn the_quickstart_runs_remotely_through_the_operator_api() {
     let refused = remote(&w, &viewer, &["submit", "--", "true"]);
     assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("may not"));
     assert_eq!(run_ids(), before, "nothing was queued");
-    let refused = remote(&w, &admin, &["operator", "list"]);
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("not through --server"));
+    for local in [
+        &["init"][..],
+        &["enroll", "w9"],
+        &["serve"],
+        &["migrate", "--database", "host=/nonexistent"],
+        &["operator", "list"],
+    ] {
+        let refused = remote(&w, &admin, local);
+        let said = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success() && said.contains("not through --server"), "{local:?}: {said}");
+    }
     let wrong = remote(&w, "ops.AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", &["runs"]);
     assert!(!wrong.status.success() && String::from_utf8_lossy(&wrong.stderr).contains("operator token"));
 }

@@ -175,7 +175,9 @@ fn with_authority<T>(
 /// the credentials it makes).
 fn local_only(reach: &Reach, command: &str) -> Result<(), String> {
     match reach.server() {
-        Some(_) => Err(format!("{command} works on the state directory or database only, not through --server")),
+        Some(_) => Err(format!(
+            "{command} works on the state directory or database only, not through --server (or $QL_CONTROL_SERVER)"
+        )),
         None => Ok(()),
     }
 }
@@ -203,8 +205,8 @@ fn main() -> ExitCode {
         Cmd::Init(cmd) => local_only(&reach, "init").and_then(|()| cli::setup::init(cmd)),
         Cmd::Enroll(cmd) => local_only(&reach, "enroll").and_then(|()| cli::setup::enroll(cmd)),
         Cmd::Label(cmd) => cli::workers::label(&reach, cmd),
-        Cmd::Serve(cmd) => cli::setup::serve(cmd),
-        Cmd::Migrate(cmd) => cli::setup::migrate(cmd),
+        Cmd::Serve(cmd) => local_only(&reach, "serve").and_then(|()| cli::setup::serve(cmd)),
+        Cmd::Migrate(cmd) => local_only(&reach, "migrate").and_then(|()| cli::setup::migrate(cmd)),
         Cmd::Submit(cmd) => cli::runs::submit(&reach, cmd),
         Cmd::Cancel(cmd) => cli::runs::cancel(&reach, cmd),
         Cmd::Runs(cmd) => cli::runs::runs(&reach, cmd),
