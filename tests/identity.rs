@@ -93,7 +93,17 @@ fn a_token_enrols_a_device_whose_certificate_renews_twice_during_one_run() {
     fs::write(&config, text).unwrap();
     let mut agent = Agent::spawn_with(&agent_bin(), &root.0.join("w9.err"), config, &[]);
     let context = || format!("--- agent ---\n{}\n--- control ---\n{}", agent_log(&root.0), control.log());
-    let run = control.submit(&["--", "sh", "-c", "echo begin; sleep 10; echo end"]);
+    // The job runs until the agent has renewed its certificate twice (three serials).
+    let gate = root.0.join("gate");
+    let job = format!("echo begin; while [ ! -e '{}' ]; do sleep 0.05; done; echo end", gate.display());
+    let run = control.submit(&["--", "sh", "-c", &job]);
+    common::wait_for("the job to start", context, || (control.show(&run)["status"] == "running").then_some(()));
+    let renewed = || agent_log(&root.0).matches("certificate renewed").count();
+    let (issued, renewals) = (serials(&control, "w9").len(), renewed());
+    common::wait_for("two renewals while the job runs", context, || {
+        (serials(&control, "w9").len() >= issued + 2 && renewed() >= renewals + 2).then_some(())
+    });
+    fs::write(&gate, b"").unwrap();
     let shown = common::wait_for("the run to succeed", context, || {
         let shown = control.show(&run);
         (shown["status"] == "succeeded").then_some(shown)

@@ -73,9 +73,10 @@ fn logs_follow_prints_a_line_while_the_job_runs_then_checks_the_stored_log() {
     };
     let context = || format!("--- agent ---\n{}\n--- control ---\n{}", agent.log(), control.log());
     wait_for("the job to print its first line", context, || printed.exists().then_some(()));
-    // The line is on the follower's screen within two seconds of the job printing it.
+    // The line reaches the follower's screen while the job, held by its gate, still runs
+    // (how long it took is printed, not asserted).
     let printed_at = Instant::now();
-    wait_within(Duration::from_secs(2), "the follower to print the first line", context, || {
+    wait_for("the follower to print the first line", context, || {
         seen.lock().unwrap().starts_with(b"first line\n").then_some(())
     });
     eprintln!("first line followed {} ms after it was printed", printed_at.elapsed().as_millis());

@@ -14,9 +14,10 @@ use common::{attempt, World};
 fn a_control_plane_down_longer_than_a_lease_loses_no_running_job() {
     // Leases of 3 s and sessions of 5 s (SHORT_TIMINGS); the outage lasts 6 s.
     let mut w = World::new("outage", &[("capacity", "3")]);
-    let runs: Vec<String> = (0..3)
-        .map(|i| w.control.submit(&["--", "sh", "-c", &format!("echo start {i}; sleep 9; echo end {i}")]))
-        .collect();
+    // The jobs run until the restarted ql-control has served them again.
+    let gate = w.path("gate");
+    let job = |i| format!("echo start {i}; while [ ! -e '{}' ]; do sleep 0.05; done; echo end {i}", gate.display());
+    let runs: Vec<String> = (0..3).map(|i| w.control.submit(&["--", "sh", "-c", &job(i)])).collect();
     for run in &runs {
         w.wait_status(run, "running");
     }
@@ -28,6 +29,15 @@ fn a_control_plane_down_longer_than_a_lease_loses_no_running_job() {
     std::thread::sleep(Duration::from_secs(6));
     let restarted = common::Control::serve(&w.control.bin, &w.control.dir, &addr, &w.control.stderr, &[]);
     w.control = restarted;
+    common::wait_for(
+        "the restart to give the outage back",
+        || w.context(),
+        || w.control.log().contains("gave that time back").then_some(()),
+    );
+    for run in &runs {
+        assert_eq!(w.control.show(run)["status"], "running", "the job ran through the outage");
+    }
+    std::fs::write(&gate, b"").unwrap();
     for (i, run) in runs.iter().enumerate() {
         let shown = w.wait_status(run, "succeeded");
         assert_eq!(shown["attempts"].as_array().unwrap().len(), 1, "exactly once: {shown}");

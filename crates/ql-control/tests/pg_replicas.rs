@@ -455,7 +455,11 @@ fn agent_loop(index: usize, mut a: Agent, stop: Arc<AtomicBool>) {
 
 /// Runs `runs` runs through `replicas` servers on `database` with `agents` agents while
 /// an operator cancels some; `restart` is called once, a third of the way through.
-async fn stress(db_url: &str, replicas: usize, agents: usize, runs: usize, restart: Option<Box<dyn FnOnce() + Send>>) {
+/// What a stress does to the system once a third of its runs ended (it may read what the
+/// agents saw so far).
+type Disruption = Box<dyn FnOnce(Arc<Mutex<Tally>>) + Send>;
+
+async fn stress(db_url: &str, replicas: usize, agents: usize, runs: usize, restart: Option<Disruption>) {
     let tmp = TempDir::new("pg-replicas");
     let dir = state_dir(&tmp);
     let servers: Vec<Server> = (0..replicas).map(|_| Server::start(&dir, db_url)).collect();
@@ -474,7 +478,7 @@ async fn stress_on(
     logs: bool,
     agents: usize,
     runs: usize,
-    restart: Option<Box<dyn FnOnce() + Send>>,
+    restart: Option<Disruption>,
 ) -> Tally {
     let store = PgStore::open(db_url, PgOptions { pool_size: 2, ..PgOptions::default() }).await.unwrap();
 
@@ -528,12 +532,14 @@ async fn stress_on(
         }
         if done >= runs / 3 {
             if let Some(f) = restart.take() {
-                tokio::task::spawn_blocking(f).await.unwrap();
+                let tally = tally.clone();
+                tokio::task::spawn_blocking(move || f(tally)).await.unwrap();
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     stop.store(true, Ordering::SeqCst);
+    assert!(restart.is_none(), "the disruption ran");
     for t in threads {
         t.join().unwrap();
     }
@@ -615,11 +621,15 @@ async fn replicas_sharing_only_postgres_and_a_bucket_serve_every_log_from_either
     let proxy = proxy::Proxy::start(servers.iter().map(Server::addr).collect(), 3);
     let outage = {
         let bucket = bucket.clone();
-        move || {
+        move |tally: Arc<Mutex<Tally>>| {
             bucket.lock().unwrap().stop();
-            // The outage itself, not a wait for anything: uploads and completions meet a
-            // bucket that is down, and repeat.
-            std::thread::sleep(Duration::from_secs(2));
+            // Down until an upload has met the outage (refused, to be repeated), then back.
+            let met = || tally.lock().unwrap().answers.get("upload unavailable").is_some_and(|&n| n > 0);
+            let end = Instant::now() + Duration::from_secs(60);
+            while !met() {
+                assert!(Instant::now() < end, "no upload met the bucket's outage");
+                std::thread::sleep(Duration::from_millis(20));
+            }
             bucket.lock().unwrap().restart();
         }
     };
@@ -721,7 +731,7 @@ async fn agents_ride_through_a_postgres_restart_and_converge() {
     ql_control::store::postgres::migrate(&env["QL_PG_OWNER_URL"]).await.unwrap();
     let cluster = Arc::new(cluster);
     let c = cluster.clone();
-    stress(&env["QL_PG_URL"], 2, 6, 300, Some(Box::new(move || c.restart()))).await;
+    stress(&env["QL_PG_URL"], 2, 6, 300, Some(Box::new(move |_| c.restart()))).await;
     drop(cluster);
 }
 

@@ -212,15 +212,40 @@ async fn a_commit_on_one_replica_wakes_the_other() {
         .expect("a submit on one replica wakes the other's long-polls")
         .unwrap();
 
-    // A decision that does not wake (an open, a heartbeat) sends nothing.
-    rx.borrow_and_update();
+    // A decision that does not wake (an open, a heartbeat) sends nothing, nor does a
+    // refused command. PostgreSQL delivers notifications in the order their transactions
+    // committed, so a listener that hears `other`'s submit next heard nothing from them.
+    let (_listening, mut heard) = notifications(&b.db().runtime_url()).await;
+    submit(&a, LONG_TIMEOUT_MS, 0).await;
+    let from_a = next_notification(&mut heard).await;
     let agent = open(&a, "router-1").await;
     assert!(heartbeat(&a, &agent, false).await.is_ok());
-    assert!(tokio::time::timeout(Duration::from_millis(300), rx.changed()).await.is_err(), "a heartbeat wakes nobody");
-    // And a refused command neither.
     let refusal = exec(&a, Command::Cancel("run_missing".parse().unwrap())).await;
     assert_eq!(refusal, Err(ErrorCode::NotFound));
-    assert!(tokio::time::timeout(Duration::from_millis(300), rx.changed()).await.is_err());
+    submit(&other, LONG_TIMEOUT_MS, 0).await;
+    let next = next_notification(&mut heard).await;
+    assert_ne!(next, from_a, "an open, a heartbeat or a refusal notified the other replicas");
+}
+
+/// A connection of its own that listens on `ql_changes` (it listens while the client is
+/// kept), and the payloads of the notifications it hears.
+async fn notifications(url: &str) -> (tokio_postgres::Client, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    let (client, mut connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    // The client's statements need the connection polled: this task polls it for good.
+    tokio::spawn(async move {
+        while let Some(message) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+            if let Ok(tokio_postgres::AsyncMessage::Notification(n)) = message {
+                let _ = tx.send(n.payload().to_owned());
+            }
+        }
+    });
+    client.batch_execute("LISTEN ql_changes").await.unwrap();
+    (client, rx)
+}
+
+async fn next_notification(heard: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
+    tokio::time::timeout(Duration::from_secs(10), heard.recv()).await.expect("a notification").expect("listening")
 }
 
 /// A request whose admission is decided with its command reads it after the command's

@@ -119,14 +119,17 @@ impl Notify {
     /// Reads `$NOTIFY_SOCKET`, `$WATCHDOG_USEC` and `$WATCHDOG_PID`. A socket that cannot
     /// be opened is reported in the error and notification stays off.
     pub fn from_env(now: Instant) -> (Notify, Option<String>) {
-        let period = watchdog_period(
-            std::env::var_os("WATCHDOG_USEC").as_deref(),
-            std::env::var_os("WATCHDOG_PID").as_deref(),
-            std::process::id(),
-        );
-        match std::env::var_os("NOTIFY_SOCKET") {
+        let var = std::env::var_os;
+        let period =
+            watchdog_period(var("WATCHDOG_USEC").as_deref(), var("WATCHDOG_PID").as_deref(), std::process::id());
+        Notify::from_socket(var("NOTIFY_SOCKET").as_deref(), period, now)
+    }
+
+    /// Notification to `address` (`$NOTIFY_SOCKET`; none: off), pinging within `period`.
+    fn from_socket(address: Option<&OsStr>, period: Option<Duration>, now: Instant) -> (Notify, Option<String>) {
+        match address {
             None => (Notify::off(now), None),
-            Some(address) => match Notifier::connect(&address) {
+            Some(address) => match Notifier::connect(address) {
                 Ok(to) => (Notify::new(Some(to), period, now), None),
                 Err(e) => (Notify::off(now), Some(format!("NOTIFY_SOCKET {}: {e}", address.to_string_lossy()))),
             },
@@ -372,13 +375,15 @@ mod tests {
     }
 
     #[test]
-    fn the_environment_without_notify_socket_turns_notification_off() {
-        // The test runner is not a Type=notify service: NOTIFY_SOCKET is unset here unless
-        // the tests themselves run under one, in which case it must parse.
-        let (notify, error) = Notify::from_env(Instant::now());
-        if std::env::var_os("NOTIFY_SOCKET").is_none() {
-            assert!(!notify.is_on());
-            assert!(error.is_none());
-        }
+    fn no_notify_socket_turns_notification_off_and_a_bad_one_says_why() {
+        let now = Instant::now();
+        let (notify, error) = Notify::from_socket(None, Some(Duration::from_secs(30)), now);
+        assert!(!notify.is_on() && error.is_none());
+        let manager = Manager::new();
+        let (notify, error) = Notify::from_socket(Some(manager.address().as_os_str()), None, now);
+        assert!(notify.is_on() && error.is_none(), "{error:?}");
+        let (notify, error) = Notify::from_socket(Some(OsStr::new("run/notify")), None, now);
+        assert!(!notify.is_on());
+        assert!(error.is_some_and(|e| e.starts_with("NOTIFY_SOCKET run/notify: ") && e.contains("absolute")));
     }
 }

@@ -136,15 +136,14 @@ fn a_waiting_poll_wakes_when_work_arrives() {
     let client = server.client("router-1");
     let (session, generation) = client.open(1);
     let before = server.stats().requests();
-    let started = Instant::now();
     let offers = std::thread::scope(|s| {
         let waiting = s.spawn(|| client.poll(&session, generation, 10_000, 1));
         server.wait_for("the poll to arrive", |st| st.requests() > before);
         server.submit();
         waiting.join().unwrap()
     });
+    // Woken, not timed out: at its deadline a poll answers what it began with (nothing).
     assert_eq!(offers.offers.len(), 1);
-    assert!(started.elapsed() < Duration::from_secs(8), "woken, not timed out: {:?}", started.elapsed());
 }
 
 #[test]
@@ -153,7 +152,7 @@ fn the_server_caps_a_polls_wait() {
     let server = Server::start_with("poll-cap", cfg);
     let client = server.client("router-1");
     let (session, generation) = client.open(1);
-    let started = Instant::now();
+    // Uncapped, the poll would outlast the client's patience (20 s) and fail.
+    const _: () = assert!(PATIENCE.as_millis() < 30_000);
     assert!(client.poll(&session, generation, 30_000, 1).offers.is_empty());
-    assert!(started.elapsed() < Duration::from_secs(10), "capped: {:?}", started.elapsed());
 }
