@@ -318,6 +318,38 @@ fn every_page_shows_the_database_escaped_with_a_live_log_and_checked_forms() {
         .send(format!("token={admin}").as_bytes())
         .unwrap();
     assert_eq!(cross_site.status(), 403, "a sign-in posted from another site");
+    // With a session's own CSRF token: nothing from another site, no unknown action,
+    // nothing without the session, and nothing for the read role.
+    let csrf_of = |cookie: &str| {
+        let mut page = client.get(format!("{ui}/schedules")).header("Cookie", format!("__Host-ql_ui={cookie}"));
+        page = page.header("Accept", "text/html");
+        let html = page.call().unwrap().body_mut().read_to_string().unwrap();
+        let field = "name=\"csrf\" value=\"";
+        let at = html.find(field).expect("a form with its CSRF token") + field.len();
+        html[at..].split('"').next().unwrap().to_owned()
+    };
+    let pause = |action: &str, cookie: Option<&str>, csrf: &str, site: &str| {
+        let mut r = client.post(format!("{ui}/schedules/nightly/{action}"));
+        if let Some(cookie) = cookie {
+            r = r.header("Cookie", format!("__Host-ql_ui={cookie}"));
+        }
+        r = r.header("Sec-Fetch-Site", site).header("Content-Type", "application/x-www-form-urlencoded");
+        r.send(format!("csrf={csrf}").as_bytes()).unwrap().status().as_u16()
+    };
+    let csrf = csrf_of(&cookie);
+    assert_eq!(pause("pause", Some(&cookie), &csrf, "cross-site"), 403, "a valid form posted from another site");
+    assert_eq!(pause("frobnicate", Some(&cookie), &csrf, "same-origin"), 404, "an unknown action");
+    assert_eq!(pause("pause", None, &csrf, "same-origin"), 303, "no session: to the sign-in page");
+    let viewer = w.control.operator("viewer", "read");
+    let signed_in = client
+        .post(format!("{ui}/login"))
+        .header("Content-Type", "application/x-www-form-urlencoded")
+        .send(format!("token={viewer}").as_bytes())
+        .unwrap();
+    let set = signed_in.headers()["set-cookie"].to_str().unwrap();
+    let read_cookie = set.strip_prefix("__Host-ql_ui=").unwrap().split(';').next().unwrap().to_owned();
+    let read_csrf = csrf_of(&read_cookie);
+    assert_eq!(pause("pause", Some(&read_cookie), &read_csrf, "same-origin"), 403, "the read role");
     let listed = || String::from_utf8(w.control.cli(&["schedule", "list"]).stdout).unwrap();
     assert!(listed().lines().any(|l| l.starts_with("nightly") && l.contains(" no ")), "{}", listed());
     b.open(&format!("{ui}/schedules"));

@@ -260,20 +260,8 @@ pub fn init_replica(from: &Path, to: &Path, hosts: &[String], with_ca_key: bool)
 pub fn enroll(dir: &Path, worker: &WorkerId, out: &Path, lifetime: Duration) -> Result<(Enrolled, Issued), PkiError> {
     let ca = Ca::load(dir)?;
     let ca_pem = &ca.cert_pem;
-    let cert_path = out.join(format!("{worker}.crt"));
-    let key_path = out.join(format!("{worker}.key"));
-    let ca_path = out.join("ca.crt");
-    for path in [&cert_path, &key_path] {
-        if fs::symlink_metadata(path).is_ok() {
-            return Err(PkiError::Exists(path.clone()));
-        }
-    }
-    let ca_present = match fs::read(&ca_path) {
-        Ok(existing) if existing == ca_pem.as_bytes() => true,
-        Ok(_) => return Err(PkiError::Exists(ca_path.clone())),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
-        Err(e) => return Err(PkiError::Io(ca_path.clone(), e)),
-    };
+    let ca_present = room_for(&ca, worker, out)?;
+    let (cert_path, key_path, ca_path) = out_paths(worker, out);
 
     let key = KeyPair::generate()?;
     let issued = ca.issue(worker, &key, lifetime)?;
@@ -286,6 +274,35 @@ pub fn enroll(dir: &Path, worker: &WorkerId, out: &Path, lifetime: Duration) -> 
     }
     sync_dir(out)?;
     Ok((Enrolled { cert: cert_path, key: key_path, ca: ca_path }, issued))
+}
+
+/// Refuses what [`enroll`] would refuse about `out` (a certificate or key of `worker`
+/// already there, another CA's `ca.crt`) before anything else is done: `enroll
+/// --replace` revokes and labels first, which a refusal after them would leave done.
+pub fn check_out(dir: &Path, worker: &WorkerId, out: &Path) -> Result<(), PkiError> {
+    room_for(&Ca::load(dir)?, worker, out).map(|_| ())
+}
+
+/// `<worker>.crt`, `<worker>.key` and `ca.crt` in `out`.
+fn out_paths(worker: &WorkerId, out: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    (out.join(format!("{worker}.crt")), out.join(format!("{worker}.key")), out.join("ca.crt"))
+}
+
+/// Whether `out` may receive `worker`'s certificate and key: neither there yet, and a
+/// `ca.crt` there only if it is `ca`'s (then true: it stays).
+fn room_for(ca: &Ca, worker: &WorkerId, out: &Path) -> Result<bool, PkiError> {
+    let (cert_path, key_path, ca_path) = out_paths(worker, out);
+    for path in [cert_path, key_path] {
+        if fs::symlink_metadata(&path).is_ok() {
+            return Err(PkiError::Exists(path));
+        }
+    }
+    match fs::read(&ca_path) {
+        Ok(existing) if existing == ca.cert_pem.as_bytes() => Ok(true),
+        Ok(_) => Err(PkiError::Exists(ca_path)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(PkiError::Io(ca_path, e)),
+    }
 }
 
 /// The worker CA, loaded to issue certificates: for `enroll`, and in `serve` for the

@@ -147,11 +147,20 @@ fn enroll_records_each_certificate_and_replace_revokes_the_ones_before() {
     assert_eq!(revoked.len(), 2);
     assert_eq!(revoked[0], "-", "the new one stands");
     assert_ne!(revoked[1], "-", "the old one is revoked");
+    // Into a directory that holds r1's files already: refused before the revocation and
+    // the labels it asks for, so the worker keeps its certificate and its labels.
+    let workers = || String::from_utf8(cli(&dir, &["workers"]).stdout).unwrap();
+    let (certificates, before) = (listed(), workers());
+    let out = root.0.join("second");
+    let again = cli(&dir, &["enroll", "r1", "--replace", "--label", "site=attic", "--out", out.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&again.stderr);
+    assert!(!again.status.success() && said.contains("r1.crt"), "{said}");
+    assert_eq!((listed(), workers()), (certificates, before), "nothing revoked, labelled or issued");
     // Neither --out nor --token: refused before anything is issued.
     let neither = cli(&dir, &["enroll", "r2"]);
     assert!(!neither.status.success());
     assert!(!listed().contains("r2"));
-    let workers = String::from_utf8(cli(&dir, &["workers"]).stdout).unwrap();
+    let workers = workers();
     assert!(workers.lines().any(|l| l.starts_with("r1 ") && l.contains("active")), "enrolled again: {workers}");
 }
 
@@ -222,4 +231,57 @@ fn serve_removes_what_uploads_that_never_completed_left_once_old_enough() {
     assert!(said.contains("removed 1 leftover(s) of uploads that never completed, 100 bytes"), "{said}");
     assert!(!old.exists(), "the old one went");
     assert!(young.exists(), "the young one stays: its upload may still be under way");
+}
+
+/// `ql-control <words> --dir <dir> <rest>`: a subcommand's own `--dir`.
+fn sub(dir: &Path, words: &[&str], rest: &[&str]) -> Output {
+    Command::new(BIN).args(words).arg("--dir").arg(dir).args(rest).output().unwrap()
+}
+
+#[test]
+fn every_operator_command_refuses_bad_input_says_why_and_writes_nothing() {
+    let (root, dir) = initialised("refusals");
+    let out = root.0.join("creds");
+    let out = out.to_str().unwrap();
+    let ok = |o: Output| assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    ok(cli(&dir, &["enroll", "r1", "--out", out]));
+    ok(cli(&dir, &["submit", "--", "true"]));
+    ok(sub(&dir, &["schedule", "add"], &["nightly", "--cron", "0 30 7 * * *", "--", "true"]));
+    ok(sub(&dir, &["operator", "add"], &["alice", "--role", "admin"]));
+    let state = || {
+        let listings: [(&[&str], &[&str]); 5] = [
+            (&["runs"], &[]),
+            (&["workers"], &[]),
+            (&["workers", "certificates"], &[]),
+            (&["schedule", "list"], &[]),
+            (&["operator", "list"], &[]),
+        ];
+        listings.map(|(words, rest)| String::from_utf8(sub(&dir, words, rest).stdout).unwrap())
+    };
+    let before = state();
+    assert!(before[0].lines().count() == 2 && before[3].contains("nightly") && before[4].contains("alice"));
+    let cases: [(&[&str], &[&str], &str); 16] = [
+        (&["schedule", "add"], &["nightly", "--cron", "0 30 7 * * *", "--", "true"], "exists already"),
+        (&["schedule", "add"], &["other", "--cron", "61 * * * *", "--", "true"], "cron"),
+        (&["schedule", "add"], &["other", "--cron", "* * * * *", "--tz", "Mars/Olympus", "--", "true"], "time zone"),
+        (&["schedule", "add"], &["Other", "--cron", "* * * * *", "--", "true"], "not a schedule name"),
+        (&["schedule", "add"], &["other", "--cron", "* * * * *", "--overlap", "often", "--", "true"], "often"),
+        (&["schedule", "pause"], &["nosuch"], "no such schedule"),
+        (&["schedule", "run-now"], &["nosuch"], "no such schedule"),
+        (&["schedule", "remove"], &["nosuch"], "no such schedule"),
+        (&["cancel"], &["not-a-run"], "no run not-a-run"),
+        (&["workers", "disable"], &["Not_A_Worker"], "not a worker name"),
+        (&["workers", "revoke"], &["r1", "--serial", "00ff"], "no certificate of r1 with that serial"),
+        (&["operator", "add"], &["bob", "--role", "root"], "root"),
+        (&["operator", "add"], &["alice", "--role", "read"], "alice"),
+        (&["operator", "remove"], &["nosuch"], "nosuch"),
+        (&["enroll"], &["r2", "--token", "--out", out], "either --token"),
+        (&["submit"], &["--env", "NOEQUALS", "--", "true"], "NOEQUALS"),
+    ];
+    for (words, rest, says) in cases {
+        let refused = sub(&dir, words, rest);
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success() && err.contains(says), "{words:?} {rest:?}: {err}");
+        assert_eq!(state(), before, "{words:?} {rest:?} changed something");
+    }
 }

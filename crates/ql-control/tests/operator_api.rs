@@ -257,6 +257,42 @@ fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
     assert_eq!((a.status, a.body["error"].as_str()), (409, Some("state_conflict")));
     let a = api.json("POST", "/v1/schedules", &admin, json!({ "name": "bad", "cron": "61 * * * *", "run": run_body }));
     assert_eq!(a.status, 400, "{}", a.body);
+    // Every other refusal of an admin's request changes nothing either.
+    let before = snapshot(&dir);
+    let schedule_with = |field: &str, value: Value| {
+        let mut body = json!({ "name": "other", "cron": "0 30 7 * * *", "run": run_body });
+        body[field] = value;
+        body
+    };
+    let refused_to_admin = [
+        ("POST", "/v1/runs/run_nosuchrun:cancel".to_owned(), json!({}), 404),
+        ("POST", "/v1/runs/not-a-run:cancel".to_owned(), json!({}), 404),
+        ("POST", format!("/v1/runs/{second}:cancel"), json!({ "why": "x" }), 400),
+        ("POST", "/v1/runs".to_owned(), json!({ "argv": ["true"], "script": "echo", "interpreter": "sh" }), 400),
+        ("POST", "/v1/runs".to_owned(), json!({ "argv": ["true"], "timeoutMs": 0 }), 400),
+        ("POST", "/v1/runs".to_owned(), json!({ "argv": ["true"], "env": { "1X": "y" } }), 400),
+        ("POST", "/v1/workers/w1:disable".to_owned(), json!({ "serial": "00ff" }), 400),
+        ("POST", "/v1/workers/w1:frobnicate".to_owned(), json!({}), 404),
+        ("POST", "/v1/workers/Not_A_Worker:disable".to_owned(), json!({}), 404),
+        ("PUT", "/v1/workers/w1/labels".to_owned(), json!({ "labels": { "a=b": "c" } }), 400),
+        ("PUT", "/v1/workers/w1/labels".to_owned(), json!({}), 400),
+        ("POST", "/v1/schedules".to_owned(), schedule_with("name", json!("Bad Name")), 400),
+        ("POST", "/v1/schedules".to_owned(), schedule_with("tz", json!("Mars/Olympus")), 400),
+        ("POST", "/v1/schedules".to_owned(), schedule_with("overlap", json!("sometimes")), 400),
+        ("POST", "/v1/schedules/nosuch:pause".to_owned(), json!({}), 404),
+        ("POST", "/v1/schedules/nosuch:run-now".to_owned(), json!({}), 404),
+        ("DELETE", "/v1/schedules/nosuch".to_owned(), Value::Null, 404),
+    ];
+    for (method, path, body, status) in &refused_to_admin {
+        let a = match body {
+            Value::Null => api.call(method, path, Some(&admin), None),
+            body => api.json(method, path, &admin, body.clone()),
+        };
+        assert_eq!(a.status, *status, "{method} {path} {body}: {}", a.body);
+        assert!(a.body["message"].is_string(), "a sentence says why: {method} {path}: {}", a.body);
+    }
+    assert_eq!(snapshot(&dir), before, "no refusal changed a row");
+
     let list = api.call("GET", "/v1/schedules", Some(&viewer), None).body;
     assert_eq!(list["schedules"][0]["tz"], "Asia/Shanghai", "{list}");
     for action in ["pause", "resume"] {

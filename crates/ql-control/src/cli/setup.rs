@@ -279,6 +279,9 @@ pub(crate) fn enroll(cmd: Enroll) -> Result<(), String> {
     let dir = state_dir(cmd.dir.clone());
     let config = Config::load(&Layout::new(&dir))?;
     let ca = if cmd.token { None } else { Some(ql_control::pki::Ca::load(&dir).map_err(|e| e.to_string())?) };
+    if let Some(out) = &cmd.out {
+        ql_control::pki::check_out(&dir, &worker, out).map_err(|e| e.to_string())?;
+    }
     with_authority(cmd.dir, cmd.database, async |store| {
         if cmd.replace {
             let done = identity::set_access(store, &worker, ql_control::core::Access::Revoke).await?;

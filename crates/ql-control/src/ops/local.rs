@@ -288,7 +288,8 @@ impl<S: Store, B: BlobStore> Local<S, B> {
     /// Adds a schedule and says when it first fires.
     pub async fn add_schedule(&self, body: &ScheduleBody) -> Result<Done, OpError> {
         let spec = schedule_of(body)?;
-        match self.schedule_command(Command::AddSchedule(Box::new(spec))).await? {
+        let taken = "a schedule with that name exists already";
+        match self.schedule_command(Command::AddSchedule(Box::new(spec)), taken).await? {
             Reply::Schedule(s) => Ok(Done::said(format!("{} added; first fire {}", s.name, time(s.due_at)))),
             other => Err(unexpected(&other)),
         }
@@ -303,7 +304,9 @@ impl<S: Store, B: BlobStore> Local<S, B> {
             ScheduleAction::RunNow => Command::RunScheduleNow(name.clone()),
             ScheduleAction::Remove => Command::RemoveSchedule(name.clone()),
         };
-        match (action, self.schedule_command(cmd).await?) {
+        // The one conflict of these: a schedule resumed whose cron fires never again.
+        let ended = "its cron expression has no time left to fire";
+        match (action, self.schedule_command(cmd, ended).await?) {
             (ScheduleAction::Remove, _) => Ok(Done::said(format!("{name} removed (its runs stay)"))),
             (_, Reply::Submitted(run)) => Ok(Done { message: run.to_string(), run_id: Some(run.to_string()) }),
             (_, Reply::Schedule(s)) if s.paused => Ok(Done::said(format!("{} paused", s.name))),
@@ -312,10 +315,11 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         }
     }
 
-    async fn schedule_command(&self, cmd: Command) -> Result<Reply, OpError> {
+    /// `cmd` about a schedule, its conflict told as `conflict`.
+    async fn schedule_command(&self, cmd: Command, conflict: &str) -> Result<Reply, OpError> {
         self.execute(cmd).await.map_err(|e| match e.code {
             ErrorCode::NotFound => no_schedule(),
-            ErrorCode::StateConflict => OpError::new(e.code, "a schedule with that name exists already"),
+            ErrorCode::StateConflict => OpError::new(e.code, conflict),
             _ => e,
         })
     }

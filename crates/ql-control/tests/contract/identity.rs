@@ -169,11 +169,29 @@ pub async fn an_enrolment_token_is_spent_once<B: Backend>(b: B) {
     refused(&store, Command::Enrol(digest, cert("router-1", "22")), ErrorCode::EnrolmentRefused, "a reused token")
         .await;
 
+    // A token minted before its worker was disabled died with the access it would have
+    // given; one minted while it is disabled gives none; one whose certificate's serial is
+    // recorded already neither. Each is refused and stores nothing.
+    let before = Token::generate().unwrap();
+    exec(&store, Command::CreateEnrolment(worker("router-4"), before.digest(), 60_000)).await.unwrap();
+    exec(&store, Command::SetAccess(worker("router-4"), Access::Disable)).await.unwrap();
+    let why = "a token of a worker disabled since";
+    refused(&store, Command::Enrol(before.digest(), cert("router-4", "24")), ErrorCode::EnrolmentRefused, why).await;
+    let disabled = Token::generate().unwrap();
+    exec(&store, Command::CreateEnrolment(worker("router-4"), disabled.digest(), 60_000)).await.unwrap();
+    let why = "a token of a disabled worker";
+    refused(&store, Command::Enrol(disabled.digest(), cert("router-4", "24")), ErrorCode::WorkerDisabled, why).await;
+    let again = Token::generate().unwrap();
+    exec(&store, Command::CreateEnrolment(worker("router-1"), again.digest(), 60_000)).await.unwrap();
+    let why = "a serial recorded already";
+    refused(&store, Command::Enrol(again.digest(), cert("router-1", "21")), ErrorCode::StateConflict, why).await;
+
     let short = Token::generate().unwrap();
     exec(&store, Command::CreateEnrolment(worker("router-3"), short.digest(), 1_000)).await.unwrap();
     b.advance(1_000);
     refused(&store, Command::Enrol(short.digest(), cert("router-3", "23")), ErrorCode::EnrolmentRefused, "expired")
         .await;
     let texts = b.all_text().await;
-    assert!(!texts.iter().any(|t| t.contains(token.expose()) || t.contains(short.expose())), "no raw token stored");
+    let raw = [&token, &short, &before, &disabled, &again].map(|t| t.expose().to_owned());
+    assert!(!texts.iter().any(|t| raw.iter().any(|r| t.contains(r.as_str()))), "no raw token stored");
 }
