@@ -576,9 +576,13 @@ async fn complete<S: Store, B: BlobStore>(
         }
     };
     let outcome = trail.execute(Command::Complete(path, body, stored)).await;
-    if let (Ok(Ok(Reply::Completed(_))), Some(key)) = (&outcome, key) {
-        // Completed (now or before) with the artifact: the attempt records its receipt.
-        log::remove_chunks(shared, key);
+    if let (Ok(Ok(Reply::Completed(reply))), Some(key)) = (&outcome, key) {
+        // Completed now with the artifact: the attempt records its receipt. Not on a
+        // replay (`already_completed`), which a worker may send as often as it likes:
+        // chunks a crash left behind are the artifact store's collection's.
+        if reply.result == Outcome::Completed {
+            log::remove_chunks(shared, key);
+        }
     }
     answer(outcome)
 }

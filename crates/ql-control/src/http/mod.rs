@@ -14,13 +14,16 @@
 //!
 //! Nobody can starve the others of connections. A handshake in progress takes no
 //! connection slot, and there are at most [`IngressConfig::max_handshakes`] of them, at
-//! most [`IngressConfig::max_handshakes_per_ip`] from one address: anyone who can reach
+//! most [`IngressConfig::max_handshakes_per_ip`] from one address (an IPv6 peer's /64,
+//! `address_of`): anyone who can reach
 //! the port, certificate or not, can hold only a few. A connection takes one of
 //! [`IngressConfig::max_connections`] slots only once its handshake succeeded (beyond
 //! that it is closed, and the agent comes back after its backoff), and one worker holds
 //! at most [`IngressConfig::max_connections_per_worker`]: a further one closes that
-//! worker's oldest, so a worker's newest connection — the live one, after a reconnect —
-//! always gets through, and one certificate can never lock out another. When a connection ends after an
+//! worker's oldest on the same certificate, so a worker's newest connection — the live
+//! one, after a reconnect — always gets through, and one certificate can never lock out
+//! another; a further one on a certificate none of them holds is closed itself (a copy
+//! of a revoked certificate cannot knock the worker's agent off). When a connection ends after an
 //! answer that left request bytes unread (a refusal before or inside the body), the
 //! server closes its side and keeps reading and discarding for
 //! [`IngressConfig::linger_timeout`] (a "lingering close"): closing a socket that still
@@ -189,8 +192,8 @@ impl IngressStats {
         self.audit_failures.load(Ordering::Relaxed)
     }
 
-    /// Connections closed unserved: too many handshakes (from one address, or at all), or
-    /// every slot taken.
+    /// Connections closed unserved: too many handshakes (from one address, or at all),
+    /// every slot taken, or the worker's share taken on other certificates.
     pub fn turned_away(&self) -> usize {
         self.turned_away.load(Ordering::Relaxed)
     }
@@ -231,8 +234,9 @@ impl Reports {
     }
 }
 
-/// A worker's connections, oldest first: each one's id and what tells it to close.
-type Connections = VecDeque<(u64, Arc<Notify>)>;
+/// A worker's connections, oldest first: each one's id, its certificate's serial and
+/// what tells it to close.
+type Connections = VecDeque<(u64, String, Arc<Notify>)>;
 
 /// Who holds what, to enforce the limits of the module doc.
 #[derive(Default)]
@@ -271,7 +275,7 @@ impl Drop for Held<'_> {
     fn drop(&mut self) {
         let mut workers = self.occupancy.workers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(held) = workers.get_mut(&self.worker) {
-            held.retain(|(id, _)| *id != self.id);
+            held.retain(|(id, ..)| *id != self.id);
             if held.is_empty() {
                 workers.remove(&self.worker);
             }
@@ -282,6 +286,7 @@ impl Drop for Held<'_> {
 impl Occupancy {
     /// A place for a handshake from `ip`, if the limits leave one.
     fn handshake(&self, ip: IpAddr, cfg: &IngressConfig) -> Option<Handshaking<'_>> {
+        let ip = address_of(ip);
         let mut h = self.handshakes.lock().unwrap_or_else(|e| e.into_inner());
         let from_ip = h.1.get(&ip).copied().unwrap_or(0);
         if h.0 >= cfg.max_handshakes.max(1) || from_ip >= cfg.max_handshakes_per_ip.max(1) {
@@ -292,20 +297,41 @@ impl Occupancy {
         Some(Handshaking(self, ip))
     }
 
-    /// Records a connection of `worker`, evicting its oldest beyond the limit.
-    fn hold(&self, worker: ql_wire::ids::WorkerId, cfg: &IngressConfig, stats: &IngressStats) -> Held<'_> {
+    /// Records a connection of `worker` on the certificate `serial`: beyond the limit it
+    /// evicts the worker's oldest on the same certificate, or, with none, is refused.
+    fn hold(
+        &self,
+        worker: ql_wire::ids::WorkerId,
+        serial: &str,
+        cfg: &IngressConfig,
+        stats: &IngressStats,
+    ) -> Option<Held<'_>> {
         let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
         let evicted = Arc::new(Notify::new());
         let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
         let held = workers.entry(worker.clone()).or_default();
-        held.push_back((id, evicted.clone()));
-        while held.len() > cfg.max_connections_per_worker.max(1) {
-            if let Some((_, oldest)) = held.pop_front() {
+        if held.len() >= cfg.max_connections_per_worker.max(1) {
+            let oldest = held.iter().position(|(_, s, _)| s == serial)?;
+            if let Some((.., oldest)) = held.remove(oldest) {
                 oldest.notify_one();
                 stats.evicted.fetch_add(1, Ordering::Relaxed);
             }
         }
-        Held { occupancy: self, worker, id, evicted }
+        held.push_back((id, serial.to_owned(), evicted.clone()));
+        Some(Held { occupancy: self, worker, id, evicted })
+    }
+}
+
+/// The address a peer's handshakes count against: an IPv6 peer's /64 (one host commonly
+/// holds a whole /64, so its single addresses would be a cap per connection), an IPv4
+/// peer's own address (also when it comes mapped into IPv6).
+fn address_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & !u128::from(u64::MAX))),
+        },
+        v4 => v4,
     }
 }
 
@@ -528,7 +554,21 @@ async fn connection<S: Store, B: BlobStore>(
     if principal.is_some() {
         shared.stats.authenticated.fetch_add(1, Ordering::Relaxed);
     }
-    let held = principal.clone().map(|worker| shared.occupancy.hold(worker, cfg, &shared.stats));
+    let held = match principal.clone() {
+        Some(worker) => match shared.occupancy.hold(worker.clone(), &serial, cfg, &shared.stats) {
+            Some(held) => Some(held),
+            None => {
+                let limit = cfg.max_connections_per_worker;
+                let line = format!(
+                    "from {ip}: {worker} holds all its {limit} connections (max_connections_per_worker) on other \
+                     certificates"
+                );
+                turn_away(shared, "worker", &line);
+                return;
+            }
+        },
+        None => None,
+    };
     let evicted = held.as_ref().map(|h| h.evicted.clone());
 
     let unread = Arc::new(AtomicBool::new(false));
@@ -598,4 +638,21 @@ async fn close(mut stream: TlsStream<TcpStream>, linger: bool, limit: Duration) 
         while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {}
     })
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handshakes_count_against_an_ipv6_peers_slash_64_and_an_ipv4_peers_address() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let same = address_of(ip("2001:db8:1:2::1"));
+        assert_eq!(same, ip("2001:db8:1:2::"));
+        assert_eq!(address_of(ip("2001:db8:1:2:ffff:ffff:ffff:ffff")), same, "one /64, one count");
+        assert_ne!(address_of(ip("2001:db8:1:3::1")), same, "the next /64 counts apart");
+        assert_eq!(address_of(ip("::ffff:192.0.2.7")), ip("192.0.2.7"), "IPv4 mapped into IPv6");
+        assert_eq!(address_of(ip("192.0.2.7")), ip("192.0.2.7"));
+        assert_ne!(address_of(ip("192.0.2.8")), ip("192.0.2.7"));
+    }
 }

@@ -207,6 +207,46 @@ fn one_worker_cannot_hold_more_than_its_share_of_connections() {
 }
 
 #[test]
+fn a_further_connection_closes_only_the_oldest_on_its_own_certificate() {
+    let cfg = IngressConfig { max_connections: 8, max_connections_per_worker: 2, ..test_config() };
+    let server = Server::start_with("share-serial", cfg);
+    // A request that changes nothing and keeps the connection: answered once, a
+    // connection is held by the server before the next one comes.
+    let served = |raw: &mut Raw| {
+        raw.head("GET", "/v1/ca", &[]).unwrap();
+        assert_eq!(raw.response().unwrap().status, 200, "served");
+    };
+    let connect = |creds: &Creds| {
+        let config = client_config(&server.ca_pem(), Some(creds), &[&rustls::version::TLS13]);
+        Raw::connect(server.addr, config).unwrap()
+    };
+    let agent = server.enroll("router-1");
+    let copy = server.second_certificate("router-1", "copy");
+    let mut live = connect(&agent);
+    served(&mut live);
+    // Another certificate of the worker (a copy of one revoked since, say) connects again
+    // and again: each closes its own oldest, never the agent's connection.
+    let mut copies: Vec<Raw> = Vec::new();
+    for _ in 0..3 {
+        let mut raw = connect(&copy);
+        served(&mut raw);
+        copies.push(raw);
+    }
+    server.wait_for("the copies' older connections to be closed", |st| st.evicted() == 2);
+    served(&mut live);
+    assert!(copies[0].ended() && copies[1].ended());
+    // A third certificate finds the worker's share taken by the other two: it is closed,
+    // and both stay.
+    let third = server.second_certificate("router-1", "third");
+    let turned_away = server.stats().turned_away();
+    let mut refused = connect(&third);
+    server.wait_for("the third certificate's connection to be turned away", |st| st.turned_away() > turned_away);
+    assert!(refused.ended(), "closed unserved");
+    served(&mut live);
+    served(copies.last_mut().unwrap());
+}
+
+#[test]
 fn fence_drift_refuses_the_upload_without_reading_content() {
     let mut case = UploadCase::new("artifact-fence");
     // The lease moves on (renewal), the upload still speaks for version 1.

@@ -199,6 +199,13 @@ impl Server {
         Creds::read(&out.join("ca.crt"), &cert, &key)
     }
 
+    /// Another certificate of `worker`, issued beside its first (`name` tells them apart).
+    fn second_certificate(&self, worker: &str, name: &str) -> Creds {
+        let out = self.dir.path().join("agents").join(format!("{worker}-{name}"));
+        pki::enroll(self.dir.path(), &wid(worker), &out, pki::WORKER_VALIDITY).unwrap();
+        Creds::read(&out.join("ca.crt"), &out.join(format!("{worker}.crt")), &out.join(format!("{worker}.key")))
+    }
+
     fn ca_pem(&self) -> Vec<u8> {
         std::fs::read(&self.pki.ca_cert).unwrap()
     }
