@@ -134,6 +134,9 @@ pub(crate) struct Runtime {
     pub(crate) unstarted: bool,
     /// Bytes the running process has put in its spool so far.
     pub(crate) spooled: u64,
+    /// The server refused a renewal of the ended process's lease (its session is gone,
+    /// say): it is reported without renewals.
+    pub(crate) renewals_refused: bool,
     /// When the last log chunk was acknowledged (or the process started): the flush
     /// interval counts from it.
     pub(crate) log_sent_at: Option<Instant>,
@@ -154,6 +157,7 @@ impl Default for Runtime {
             claim_sent_at: None,
             unstarted: false,
             spooled: 0,
+            renewals_refused: false,
             log_sent_at: None,
             chunk_cap: 0,
         }
@@ -304,9 +308,15 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
 
     if let Some(exit) = &job.exit {
         // The lease must outlive the upload and the completion: keep renewing while its
-        // age is known. After a restart it is not (and the session may be gone, which a
-        // completion does not need): report at once.
-        if renew_due && rt.lease_fresh_at.is_some() {
+        // age is known. After a restart it is not, and the session may be gone, which a
+        // completion does not need: report at once, unless a log is still to go out,
+        // which takes as long as it takes (a lease left to lapse meanwhile would lose the
+        // run's end, and run it again): then renew first. Once the server refuses a
+        // renewal, report without them.
+        let log_to_send = job.callback.as_ref().is_some_and(|c| c.log_artifact_id.is_some())
+            && job.artifact.is_none()
+            && !rt.log_lost;
+        if renew_due && !rt.renewals_refused && (rt.lease_fresh_at.is_some() || log_to_send) {
             return renew();
         }
         let Some(callback) = &job.callback else {

@@ -15,6 +15,8 @@
 //!   handled yet; `<route>` is the protocol route's name (`offer.claim`, `attempt.starting`,
 //!   `attempt.running`, `lease.renew`, `artifact.put`, `attempt.completion`, ...);
 //! - `spawned`: the job's process runs but its `spawned` record is not written yet;
+//! - `handoff`: in a job's supervisor, the job runs but the supervisor has not yet told
+//!   the agent which process it is;
 //! - `upload-body`: counts the log bytes read for an upload, so `upload-body@65536` dies in
 //!   the middle of the upload once 64 KiB of content were handed to the connection.
 //!

@@ -1032,6 +1032,31 @@ fn a_clock_ten_minutes_ahead_still_completes_its_runs() {
     assert!(agent.terminate().success(), "{}", agent.log());
 }
 
+/// A job's supervisor dies after it started the job and before it said which process it
+/// is (killed on a router short of memory, say). The job may already run, so the agent
+/// neither runs it again itself nor leaves it running unwatched: it stops it and reports
+/// the start failed. (It once ran the job a second time, in the agent.)
+#[test]
+fn a_supervisor_that_dies_after_starting_the_job_never_makes_it_run_twice() {
+    let root = TempDir::new("supervisor-dies");
+    let control = Control::start(&root.0);
+    let mut agent = Agent::start_with_env(&root.0, &control, &[], &[("QL_AGENT_FAULT", "handoff")]);
+    let ran = root.0.join("ran");
+    let job = format!("echo once >> '{}'; sleep 3", ran.display());
+    let run = control.submit(&["--retries", "0", "--", "sh", "-c", &job]);
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    let shown = common::wait_for("the run to end", context, || {
+        let shown = control.show(&run);
+        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
+    });
+    assert_eq!(shown["status"], "failed", "{shown}\n{}", context());
+    assert!(agent.log().contains("its supervisor failed after starting the job"), "{}", context());
+    // Stopped, the job ran at most once (its first line, if it got that far).
+    let lines = fs::read_to_string(&ran).unwrap_or_default().lines().count();
+    assert!(lines <= 1, "the job ran {lines} times\n{}", context());
+    assert!(agent.terminate().success(), "{}", agent.log());
+}
+
 /// The same clock, and the agent dies right after the running ACK; its job ends while it
 /// is down. Restarted, it records the exit before any lease answer: the `Date` of the
 /// server's first answer (the session's resumption) caps `finishedAt`, so the completion is

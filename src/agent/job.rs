@@ -126,7 +126,7 @@ impl Agent {
                             }
                             None if !core::renewal_refused_ends_job(&job) => {
                                 warn!("{who}: lease renewal: {e}; reporting the ended process without renewals");
-                                self.rt(key).lease_fresh_at = None;
+                                self.rt(key).renewals_refused = true;
                                 Ok(Turn::Moved)
                             }
                             None => Ok(self.end_job(key, &who, "lease renewal", &e)),
@@ -270,15 +270,12 @@ impl Agent {
                 let spawn = job.spawn.as_ref().expect("a spawned job");
                 let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
                 // Its supervisor recorded the end while no agent watched: the true exit.
-                if let Ok(Some(exit)) = exec::supervise::exit_recorded(&run_dir) {
-                    info!("{who}: its process ended while the agent was down; its supervisor kept the exit");
-                    let finished_at = core::evidence_time(wall_now(), self.server_clock(), Instant::now());
-                    self.commit(&core::exited(key, ending_of(&exit, finished_at)))?;
+                if self.exit_kept(key, &who, &run_dir)? {
                     return Ok(Turn::Moved);
                 }
                 // Its supervisor still runs it: take it back, log and all.
                 if exec::supervise::supervisor_alive(&run_dir) {
-                    match exec::Supervised::attach(run_dir, self.cfg.group_poll) {
+                    match exec::Supervised::attach(run_dir.clone(), self.cfg.group_poll) {
                         Ok(process) => {
                             let process = exec::Running::Supervised(process);
                             info!("{who}: its process outlived the previous agent; watching it again");
@@ -292,6 +289,11 @@ impl Agent {
                         }
                         Err(e) => warn!("{who}: could not watch its process again: {e}"),
                     }
+                }
+                // Looked at again, the supervisor found gone: it may have recorded the end
+                // and exited between the two looks.
+                if self.exit_kept(key, &who, &run_dir)? {
+                    return Ok(Turn::Moved);
                 }
                 let signal = if exec::is_alive(&spawn.executor_handle) {
                     match exec::stop_orphan(&spawn.executor_handle, self.cfg.stop_grace, self.cfg.group_poll).await {
@@ -549,4 +551,16 @@ impl Agent {
 
 fn outcome_word(o: Outcome) -> String {
     serde_json::to_string(&o).unwrap_or_default().trim_matches('"').to_owned()
+}
+
+impl Agent {
+    /// Records the exit the job's supervisor kept, if it kept one (the process ended while
+    /// no agent watched it).
+    fn exit_kept(&mut self, key: &JobKey, who: &str, run_dir: &RunDir) -> Result<bool, Fatal> {
+        let Ok(Some(exit)) = exec::supervise::exit_recorded(run_dir) else { return Ok(false) };
+        info!("{who}: its process ended while the agent was down; its supervisor kept the exit");
+        let finished_at = core::evidence_time(wall_now(), self.server_clock(), Instant::now());
+        self.commit(&core::exited(key, ending_of(&exit, finished_at)))?;
+        Ok(true)
+    }
 }

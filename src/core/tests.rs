@@ -350,12 +350,19 @@ fn an_exit_before_the_running_ack_skips_it_and_uploads_then_completes() {
     assert_eq!((body.exit_code, body.signal), (Some(0), None));
 }
 
+/// After a restart the lease's age is unknown: an ended job whose log is still to go out
+/// renews first (streaming it may outlast the lease), one with nothing left but its
+/// completion reports at once, and once renewals are refused neither renews.
 #[test]
-fn an_exited_job_needs_no_renewal_even_when_one_would_be_due() {
+fn an_exited_job_of_unknown_lease_age_renews_only_before_streaming_its_log() {
     let (_, job) = after(6);
     let ended = with(&job, &[exited_record(Some(3), None)]);
     let base = t0();
-    assert!(matches!(next(&k(), &ended, &Runtime::default(), at(base, 0)), Step::Append(_)));
+    assert!(matches!(next(&k(), &ended, &Runtime::default(), at(base, 0)), Step::Renew(_)));
+    let stored = with(&ended, &[fixtures::stored(&k())]);
+    assert!(matches!(next(&k(), &stored, &Runtime::default(), at(base, 0)), Step::Complete(_)));
+    let refused = Runtime { renewals_refused: true, ..Runtime::default() };
+    assert!(matches!(next(&k(), &ended, &refused, at(base, 0)), Step::Append(_)));
 }
 
 #[test]
@@ -429,9 +436,10 @@ fn a_restarted_job_settles_a_renewal_lost_in_the_crash_with_the_next_version() {
     let failed = with(&after(3).1, &[Record::SpawnFailed { job: k(), reason: Reason::summarise("x") }]);
     let resumed = Runtime::resumed();
     assert_eq!(resumed.renew_doubt, RenewDoubt::AnswerLost);
-    // No renewal first: the session may be gone, and these need none.
-    let Step::Append(h) = next(&k(), &ended, &resumed, at(base, 0)) else { panic!() };
-    assert_eq!(h.expected_lease_version, c(1));
+    // The log still to go out: renewed first, with the journal's version.
+    let Step::Renew(f) = next(&k(), &ended, &resumed, at(base, 0)) else { panic!() };
+    assert_eq!(f.expected_lease_version, c(1));
+    // No renewal first for a start failure: the session may be gone, and it needs none.
     let Step::StartFailure(b) = next(&k(), &failed, &resumed, at(base, 0)) else { panic!() };
     assert_eq!(b.expected_lease_version, c(1));
     assert!(retry_next_version(RenewDoubt::AnswerLost, ErrorCode::LeaseConflict));
@@ -439,7 +447,10 @@ fn a_restarted_job_settles_a_renewal_lost_in_the_crash_with_the_next_version() {
     assert!(!retry_next_version(RenewDoubt::Sure, ErrorCode::LeaseConflict));
     assert!(!retry_next_version(RenewDoubt::AnswerLost, ErrorCode::SessionConflict));
     let next_one = Runtime { renew_doubt: RenewDoubt::TryNext, ..resumed };
-    let Step::Append(h) = next(&k(), &ended, &next_one, at(base, 0)) else { panic!() };
+    let Step::Renew(f) = next(&k(), &ended, &next_one, at(base, 0)) else { panic!() };
+    assert_eq!(f.expected_lease_version, c(2));
+    let refused = Runtime { renewals_refused: true, ..next_one };
+    let Step::Append(h) = next(&k(), &ended, &refused, at(base, 0)) else { panic!() };
     assert_eq!(h.expected_lease_version, c(2));
     let Step::StartFailure(b) = next(&k(), &failed, &next_one, at(base, 0)) else { panic!() };
     assert_eq!(b.expected_lease_version, c(2));
@@ -468,9 +479,17 @@ fn an_ended_process_keeps_its_lease_alive_while_it_is_reported() {
     let stored = with(&ended, &[fixtures::stored(&k())]);
     assert!(matches!(next(&k(), &stored, &kept, at(base, third)), Step::Renew(_)));
     assert!(matches!(next(&k(), &stored, &kept, at(base, 0)), Step::Complete(_)));
-    // Age unknown (a restart, or renewals refused): report at once.
-    let unknown = Runtime { lease_fresh_at: None, ..kept };
-    assert!(matches!(next(&k(), &ended, &unknown, at(base, third)), Step::Append(_)));
+    // Age unknown (a restart): renewed first, then at the usual pace while the log goes
+    // out, however long that takes.
+    let unknown = Runtime { lease_fresh_at: None, ..Runtime::resumed() };
+    assert!(matches!(next(&k(), &ended, &unknown, at(base, third)), Step::Renew(_)));
+    let renewed = Runtime { lease_fresh_at: Some(base), renew_doubt: RenewDoubt::Sure, ..unknown };
+    assert!(matches!(next(&k(), &ended, &renewed, at(base, third - 1)), Step::Append(_)));
+    assert!(matches!(next(&k(), &ended, &renewed, at(base, 4 * third)), Step::Renew(_)));
+    // Renewals refused (the session is gone): reported without them.
+    let refused = Runtime { renewals_refused: true, ..unknown };
+    assert!(matches!(next(&k(), &ended, &refused, at(base, third)), Step::Append(_)));
+    assert!(matches!(next(&k(), &stored, &refused, at(base, third)), Step::Complete(_)));
     // A refused renewal ends a running job, not the report of an ended one.
     assert!(renewal_refused_ends_job(&job));
     assert!(!renewal_refused_ends_job(&ended));

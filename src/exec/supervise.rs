@@ -242,9 +242,18 @@ impl Supervised {
             let ended = child.try_status().map_or(true, |s| s.is_some());
             if ended || Instant::now() > gave_up {
                 let _ = child.kill();
-                // Nothing was started: the spec is not left behind.
+                let why = if ended { "it ended" } else { "it did not hand the job over in time" };
+                // The spool is made, and synced, before the job's fork: with none, nothing
+                // was started and the agent may run the job itself. With one, the job may
+                // run unwatched: it is stopped, and its start reported failed, so that it
+                // never runs twice.
+                if run_dir.spool.exists() {
+                    stop_marked(&run_dir.attempt);
+                    return Err(SpawnError::Supervised(format!(
+                        "its supervisor failed after starting the job ({why})"
+                    )));
+                }
                 let _ = fs::remove_file(run_dir.spec_file());
-                let why = if ended { "it ended at once" } else { "it did not start the job in time" };
                 return Err(SpawnError::NoSupervisor(why.into()));
             }
             std::thread::sleep(Duration::from_millis(2));
@@ -329,6 +338,20 @@ impl Supervised {
     }
 }
 
+/// Kills every process group that carries `attempt` (a job whose supervisor is gone
+/// before it could say which process it started).
+fn stop_marked(attempt: &AttemptId) {
+    let Ok(found) = group::marked(attempt.as_str()) else { return };
+    let mut groups: Vec<i32> = found.iter().map(|(_, s)| s.pgrp).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    for pgid in groups {
+        if let Ok(pgid) = u32::try_from(pgid) {
+            let _ = group::signal_group(pgid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
 /// Writes the job's `status` whole.
 fn record(run_dir: &RunDir, status: &Status) -> io::Result<()> {
     write_whole(&run_dir.status_file(), status.to_line().as_bytes())
@@ -364,6 +387,7 @@ pub(crate) fn main(args: &[String]) -> i32 {
                 Ok(job) => job,
                 Err(e) => return record(&run_dir, &Status::NotStarted(e.to_string())).map_err(|e| e.to_string()),
             };
+            crate::fault::hit("handoff");
             let me = std::process::id();
             let handoff = read_stat(me)
                 .map(|stat| format!("{}\n{}\n", job.executor_handle(), executor_handle(me, stat.starttime)));

@@ -19,9 +19,16 @@ pub const TOKEN_CHARS: usize = 43;
 pub const TOKEN_MIN_DISTINCT: usize = 16;
 
 /// A raw lease or callback token. Never logged, never stored by the server.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
 pub struct Token(Zeroizing<String>);
+
+impl Serialize for Token {
+    /// Written straight from the zeroizing original: no copy of it is left behind.
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.0.as_str())
+    }
+}
 
 /// The token a worker creates to claim an offer; it fences every later command.
 pub type LeaseToken = Token;
@@ -83,13 +90,6 @@ impl TryFrom<String> for Token {
     fn try_from(s: String) -> Result<Self, Invalid> {
         let s = Zeroizing::new(s);
         Self::parse(&s)
-    }
-}
-
-impl From<Token> for String {
-    fn from(t: Token) -> String {
-        // Serialisation needs an owned String; the zeroizing original is wiped on drop.
-        t.0.as_str().to_owned()
     }
 }
 

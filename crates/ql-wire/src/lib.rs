@@ -95,8 +95,28 @@ pub fn decode_capped<T: Body>(bytes: &[u8], cap: usize) -> Result<T, DecodeError
     Ok(body)
 }
 
-/// Encodes a body as compact JSON.
+/// Encodes a body as compact JSON, into a buffer of exactly its length: a body may hold
+/// a raw token, and a buffer grown by reallocation would leave copies of it in the memory
+/// it gave back (the caller wipes the one buffer once the body is sent).
 pub fn encode<T: Body>(body: &T) -> Vec<u8> {
     // Serialising these plain structs cannot fail: no maps with non-string keys, no I/O.
-    serde_json::to_vec(body).expect("protocol bodies always serialise")
+    let mut counted = Counted(0);
+    serde_json::to_writer(&mut counted, body).expect("protocol bodies always serialise");
+    let mut out = Vec::with_capacity(counted.0);
+    serde_json::to_writer(&mut out, body).expect("protocol bodies always serialise");
+    out
+}
+
+/// A writer that only counts what it is given.
+struct Counted(usize);
+
+impl std::io::Write for Counted {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
