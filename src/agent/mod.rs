@@ -255,6 +255,12 @@ impl Agent {
             // agent's to honour.
             let _ = std::fs::remove_file(marker);
         }
+        let named = |attempt: &str| state.jobs.keys().any(|k| k.attempt_id.as_str() == attempt);
+        match crate::exec::remove_strays(&cfg.state_dir, named) {
+            Ok(0) => {}
+            Ok(n) => info!("removed {n} run director(ies) of jobs already dropped (a crash left them)"),
+            Err(e) => warn!("could not remove the run directories of jobs already dropped: {e}"),
+        }
         let (ended_tx, ended_rx) = channel::unbounded();
         let rts = state.jobs.keys().map(|k| (k.clone(), Runtime::resumed())).collect();
         // Seeded from the OS's per-process hash keys: enough to spread retries of many

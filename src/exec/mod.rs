@@ -122,6 +122,30 @@ impl RunDir {
     }
 }
 
+/// Removes the run directories under `state_dir` of attempts `named` does not name (the
+/// journal's jobs): a crash between a job's `dropped` record and the removal of its
+/// directory leaves one, spool and all, and on a router the state may live in RAM.
+/// Returns how many it removed.
+pub(crate) fn remove_strays(state_dir: &Path, named: impl Fn(&str) -> bool) -> io::Result<usize> {
+    let entries = match fs::read_dir(state_dir.join("runs")) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        entries => entries?,
+    };
+    let mut removed = 0;
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name();
+        // Only what the agent made: a directory named as an attempt id.
+        let Some(attempt) = name.to_str().and_then(|n| AttemptId::parse(n).ok()) else { continue };
+        if named(attempt.as_str()) || !entry.file_type()?.is_dir() {
+            continue;
+        }
+        RunDir::new(state_dir, &attempt).remove()?;
+        removed += 1;
+    }
+    Ok(removed)
+}
+
 /// Why a job could not be started. Its `Display` is fit for a start-failure reason: it
 /// names the program, never an argument or an environment value.
 #[derive(Debug)]

@@ -447,3 +447,23 @@ fn members_left_without_their_leader_are_stopped() {
         assert!(!group_alive(again.pgid()).unwrap());
     });
 }
+
+#[test]
+fn run_directories_no_job_names_are_removed_and_nothing_else() {
+    let dir = TestDir::new("strays");
+    let attempt = |s: &str| AttemptId::parse(s).unwrap();
+    for a in ["att_kept", "att_dropped"] {
+        let run = RunDir::new(&dir.0, &attempt(a));
+        fs::create_dir_all(&run.work).unwrap();
+        fs::write(&run.spool, b"log").unwrap();
+    }
+    // Not the agent's: a file, and a directory whose name is no attempt id.
+    fs::write(dir.0.join("runs").join("att_file"), b"x").unwrap();
+    fs::create_dir_all(dir.0.join("runs").join("not an attempt")).unwrap();
+    assert_eq!(remove_strays(&dir.0, |a| a == "att_kept").unwrap(), 1);
+    assert!(RunDir::new(&dir.0, &attempt("att_kept")).spool.exists());
+    assert!(!RunDir::new(&dir.0, &attempt("att_dropped")).root.exists());
+    assert!(dir.0.join("runs").join("att_file").exists() && dir.0.join("runs").join("not an attempt").exists());
+    assert_eq!(remove_strays(&dir.0, |_| false).unwrap(), 1, "only the kept one was left");
+    assert_eq!(remove_strays(&dir.0.join("nowhere"), |_| false).unwrap(), 0, "no runs directory");
+}
