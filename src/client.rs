@@ -17,7 +17,7 @@ use ql_wire::artifact::ArtifactReply;
 use ql_wire::log::LogAppendReply;
 use ql_wire::route::{Route, JSON_MEDIA_TYPE};
 use ql_wire::time::Timestamp;
-use ql_wire::{decode, encode, Body, ErrorBody, ErrorCode};
+use ql_wire::{decode, encode_exact, Body, ErrorBody, ErrorCode};
 use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig, TlsProvider};
 use ureq::unversioned::resolver::{DefaultResolver, ResolvedSocketAddrs, Resolver};
 use ureq::unversioned::transport::{DefaultConnector, NextTimeout};
@@ -254,7 +254,7 @@ impl Client {
         let response = match body {
             None => self.agent.get(url).config().timeout_global(limit).build().call(),
             Some(body) => {
-                let json = Zeroizing::new(encode(body));
+                let json = Zeroizing::new(encode_exact(body));
                 let request = self.agent.post(url).config().timeout_global(limit).build();
                 request.header("Content-Type", JSON_MEDIA_TYPE).send(&json[..])
             }
@@ -286,7 +286,7 @@ impl Client {
         limit: Duration,
     ) -> Result<Resp, CallError> {
         // The body may hold a raw token: wipe the buffer once it is sent.
-        let json = Zeroizing::new(encode(body));
+        let json = Zeroizing::new(encode_exact(body));
         let response = self
             .agent
             .post(format!("{}{}", self.base, route.path()))

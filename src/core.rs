@@ -44,7 +44,8 @@
 //! renewal that succeeded, measured from when its request was sent — for a claim, from its
 //! first sending, since a lost answer may hide an earlier success ([`claimed_fresh_at`]).
 //! Renewals go on after the process ended, while the log is uploaded and the completion
-//! sent, as long as the lease's age is known. A renewal whose answer was lost may still
+//! sent, as long as the lease's age is known, and after a restart while a log is still to
+//! go out (the first at once), until the server refuses one. A renewal whose answer was lost may still
 //! have advanced the lease version, and so may one in flight when the agent died;
 //! [`RenewDoubt`] tracks that: every fenced command is sent with the journal's version
 //! first, and a `lease_conflict` then earns one repeat with the next version

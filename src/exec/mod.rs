@@ -131,19 +131,22 @@ pub(crate) fn remove_strays(state_dir: &Path, named: impl Fn(&str) -> bool) -> i
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
         entries => entries?,
     };
-    let mut removed = 0;
+    let (mut removed, mut failed) = (0, None);
     for entry in entries {
         let entry = entry?;
         let name = entry.file_name();
         // Only what the agent made: a directory named as an attempt id.
         let Some(attempt) = name.to_str().and_then(|n| AttemptId::parse(n).ok()) else { continue };
-        if named(attempt.as_str()) || !entry.file_type()?.is_dir() {
+        if named(attempt.as_str()) || !entry.file_type().is_ok_and(|t| t.is_dir()) {
             continue;
         }
-        RunDir::new(state_dir, &attempt).remove()?;
-        removed += 1;
+        // One that cannot be removed does not keep the others.
+        match RunDir::new(state_dir, &attempt).remove() {
+            Ok(()) => removed += 1,
+            Err(e) => failed = Some(e),
+        }
     }
-    Ok(removed)
+    failed.map_or(Ok(removed), Err)
 }
 
 /// Why a job could not be started. Its `Display` is fit for a start-failure reason: it

@@ -221,6 +221,9 @@ impl Supervised {
         let mut child = cmd.spawn().map_err(|e| SpawnError::NoSupervisor(e.to_string()))?;
         let gave_up = Instant::now() + HANDOFF_TIMEOUT;
         loop {
+            // Whether it ended, before its files are read: one that handed the job over
+            // and then ended is found handing it over, never taken for one that failed.
+            let ended = child.try_status().map_or(true, |s| s.is_some());
             if let Some(Status::NotStarted(error)) = read_status(&run_dir).map_err(SpawnError::RunDir)? {
                 return Err(SpawnError::Supervised(error));
             }
@@ -239,10 +242,11 @@ impl Supervised {
                     exit: None,
                 });
             }
-            let ended = child.try_status().map_or(true, |s| s.is_some());
             if ended || Instant::now() > gave_up {
                 let _ = child.kill();
                 let why = if ended { "it ended" } else { "it did not hand the job over in time" };
+                // The spec (its environment may hold secrets) is not left behind.
+                let _ = fs::remove_file(run_dir.spec_file());
                 // The spool is made, and synced, before the job's fork: with none, nothing
                 // was started and the agent may run the job itself. With one, the job may
                 // run unwatched: it is stopped, and its start reported failed, so that it
@@ -253,7 +257,6 @@ impl Supervised {
                         "its supervisor failed after starting the job ({why})"
                     )));
                 }
-                let _ = fs::remove_file(run_dir.spec_file());
                 return Err(SpawnError::NoSupervisor(why.into()));
             }
             std::thread::sleep(Duration::from_millis(2));

@@ -208,7 +208,7 @@ impl Metrics {
         );
         registry.register(
             "worker_connections_turned_away",
-            "Worker connections closed unserved at a limit, by reason (handshakes, slots, anonymous, worker, accept)",
+            "Worker connections closed unserved at a limit, by reason (handshakes, slots, anonymous, accept)",
             m.turned_away.clone(),
         );
         registry.register(

@@ -280,7 +280,10 @@ pub fn enroll(dir: &Path, worker: &WorkerId, out: &Path, lifetime: Duration) -> 
 /// already there, another CA's `ca.crt`) before anything else is done: `enroll
 /// --replace` revokes and labels first, which a refusal after them would leave done.
 pub fn check_out(dir: &Path, worker: &WorkerId, out: &Path) -> Result<(), PkiError> {
-    room_for(&Ca::load(dir)?, worker, out).map(|_| ())
+    room_for(&Ca::load(dir)?, worker, out)?;
+    // A directory that cannot be made (a file in its place, a parent not writable) would
+    // refuse as late: it is made now (as `enroll` makes it).
+    create_dir(out)
 }
 
 /// `<worker>.crt`, `<worker>.key` and `ca.crt` in `out`.

@@ -155,7 +155,13 @@ fn enroll_records_each_certificate_and_replace_revokes_the_ones_before() {
     let again = cli(&dir, &["enroll", "r1", "--replace", "--label", "site=attic", "--out", out.to_str().unwrap()]);
     let said = String::from_utf8_lossy(&again.stderr);
     assert!(!again.status.success() && said.contains("r1.crt"), "{said}");
-    assert_eq!((listed(), workers()), (certificates, before), "nothing revoked, labelled or issued");
+    assert_eq!((listed(), workers()), (certificates.clone(), before.clone()), "nothing revoked, labelled or issued");
+    // Nor into a file where the directory would go.
+    let file = root.0.join("a-file");
+    std::fs::write(&file, b"").unwrap();
+    let again = cli(&dir, &["enroll", "r1", "--replace", "--out", file.to_str().unwrap()]);
+    assert!(!again.status.success(), "{}", String::from_utf8_lossy(&again.stdout));
+    assert_eq!((listed(), workers()), (certificates, before), "nothing revoked for a file in the way");
     // Neither --out nor --token: refused before anything is issued.
     let neither = cli(&dir, &["enroll", "r2"]);
     assert!(!neither.status.success());

@@ -17,7 +17,7 @@ use zeroize::Zeroizing;
 use crate::artifact::ArtifactHeader;
 use crate::limits::FRAME_HEADER_MAX;
 use crate::log::LogChunkHeader;
-use crate::{decode, encode, Body, DecodeError};
+use crate::{decode, encode_exact, Body, DecodeError};
 
 /// A header that leads a frame: it declares the content's length, and its route caps the
 /// whole body.
@@ -108,7 +108,7 @@ impl std::error::Error for FrameError {}
 /// raw lease token, so it wipes itself when dropped.
 pub fn encode_prefix<H: FrameHeader>(header: &H) -> Result<Zeroizing<Vec<u8>>, FrameError> {
     header.validate().map_err(|e| FrameError::Header(DecodeError::Invalid(e)))?;
-    let json = Zeroizing::new(encode(header));
+    let json = Zeroizing::new(encode_exact(header));
     if json.len() > FRAME_HEADER_MAX {
         return Err(FrameError::HeaderLength(json.len() as u32));
     }

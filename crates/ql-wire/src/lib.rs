@@ -95,11 +95,17 @@ pub fn decode_capped<T: Body>(bytes: &[u8], cap: usize) -> Result<T, DecodeError
     Ok(body)
 }
 
-/// Encodes a body as compact JSON, into a buffer of exactly its length: a body may hold
-/// a raw token, and a buffer grown by reallocation would leave copies of it in the memory
-/// it gave back (the caller wipes the one buffer once the body is sent).
+/// Encodes a body as compact JSON.
 pub fn encode<T: Body>(body: &T) -> Vec<u8> {
     // Serialising these plain structs cannot fail: no maps with non-string keys, no I/O.
+    serde_json::to_vec(body).expect("protocol bodies always serialise")
+}
+
+/// [`encode`] into a buffer of exactly the body's length, for a body that holds a raw
+/// token: a buffer grown by reallocation would leave copies of it in the memory it gave
+/// back (the caller wipes the one buffer once the body is sent). Twice the work of
+/// [`encode`], so only where a token is.
+pub fn encode_exact<T: Serialize + ?Sized>(body: &T) -> Vec<u8> {
     let mut counted = Counted(0);
     serde_json::to_writer(&mut counted, body).expect("protocol bodies always serialise");
     let mut out = Vec::with_capacity(counted.0);

@@ -81,6 +81,9 @@ pub(super) struct Service<S, B> {
     pub(super) principal: Option<WorkerId>,
     /// The client certificate's serial number (lowercase hex), when it has a principal.
     pub(super) serial: String,
+    /// Set once a worker request of the connection succeeded (its worker's share of
+    /// connections keeps it before those never admitted: see [`super`]).
+    pub(super) admitted: Option<Arc<AtomicBool>>,
     /// Set when an answer left request bytes unread: the connection then ends with a
     /// lingering close.
     pub(super) unread: Arc<AtomicBool>,
@@ -106,12 +109,18 @@ impl<S: Store, B: BlobStore> hyper::service::Service<Request<Incoming>> for Serv
         let unread = self.unread.clone();
         let reset = self.reset.clone();
         let clock = self.clock.clone();
+        let admitted = self.admitted.clone();
         clock.answering();
         Box::pin(async move {
             shared.stats.requests.fetch_add(1, Ordering::Relaxed);
             let (routed, started) = (Routed::of(&req), Instant::now());
             let route = routed.name();
+            let worker_route = matches!(routed, Routed::Worker(_));
             let answer = handle(&shared, principal, serial, req, routed, &reset).await;
+            // Only an admitted request of a worker route succeeds.
+            if let (true, true, Some(admitted)) = (worker_route, answer.status.is_success(), &admitted) {
+                admitted.store(true, Ordering::Relaxed);
+            }
             if let Some(metrics) = &shared.cfg.metrics {
                 metrics.request(route, answer.status.as_u16(), started.elapsed());
             }

@@ -20,10 +20,10 @@
 //! [`IngressConfig::max_connections`] slots only once its handshake succeeded (beyond
 //! that it is closed, and the agent comes back after its backoff), and one worker holds
 //! at most [`IngressConfig::max_connections_per_worker`]: a further one closes that
-//! worker's oldest on the same certificate, so a worker's newest connection — the live
-//! one, after a reconnect — always gets through, and one certificate can never lock out
-//! another; a further one on a certificate none of them holds is closed itself (a copy
-//! of a revoked certificate cannot knock the worker's agent off). When a connection ends after an
+//! worker's oldest on the same certificate or not yet admitted (no request of it
+//! succeeded), else its oldest, so a worker's newest connection — the live one, after a
+//! reconnect — always gets through, and one certificate can never lock out another; a
+//! copy of a revoked certificate, never admitted, closes only its own connections. When a connection ends after an
 //! answer that left request bytes unread (a refusal before or inside the body), the
 //! server closes its side and keeps reading and discarding for
 //! [`IngressConfig::linger_timeout`] (a "lingering close"): closing a socket that still
@@ -192,8 +192,8 @@ impl IngressStats {
         self.audit_failures.load(Ordering::Relaxed)
     }
 
-    /// Connections closed unserved: too many handshakes (from one address, or at all),
-    /// every slot taken, or the worker's share taken on other certificates.
+    /// Connections closed unserved: too many handshakes (from one address, or at all), or
+    /// every slot taken.
     pub fn turned_away(&self) -> usize {
         self.turned_away.load(Ordering::Relaxed)
     }
@@ -234,9 +234,9 @@ impl Reports {
     }
 }
 
-/// A worker's connections, oldest first: each one's id, its certificate's serial and
-/// what tells it to close.
-type Connections = VecDeque<(u64, String, Arc<Notify>)>;
+/// A worker's connections, oldest first: each one's id, its certificate's serial, what
+/// tells it to close, and whether a request of it succeeded (it was admitted).
+type Connections = VecDeque<(u64, String, Arc<Notify>, Arc<AtomicBool>)>;
 
 /// Who holds what, to enforce the limits of the module doc.
 #[derive(Default)]
@@ -269,6 +269,8 @@ struct Held<'a> {
     worker: ql_wire::ids::WorkerId,
     id: u64,
     evicted: Arc<Notify>,
+    /// Set once a request of the connection succeeded.
+    admitted: Arc<AtomicBool>,
 }
 
 impl Drop for Held<'_> {
@@ -297,28 +299,32 @@ impl Occupancy {
         Some(Handshaking(self, ip))
     }
 
-    /// Records a connection of `worker` on the certificate `serial`: beyond the limit it
-    /// evicts the worker's oldest on the same certificate, or, with none, is refused.
+    /// Records a connection of `worker` on the certificate `serial`. Beyond the limit it
+    /// evicts the worker's oldest on the same certificate or not yet admitted, else its
+    /// oldest: a connection no request of which succeeded (a revoked certificate's) never
+    /// evicts one that did on another certificate.
     fn hold(
         &self,
         worker: ql_wire::ids::WorkerId,
         serial: &str,
         cfg: &IngressConfig,
         stats: &IngressStats,
-    ) -> Option<Held<'_>> {
+    ) -> Held<'_> {
         let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
-        let evicted = Arc::new(Notify::new());
+        let (evicted, admitted) = (Arc::new(Notify::new()), Arc::new(AtomicBool::new(false)));
         let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
         let held = workers.entry(worker.clone()).or_default();
-        if held.len() >= cfg.max_connections_per_worker.max(1) {
-            let oldest = held.iter().position(|(_, s, _)| s == serial)?;
-            if let Some((.., oldest)) = held.remove(oldest) {
+        while held.len() >= cfg.max_connections_per_worker.max(1) {
+            let evictable =
+                |(_, s, _, a): &(u64, String, Arc<Notify>, Arc<AtomicBool>)| s == serial || !a.load(Ordering::Relaxed);
+            let oldest = held.iter().position(evictable).unwrap_or(0);
+            if let Some((_, _, oldest, _)) = held.remove(oldest) {
                 oldest.notify_one();
                 stats.evicted.fetch_add(1, Ordering::Relaxed);
             }
         }
-        held.push_back((id, serial.to_owned(), evicted.clone()));
-        Some(Held { occupancy: self, worker, id, evicted })
+        held.push_back((id, serial.to_owned(), evicted.clone(), admitted.clone()));
+        Held { occupancy: self, worker, id, evicted, admitted }
     }
 }
 
@@ -554,21 +560,7 @@ async fn connection<S: Store, B: BlobStore>(
     if principal.is_some() {
         shared.stats.authenticated.fetch_add(1, Ordering::Relaxed);
     }
-    let held = match principal.clone() {
-        Some(worker) => match shared.occupancy.hold(worker.clone(), &serial, cfg, &shared.stats) {
-            Some(held) => Some(held),
-            None => {
-                let limit = cfg.max_connections_per_worker;
-                let line = format!(
-                    "from {ip}: {worker} holds all its {limit} connections (max_connections_per_worker) on other \
-                     certificates"
-                );
-                turn_away(shared, "worker", &line);
-                return;
-            }
-        },
-        None => None,
-    };
+    let held = principal.clone().map(|worker| shared.occupancy.hold(worker, &serial, cfg, &shared.stats));
     let evicted = held.as_ref().map(|h| h.evicted.clone());
 
     let unread = Arc::new(AtomicBool::new(false));
@@ -578,6 +570,7 @@ async fn connection<S: Store, B: BlobStore>(
         shared: shared.clone(),
         principal,
         serial,
+        admitted: held.as_ref().map(|h| h.admitted.clone()),
         unread: unread.clone(),
         reset: reset.clone(),
         clock: clock.clone(),

@@ -207,43 +207,55 @@ fn one_worker_cannot_hold_more_than_its_share_of_connections() {
 }
 
 #[test]
-fn a_further_connection_closes_only_the_oldest_on_its_own_certificate() {
+fn a_connection_never_served_cannot_crowd_out_a_served_one_of_its_worker() {
     let cfg = IngressConfig { max_connections: 8, max_connections_per_worker: 2, ..test_config() };
-    let server = Server::start_with("share-serial", cfg);
-    // A request that changes nothing and keeps the connection: answered once, a
-    // connection is held by the server before the next one comes.
-    let served = |raw: &mut Raw| {
+    let server = Server::start_with("share-served", cfg);
+    // A request that is no worker route and keeps the connection: answered, a connection
+    // is held by the server before the next one comes, and it stays never admitted.
+    let answered = |raw: &mut Raw| {
         raw.head("GET", "/v1/ca", &[]).unwrap();
-        assert_eq!(raw.response().unwrap().status, 200, "served");
+        assert_eq!(raw.response().unwrap().status, 200, "answered");
     };
     let connect = |creds: &Creds| {
         let config = client_config(&server.ca_pem(), Some(creds), &[&rustls::version::TLS13]);
         Raw::connect(server.addr, config).unwrap()
     };
-    let agent = server.enroll("router-1");
+    // A second certificate of the worker whose worker requests would all be refused (a
+    // copy of one revoked since) takes the worker's whole share first.
     let copy = server.second_certificate("router-1", "copy");
+    let mut copies: Vec<Raw> = (0..2).map(|_| connect(&copy)).collect();
+    copies.iter_mut().for_each(answered);
+    // The agent still gets in (closing the copy's oldest), and is served.
+    let agent = server.enroll("router-1");
     let mut live = connect(&agent);
-    served(&mut live);
-    // Another certificate of the worker (a copy of one revoked since, say) connects again
-    // and again: each closes its own oldest, never the agent's connection.
-    let mut copies: Vec<Raw> = Vec::new();
+    let body = serde_json::to_vec(&OpenSession {
+        agent_version: "0.1.0".parse().unwrap(),
+        arch: "x86_64".parse().unwrap(),
+        labels: Default::default(),
+        capacity: 1,
+    })
+    .unwrap();
+    let length = format!("content-length: {}", body.len());
+    live.head("POST", "/v1/workers/router-1/sessions", &["content-type: application/json", &length]).unwrap();
+    live.send(&body).unwrap();
+    assert_eq!(live.response().unwrap().status, 201, "the session opened");
+    assert!(copies[0].ended(), "the copy's oldest was closed");
+    // The copy connects again and again: each closes one of its own, never the agent's.
     for _ in 0..3 {
         let mut raw = connect(&copy);
-        served(&mut raw);
+        answered(&mut raw);
         copies.push(raw);
     }
-    server.wait_for("the copies' older connections to be closed", |st| st.evicted() == 2);
-    served(&mut live);
-    assert!(copies[0].ended() && copies[1].ended());
-    // A third certificate finds the worker's share taken by the other two: it is closed,
-    // and both stay.
-    let third = server.second_certificate("router-1", "third");
-    let turned_away = server.stats().turned_away();
-    let mut refused = connect(&third);
-    server.wait_for("the third certificate's connection to be turned away", |st| st.turned_away() > turned_away);
-    assert!(refused.ended(), "closed unserved");
-    served(&mut live);
-    served(copies.last_mut().unwrap());
+    server.wait_for("the copy's older connections to be closed", |st| st.evicted() == 4);
+    answered(&mut live);
+    assert!(copies[..4].iter_mut().all(Raw::ended), "the copy's older connections are closed");
+    answered(copies.last_mut().unwrap());
+    // The agent's reconnect closes its own older connection (a half-open one, say).
+    let mut again = connect(&agent);
+    answered(&mut again);
+    server.wait_for("the agent's older connection to be closed", |st| st.evicted() == 5);
+    assert!(live.ended(), "the agent's older connection was closed");
+    answered(copies.last_mut().unwrap());
 }
 
 #[test]
