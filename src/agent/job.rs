@@ -317,12 +317,21 @@ impl Agent {
                 let abandon = if self.rt(key).finished { None } else { core::abandon(&job, self.rt(key)) };
                 if let Some(body) = abandon {
                     let route = attempt_route(&self.cfg, key, &job, AttemptCommand::Abandon);
+                    let doubt = self.rt(key).renew_doubt;
                     match self.client.call::<_, AckReply>(&route, &body) {
                         Ok(AckReply { result: Outcome::Abandoned }) => {
                             self.call_ok();
                             warn!("{who}: its process ended with no recorded end; reported lost, not failed");
                         }
                         Ok(other) => return Ok(self.unexpected(key, &who, "abandon", other.result)),
+                        // A renewal in flight when the agent died may have moved the lease
+                        // on: the abandon is repeated with the next version, as every
+                        // fenced command is, rather than left to the lease's lapse.
+                        Err(e @ CallError::Refused { code: ErrorCode::LeaseConflict, .. })
+                            if core::retry_next_version(doubt, ErrorCode::LeaseConflict) =>
+                        {
+                            return Ok(self.job_call_failed(key, &who, "abandon", e));
+                        }
                         // Applied before (an answer lost), or ended some other way: gone either way.
                         Err(CallError::Refused {
                             code:

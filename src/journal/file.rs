@@ -180,6 +180,12 @@ impl Journal {
     /// Writes a fresh journal holding only the header, atomically.
     fn create(dir: &Path, options: Options, lock: File) -> io::Result<(Journal, JournalState)> {
         let file = write_atomically(dir, |_| Ok(()))?;
+        // The directory may be new too (a first start): its own entry is made durable,
+        // or a power loss could take the journal, and the runs it records, with it. Best
+        // effort: a parent this user may not open is no reason not to start.
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            let _ = sync_dir(parent);
+        }
         let recovery = Recovery { created: true, ..Recovery::default() };
         let journal = Journal {
             dir: dir.to_owned(),

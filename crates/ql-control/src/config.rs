@@ -179,6 +179,8 @@ pub struct Config {
     /// Concurrent connections without a client certificate (agents enrolling with a
     /// token); each is served one request.
     pub max_anonymous_connections: u64,
+    /// Of those, how many one address may hold (an IPv6 peer's /64).
+    pub max_anonymous_connections_per_ip: u64,
     /// A schedule's fire found later than this after its time (no replica was running)
     /// is a missed one, which follows the schedule's `--catch-up`.
     pub schedule_missed_after_ms: u64,
@@ -252,6 +254,7 @@ impl Default for Config {
             worker_cert_lifetime_ms: crate::pki::WORKER_VALIDITY.as_millis() as u64,
             enrolment_token_ttl_ms: 3_600_000,
             max_anonymous_connections: 16,
+            max_anonymous_connections_per_ip: 4,
             schedule_missed_after_ms: 60_000,
         }
     }
@@ -389,6 +392,7 @@ impl Config {
             ("wal_autocheckpoint_pages", self.wal_autocheckpoint_pages),
             ("max_handshakes", self.max_handshakes),
             ("max_handshakes_per_ip", self.max_handshakes_per_ip),
+            ("max_anonymous_connections_per_ip", self.max_anonymous_connections_per_ip),
             ("max_connections_per_worker", self.max_connections_per_worker),
             ("min_upload_rate", self.min_upload_rate),
             ("worker_cert_lifetime_ms", self.worker_cert_lifetime_ms),

@@ -51,6 +51,7 @@ pub fn ingress_config(config: &Config) -> IngressConfig {
         min_upload_rate: config.min_upload_rate,
         report_every: Duration::from_millis(config.refusal_report_ms),
         max_anonymous_connections: count(config.max_anonymous_connections),
+        max_anonymous_connections_per_ip: count(config.max_anonymous_connections_per_ip),
         ..IngressConfig::default()
     }
 }

@@ -112,8 +112,11 @@ pub struct IngressConfig {
     /// turned away at a limit (the counters keep the totals).
     pub report_every: Duration,
     /// Connections without a client certificate served at once (agents enrolling with a
-    /// token); each is served one request.
+    /// token); each is served one request, within `header_read_timeout` of its accept.
     pub max_anonymous_connections: usize,
+    /// Of those, how many one address may hold (an IPv6 peer's /64): one peer cannot take
+    /// them all and keep everyone else from enrolling.
+    pub max_anonymous_connections_per_ip: usize,
     /// The CA and lifetime the identity routes issue with; `None`: they answer `404`.
     pub identity: Option<Arc<identity::Identity>>,
     /// Where each request's route, status and latency are counted; `None`: nowhere.
@@ -140,6 +143,7 @@ impl Default for IngressConfig {
             accept_backoff: Duration::from_millis(100),
             report_every: Duration::from_secs(10),
             max_anonymous_connections: 16,
+            max_anonymous_connections_per_ip: 4,
             identity: None,
             metrics: None,
         }
@@ -243,6 +247,8 @@ type Connections = VecDeque<(u64, String, Arc<Notify>, Arc<AtomicBool>)>;
 pub(crate) struct Occupancy {
     /// Handshakes in progress: in all, and by address.
     handshakes: Mutex<(usize, HashMap<IpAddr, usize>)>,
+    /// Connections without a certificate, by address.
+    anonymous: Mutex<HashMap<IpAddr, usize>>,
     workers: Mutex<HashMap<ql_wire::ids::WorkerId, Connections>>,
     next: AtomicUsize,
 }
@@ -258,6 +264,21 @@ impl Drop for Handshaking<'_> {
             *n -= 1;
             if *n == 0 {
                 h.1.remove(&self.1);
+            }
+        }
+    }
+}
+
+/// A connection without a certificate on record for its address, given back when dropped.
+struct Anonymous<'a>(&'a Occupancy, IpAddr);
+
+impl Drop for Anonymous<'_> {
+    fn drop(&mut self) {
+        let mut held = self.0.anonymous.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = held.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.1);
             }
         }
     }
@@ -297,6 +318,19 @@ impl Occupancy {
         h.0 += 1;
         *h.1.entry(ip).or_default() += 1;
         Some(Handshaking(self, ip))
+    }
+
+    /// A place for a connection without a certificate from `ip`, if its address holds
+    /// fewer than the limit.
+    fn anonymous(&self, ip: IpAddr, cfg: &IngressConfig) -> Option<Anonymous<'_>> {
+        let ip = address_of(ip);
+        let mut held = self.anonymous.lock().unwrap_or_else(|e| e.into_inner());
+        let n = held.entry(ip).or_default();
+        if *n >= cfg.max_anonymous_connections_per_ip.max(1) {
+            return None;
+        }
+        *n += 1;
+        Some(Anonymous(self, ip))
     }
 
     /// Records a connection of `worker` on the certificate `serial`. Beyond the limit it
@@ -542,6 +576,22 @@ async fn connection<S: Store, B: BlobStore>(
     let serial = tls::serial(peer);
     // Without a certificate: one request (an identity route), within a small cap of its own.
     let anonymous = peer.is_empty();
+    let _anonymous_of_ip = if anonymous {
+        match shared.occupancy.anonymous(ip, cfg) {
+            Some(place) => Some(place),
+            None => {
+                let limit = cfg.max_anonymous_connections_per_ip;
+                let line = format!(
+                    "from {ip}: its {limit} connections without a certificate (max_anonymous_connections_per_ip) \
+                     taken"
+                );
+                turn_away(shared, "anonymous", &line);
+                return;
+            }
+        }
+    } else {
+        None
+    };
     let _anonymous_slot = if anonymous {
         match shared.anonymous.clone().try_acquire_owned() {
             Ok(slot) => Some(slot),
@@ -586,9 +636,16 @@ async fn connection<S: Store, B: BlobStore>(
         .serve_connection(TokioIo::new(head::Watched::new(stream, clock.clone())), service);
     let mut draining = false;
     let mut reset_asked = false;
+    // A connection without a certificate has the head's time for its whole request, body
+    // and answer included, so that a slow body cannot hold one of the few slots either.
+    let served_by = tokio::time::Instant::now() + cfg.header_read_timeout;
     loop {
         tokio::select! {
             _ = std::future::poll_fn(|cx| conn.poll_without_shutdown(cx)) => break,
+            () = tokio::time::sleep_until(served_by), if anonymous => {
+                shared.stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                break;
+            }
             () = stopping(&mut stopped), if !draining => {
                 draining = true;
                 std::pin::Pin::new(&mut conn).graceful_shutdown();

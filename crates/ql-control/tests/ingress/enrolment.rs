@@ -149,6 +149,49 @@ fn connections_without_a_certificate_have_a_cap_of_their_own() {
 }
 
 #[test]
+fn one_address_holds_only_its_share_of_the_connections_without_a_certificate() {
+    let cfg = IngressConfig { max_anonymous_connections: 8, max_anonymous_connections_per_ip: 2, ..test_config() };
+    let server = Server::start_with("anonymous-per-ip", cfg);
+    let anonymous = || Raw::connect(server.addr, client_config(&server.ca_pem(), None, &[&rustls::version::TLS13]));
+    // Three at once from one address, slots for eight: the third is turned away.
+    let mut three = [anonymous().unwrap(), anonymous().unwrap(), anonymous().unwrap()];
+    server.wait_for("the third to be turned away", |st| st.turned_away() == 1);
+    let answered = three
+        .iter_mut()
+        .map(|raw| raw.head("GET", "/v1/ca", &[]).is_ok() && raw.response().is_ok_and(|r| r.status == 200))
+        .filter(|served| *served)
+        .count();
+    assert_eq!(answered, 2, "the two holding the address's places are served");
+    // Served once each, they are closed, and the address may connect again.
+    let mut again = anonymous().unwrap();
+    again.head("GET", "/v1/ca", &[]).unwrap();
+    assert_eq!(again.response().unwrap().status, 200);
+}
+
+#[test]
+fn a_connection_without_a_certificate_has_the_head_time_for_its_whole_request() {
+    // The body's own clocks far longer than the patience of this test's waits.
+    let cfg = IngressConfig {
+        header_read_timeout: Duration::from_millis(300),
+        body_idle_timeout: Duration::from_secs(60),
+        upload_grace: Duration::from_secs(60),
+        ..test_config()
+    };
+    let server = Server::start_with("anonymous-deadline", cfg);
+    let mut slow =
+        Raw::connect(server.addr, client_config(&server.ca_pem(), None, &[&rustls::version::TLS13])).unwrap();
+    // A whole head, then a body that never comes: closed, its slot given back.
+    slow.head(
+        "POST",
+        "/v1/workers/router-1/certificate:enrol",
+        &["content-type: application/json", "content-length: 100"],
+    )
+    .unwrap();
+    server.wait_for("the slow request to be cut off", |st| st.timed_out() == 1);
+    assert!(slow.ended(), "closed");
+}
+
+#[test]
 fn connections_beyond_max_connections_are_closed_at_once_and_those_served_go_on() {
     let metrics = Arc::new(ql_control::metrics::Metrics::new());
     metrics.set_max_connections(3);

@@ -95,6 +95,7 @@ fn test_config() -> IngressConfig {
         accept_backoff: Duration::from_millis(10),
         report_every: Duration::from_secs(10),
         max_anonymous_connections: 4,
+        max_anonymous_connections_per_ip: 4,
         identity: None,
         metrics: None,
     }
