@@ -314,8 +314,8 @@ impl Agent {
                 // Nobody knows how it ended: not the job's failure. Unless the server ended
                 // the job already, it is given up, and its run goes back to the queue
                 // within its retries (the events say WORKER_LOST).
-                let abandon = if self.rt(key).finished { None } else { core::abandon(&job, self.rt(key)) };
-                if let Some(body) = abandon {
+                let mut abandon = if self.rt(key).finished { None } else { core::abandon(&job, self.rt(key)) };
+                while let Some(body) = abandon.take() {
                     let route = attempt_route(&self.cfg, key, &job, AttemptCommand::Abandon);
                     let doubt = self.rt(key).renew_doubt;
                     match self.client.call::<_, AckReply>(&route, &body) {
@@ -325,12 +325,15 @@ impl Agent {
                         }
                         Ok(other) => return Ok(self.unexpected(key, &who, "abandon", other.result)),
                         // A renewal in flight when the agent died may have moved the lease
-                        // on: the abandon is repeated with the next version, as every
-                        // fenced command is, rather than left to the lease's lapse.
-                        Err(e @ CallError::Refused { code: ErrorCode::LeaseConflict, .. })
+                        // on: the abandon is repeated with the next version (once), as
+                        // every fenced command is, rather than left to the lease's lapse.
+                        Err(CallError::Refused { code: ErrorCode::LeaseConflict, .. })
                             if core::retry_next_version(doubt, ErrorCode::LeaseConflict) =>
                         {
-                            return Ok(self.job_call_failed(key, &who, "abandon", e));
+                            warn!("{who}: abandon met lease_conflict while a renewal's outcome is unknown; repeating with the next lease version");
+                            self.rt(key).renew_doubt = RenewDoubt::TryNext;
+                            abandon = core::abandon(&job, self.rt(key));
+                            continue;
                         }
                         // Applied before (an answer lost), or ended some other way: gone either way.
                         Err(CallError::Refused {

@@ -183,7 +183,9 @@ impl Journal {
         // The directory may be new too (a first start): its own entry is made durable,
         // or a power loss could take the journal, and the runs it records, with it. Best
         // effort: a parent this user may not open is no reason not to start.
-        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if let Some(parent) = dir.parent() {
+            // A relative directory's parent may be the current one.
+            let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
             let _ = sync_dir(parent);
         }
         let recovery = Recovery { created: true, ..Recovery::default() };

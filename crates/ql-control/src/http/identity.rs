@@ -22,7 +22,7 @@ use ql_wire::time::Timestamp;
 use ql_wire::ErrorCode;
 
 use super::framing;
-use super::ingress::{audit_refusal, read_exact, Answer, BodyClock, Shared};
+use super::ingress::{audit_refusal, read_exact, Answer, BodyClock, ReadBy, Shared};
 use crate::blob::BlobStore;
 use crate::core::{Command, Issuer, Reply};
 use crate::model::AuditRecord;
@@ -92,9 +92,9 @@ async fn ca<S: Store, B: BlobStore>(shared: &Shared<S, B>, principal: Option<Wor
 async fn body<S: Store, B: BlobStore>(shared: &Shared<S, B>, req: Request<Incoming>) -> Result<Vec<u8>, Answer> {
     let length = framing::check_body(JSON_MEDIA_TYPE, IDENTITY_BODY_CAP as u64, req.headers())
         .map_err(Answer::refuse_and_close)?;
+    let clock = BodyClock::new(&shared.cfg, length).until(req.extensions().get::<ReadBy>().copied());
     let mut body = req.into_body();
-    let bytes =
-        read_exact(&mut body, length, &BodyClock::new(&shared.cfg, length)).await.map_err(Answer::refuse_and_close)?;
+    let bytes = read_exact(&mut body, length, &clock).await.map_err(Answer::refuse_and_close)?;
     Ok(bytes.to_vec())
 }
 

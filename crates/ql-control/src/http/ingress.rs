@@ -84,6 +84,8 @@ pub(super) struct Service<S, B> {
     /// Set once a worker request of the connection succeeded (its worker's share of
     /// connections keeps it before those never admitted: see [`super`]).
     pub(super) admitted: Option<Arc<AtomicBool>>,
+    /// For a connection without a certificate: when its request's body must have come.
+    pub(super) read_by: Option<Instant>,
     /// Set when an answer left request bytes unread: the connection then ends with a
     /// lingering close.
     pub(super) unread: Arc<AtomicBool>,
@@ -102,7 +104,10 @@ impl<S: Store, B: BlobStore> hyper::service::Service<Request<Incoming>> for Serv
     // lingering close) requires.
     type Future = Answered;
 
-    fn call(&self, req: Request<Incoming>) -> Self::Future {
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
+        if let Some(by) = self.read_by {
+            req.extensions_mut().insert(ReadBy(by));
+        }
         let shared = self.shared.clone();
         let principal = self.principal.clone();
         let serial = self.serial.clone();
@@ -344,12 +349,23 @@ pub(super) struct BodyClock {
     deadline: Instant,
 }
 
+/// When the body of a request on a connection without a certificate must have come (a
+/// request extension): such a connection holds one of few slots, so its whole request,
+/// the part its peer controls, fits in the head's time.
+#[derive(Clone, Copy)]
+pub(super) struct ReadBy(pub(super) Instant);
+
 impl BodyClock {
     /// The clock of a body of `length` bytes, starting now.
     pub(super) fn new(cfg: &IngressConfig, length: u64) -> Self {
         let rate = cfg.min_upload_rate.max(1);
         let crawl = Duration::from_secs_f64(length as f64 / rate as f64);
         Self { idle: cfg.body_idle_timeout, deadline: Instant::now() + cfg.upload_grace + crawl }
+    }
+
+    /// The same clock, ending by `by` at the latest.
+    pub(super) fn until(self, by: Option<ReadBy>) -> Self {
+        Self { deadline: by.map_or(self.deadline, |b| self.deadline.min(b.0)), ..self }
     }
 }
 

@@ -112,7 +112,8 @@ pub struct IngressConfig {
     /// turned away at a limit (the counters keep the totals).
     pub report_every: Duration,
     /// Connections without a client certificate served at once (agents enrolling with a
-    /// token); each is served one request, within `header_read_timeout` of its accept.
+    /// token); each is served one request, its head and body within `header_read_timeout`
+    /// of the handshake.
     pub max_anonymous_connections: usize,
     /// Of those, how many one address may hold (an IPv6 peer's /64): one peer cannot take
     /// them all and keep everyone else from enrolling.
@@ -621,6 +622,9 @@ async fn connection<S: Store, B: BlobStore>(
         principal,
         serial,
         admitted: held.as_ref().map(|h| h.admitted.clone()),
+        // Its body too must come within the head's time: it holds one of few slots. What
+        // the server then does with it is not cut short (an enrolment spends its token).
+        read_by: anonymous.then(|| tokio::time::Instant::now() + cfg.header_read_timeout),
         unread: unread.clone(),
         reset: reset.clone(),
         clock: clock.clone(),
@@ -636,16 +640,9 @@ async fn connection<S: Store, B: BlobStore>(
         .serve_connection(TokioIo::new(head::Watched::new(stream, clock.clone())), service);
     let mut draining = false;
     let mut reset_asked = false;
-    // A connection without a certificate has the head's time for its whole request, body
-    // and answer included, so that a slow body cannot hold one of the few slots either.
-    let served_by = tokio::time::Instant::now() + cfg.header_read_timeout;
     loop {
         tokio::select! {
             _ = std::future::poll_fn(|cx| conn.poll_without_shutdown(cx)) => break,
-            () = tokio::time::sleep_until(served_by), if anonymous => {
-                shared.stats.timed_out.fetch_add(1, Ordering::Relaxed);
-                break;
-            }
             () = stopping(&mut stopped), if !draining => {
                 draining = true;
                 std::pin::Pin::new(&mut conn).graceful_shutdown();
@@ -654,7 +651,7 @@ async fn connection<S: Store, B: BlobStore>(
             // goes at once.
             () = async { evicted.as_ref().expect("guarded").notified().await }, if evicted.is_some() => break,
             // A connection without a certificate gets the head's time for its one request,
-            // from accept: it cannot sit on one of the few slots it may take.
+            // from its handshake: it cannot sit on one of the few slots it may take.
             () = clock.overstayed(if anonymous { cfg.header_read_timeout } else { cfg.idle_timeout }, cfg.header_read_timeout) => {
                 shared.stats.timed_out.fetch_add(1, Ordering::Relaxed);
                 break;
