@@ -230,6 +230,8 @@ async fn composed<S: Store, B: BlobStore>(
 /// chunk left behind (a failure, a crash before this ran) is never read, and the
 /// artifact store's collection removes it later ([`crate::serve::collect_forever`]).
 pub(super) fn remove_chunks<S: Store, B: BlobStore>(shared: &Arc<Shared<S, B>>, key: ArtifactKey) {
+    // Counted before the answer goes out, so a client can tell what its request started.
+    shared.stats.chunk_removals.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let shared = shared.clone();
     tokio::spawn(async move {
         let removed = async {

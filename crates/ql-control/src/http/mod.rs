@@ -163,6 +163,7 @@ pub struct IngressStats {
     turned_away: AtomicUsize,
     evicted: AtomicUsize,
     timed_out: AtomicUsize,
+    pub(crate) chunk_removals: AtomicUsize,
 }
 
 impl IngressStats {
@@ -211,6 +212,12 @@ impl IngressStats {
     /// Connections closed idle, or in the middle of a head that took too long.
     pub fn timed_out(&self) -> usize {
         self.timed_out.load(Ordering::Relaxed)
+    }
+
+    /// Removals of an attempt's live-log chunks started (one per completion that recorded
+    /// its log; a replay starts none).
+    pub fn chunk_removals(&self) -> usize {
+        self.chunk_removals.load(Ordering::Relaxed)
     }
 }
 

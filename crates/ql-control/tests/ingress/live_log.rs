@@ -167,13 +167,13 @@ fn a_completion_that_records_the_log_removes_its_chunks_and_readers_read_the_art
         server.rt.block_on(ops.log(&job.path.run, &request)).unwrap()
     };
     let whole = [a.as_slice(), &b].concat();
+    let completion = job.completion(0, Some(sealed.receipt.clone()));
     std::thread::scope(|s| {
         let follower = s.spawn(|| look(true));
         told.recv().unwrap();
-        let done: CompletionReply = client
-            .post(&job.route(AttemptCommand::Completion), &job.completion(0, Some(sealed.receipt.clone())))
-            .json(200);
+        let done: CompletionReply = client.post(&job.route(AttemptCommand::Completion), &completion).json(200);
         assert_eq!(done.status, TerminalStatus::Succeeded);
+        assert_eq!(server.stats().chunk_removals(), 1, "the completion removes the chunks");
         until_no_chunk(&artifacts);
         go.send(()).unwrap();
         let followed = follower.join().unwrap();
@@ -183,7 +183,13 @@ fn a_completion_that_records_the_log_removes_its_chunks_and_readers_read_the_art
     assert_eq!(server.inspect(&job.key(&log_id())), Some(sealed.receipt.clone()), "the artifact stays");
     assert_eq!(server.rt.block_on(server.store.log_chunks(&job.path.attempt)).unwrap().len(), 2, "so do the rows");
     let looked = look(false);
-    assert_eq!((looked.bytes, looked.sealed), (whole, Some(sealed.receipt)));
+    assert_eq!((looked.bytes, looked.sealed), (whole, Some(sealed.receipt.clone())));
+    // Its replay, as often as a worker likes, starts no removal again.
+    for _ in 0..3 {
+        let again: CompletionReply = client.post(&job.route(AttemptCommand::Completion), &completion).json(200);
+        assert_eq!(again.result, Outcome::AlreadyCompleted);
+    }
+    assert_eq!(server.stats().chunk_removals(), 1, "a replay removes nothing");
 }
 
 #[test]
