@@ -559,13 +559,7 @@ impl Agent {
         self.rt(key).finished = true;
         Turn::Moved
     }
-}
 
-fn outcome_word(o: Outcome) -> String {
-    serde_json::to_string(&o).unwrap_or_default().trim_matches('"').to_owned()
-}
-
-impl Agent {
     /// Records the exit the job's supervisor kept, if it kept one (the process ended while
     /// no agent watched it).
     fn exit_kept(&mut self, key: &JobKey, who: &str, run_dir: &RunDir) -> Result<bool, Fatal> {
@@ -575,4 +569,8 @@ impl Agent {
         self.commit(&core::exited(key, ending_of(&exit, finished_at)))?;
         Ok(true)
     }
+}
+
+fn outcome_word(o: Outcome) -> String {
+    serde_json::to_string(&o).unwrap_or_default().trim_matches('"').to_owned()
 }

@@ -177,6 +177,14 @@ pub(crate) fn marked(attempt: &str) -> io::Result<Vec<(u32, Stat)>> {
     Ok(found)
 }
 
+/// The distinct process groups of `found` (as [`marked`] returns them), in order.
+pub(crate) fn groups_of(found: &[(u32, Stat)]) -> Vec<i32> {
+    let mut groups: Vec<i32> = found.iter().map(|(_, s)| s.pgrp).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    groups
+}
+
 /// What [`find_unrecorded`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Found {
@@ -204,10 +212,7 @@ pub(crate) async fn find_unrecorded(attempt: &str, grace: Duration, poll: Durati
     if found.is_empty() {
         return Ok(Found::Nothing);
     }
-    let mut groups: Vec<i32> = found.iter().map(|(_, s)| s.pgrp).collect();
-    groups.sort_unstable();
-    groups.dedup();
-    for pgid in groups {
+    for pgid in groups_of(&found) {
         // Live members keep the group's id theirs: signalling it reaches only them.
         terminate_group(pgid as u32, grace, poll).await?;
     }

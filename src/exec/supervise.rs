@@ -345,10 +345,7 @@ impl Supervised {
 /// before it could say which process it started).
 fn stop_marked(attempt: &AttemptId) {
     let Ok(found) = group::marked(attempt.as_str()) else { return };
-    let mut groups: Vec<i32> = found.iter().map(|(_, s)| s.pgrp).collect();
-    groups.sort_unstable();
-    groups.dedup();
-    for pgid in groups {
+    for pgid in group::groups_of(&found) {
         if let Ok(pgid) = u32::try_from(pgid) {
             let _ = group::signal_group(pgid, rustix::process::Signal::KILL);
         }
