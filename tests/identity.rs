@@ -121,6 +121,31 @@ fn a_token_enrols_a_device_whose_certificate_renews_twice_during_one_run() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let second = control.submit(&["--", "echo", "after"]);
     common::wait_for("the second run", context, || (control.show(&second)["status"] == "succeeded").then_some(()));
+
+    // Each renewal names the certificate it renewed, and revoking the first with its
+    // renewals revokes the agent's own, however many renewals down.
+    let listing = String::from_utf8(control.cli(&["workers", "certificates"]).stdout).unwrap();
+    let from = |serial: &str| {
+        let row = listing.lines().find(|l| l.split_whitespace().nth(1) == Some(serial)).expect("listed");
+        row.split_whitespace().last().unwrap().to_owned()
+    };
+    assert_eq!(from(&serials[0]), "-", "{listing}");
+    for pair in serials.windows(2) {
+        assert_eq!(from(&pair[1]), pair[0], "{listing}");
+    }
+    let out = control.cli(&["workers", "revoke", "w9", "--serial", &serials[0], "--with-renewals"]);
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The agent may have renewed again since the listing: at least those listed go.
+    let renewed: usize = said
+        .split_once("with ")
+        .and_then(|(_, rest)| rest.split_once(" certificate(s) renewed from it"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(renewed >= serials.len() - 1, "{said}");
+    common::wait_for("the agent to be refused", context, || {
+        agent_log(&root.0).contains("certificate_revoked").then_some(())
+    });
     assert!(agent.terminate().success());
 }
 

@@ -44,11 +44,21 @@ pub async fn set_access<S: Store>(store: &S, worker: &WorkerId, access: Access) 
     })
 }
 
-/// Revokes the certificate with `serial` (as `ql-control workers certificates` shows it).
-pub async fn revoke_certificate<S: Store>(store: &S, worker: &WorkerId, serial: &str) -> Result<String, String> {
+/// Revokes the certificate with `serial` (as `ql-control workers certificates` shows it),
+/// and with `renewals` every certificate renewed from it.
+pub async fn revoke_certificate<S: Store>(
+    store: &S,
+    worker: &WorkerId,
+    serial: &str,
+    renewals: bool,
+) -> Result<String, String> {
     let serial = serial.trim().to_ascii_lowercase().replace(':', "");
-    match execute(store, Command::RevokeCertificate(worker.clone(), serial)).await {
-        Ok(Reply::CertificateRevoked(c)) => Ok(format!("certificate {} of {} revoked", c.serial, c.worker)),
+    match execute(store, Command::RevokeCertificate(worker.clone(), serial, renewals)).await {
+        Ok(Reply::CertificateRevoked(c, 0)) => Ok(format!("certificate {} of {} revoked", c.serial, c.worker)),
+        Ok(Reply::CertificateRevoked(c, renewed)) => Ok(format!(
+            "certificate {} of {} revoked, with {renewed} certificate(s) renewed from it",
+            c.serial, c.worker
+        )),
         Ok(_) => Err("unexpected answer".into()),
         Err(e) if e.ends_with("not_found") => Err(format!("no certificate of {worker} with that serial is recorded")),
         Err(e) => Err(e),
@@ -69,6 +79,7 @@ pub fn certificate(worker: &WorkerId, issued: &Issued) -> Certificate {
         issued_at: 0,
         not_after: issued.not_after_ms,
         revoked_at: None,
+        renewed_from: None,
     }
 }
 

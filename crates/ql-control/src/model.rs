@@ -225,6 +225,9 @@ pub struct Certificate {
     pub not_after: Millis,
     /// Revoked at, if it was.
     pub revoked_at: Option<Millis>,
+    /// The serial of the certificate its worker renewed to get it, if it did (revoking
+    /// that one revokes this one too).
+    pub renewed_from: Option<String>,
 }
 
 /// A worker session.

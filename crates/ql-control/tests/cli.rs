@@ -137,8 +137,9 @@ fn enroll_records_each_certificate_and_replace_revokes_the_ones_before() {
     let first = enroll("first", &[]);
     assert!(first.contains("certificate serial"), "{first}");
     let listed = || String::from_utf8(cli(&dir, &["workers", "certificates"]).stdout).unwrap();
+    // The REVOKED column of each row.
     let rows =
-        |text: &str| text.lines().skip(1).map(|l| l.split_whitespace().last().unwrap().to_owned()).collect::<Vec<_>>();
+        |text: &str| text.lines().skip(1).map(|l| l.split_whitespace().nth(4).unwrap().to_owned()).collect::<Vec<_>>();
     assert_eq!(rows(&listed()), ["-"], "one certificate, not revoked");
     let second = enroll("second", &["--replace"]);
     assert!(second.contains("r1 revoked: 1 recorded certificate(s)"), "{second}");
@@ -266,7 +267,7 @@ fn every_operator_command_refuses_bad_input_says_why_and_writes_nothing() {
     };
     let before = state();
     assert!(before[0].lines().count() == 2 && before[3].contains("nightly") && before[4].contains("alice"));
-    let cases: [(&[&str], &[&str], &str); 16] = [
+    let cases: [(&[&str], &[&str], &str); 18] = [
         (&["schedule", "add"], &["nightly", "--cron", "0 30 7 * * *", "--", "true"], "exists already"),
         (&["schedule", "add"], &["other", "--cron", "61 * * * *", "--", "true"], "cron"),
         (&["schedule", "add"], &["other", "--cron", "* * * * *", "--tz", "Mars/Olympus", "--", "true"], "time zone"),
@@ -278,6 +279,12 @@ fn every_operator_command_refuses_bad_input_says_why_and_writes_nothing() {
         (&["cancel"], &["not-a-run"], "no run not-a-run"),
         (&["workers", "disable"], &["Not_A_Worker"], "not a worker name"),
         (&["workers", "revoke"], &["r1", "--serial", "00ff"], "no certificate of r1 with that serial"),
+        (
+            &["workers", "revoke"],
+            &["r1", "--serial", "00ff", "--with-renewals"],
+            "no certificate of r1 with that serial",
+        ),
+        (&["workers", "revoke"], &["r1", "--with-renewals"], "renewals go with a serial only"),
         (&["operator", "add"], &["bob", "--role", "root"], "root"),
         (&["operator", "add"], &["alice", "--role", "read"], "alice"),
         (&["operator", "remove"], &["nosuch"], "nosuch"),

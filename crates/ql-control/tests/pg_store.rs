@@ -1152,9 +1152,10 @@ async fn revoked(store: &PgStore, name: &str, serial: &str) {
         issued_at: 0,
         not_after: i64::MAX / 2,
         revoked_at: None,
+        renewed_from: None,
     };
     exec(store, Command::RecordCertificate(cert, ql_control::core::Issuer::Operator)).await.unwrap();
-    exec(store, Command::RevokeCertificate(worker(name), serial.into())).await.unwrap();
+    exec(store, Command::RevokeCertificate(worker(name), serial.into(), false)).await.unwrap();
 }
 
 /// The principal and outcome of every audit record after the first `n`, sorted.

@@ -230,6 +230,8 @@ async fn body<T: DeserializeOwned>(request: Request<Incoming>, limits: (usize, D
 struct AccessBody {
     #[serde(default)]
     serial: Option<String>,
+    #[serde(default, rename = "withRenewals")]
+    with_renewals: bool,
 }
 
 #[derive(serde::Deserialize)]
@@ -310,7 +312,7 @@ async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, request: Request<
             Err(e) => refuse(&e),
         },
         Route::Access(worker, access) => match body::<AccessBody>(request, cap).await {
-            Ok(b) => answer(local.set_access(&worker, access, b.serial.as_deref()).await),
+            Ok(b) => answer(local.set_access(&worker, access, b.serial.as_deref(), b.with_renewals).await),
             Err(e) => refuse(&e),
         },
         Route::Labels(worker) => match body::<LabelsBody>(request, cap).await {

@@ -67,6 +67,10 @@ struct Revoke {
     /// revoke only the certificate with this serial (`workers certificates`)
     #[argh(option)]
     serial: Option<String>,
+    /// with --serial, also revoke every certificate renewed from it, however many
+    /// renewals down (a copied certificate its holder may have renewed)
+    #[argh(switch)]
+    with_renewals: bool,
     #[argh(option)]
     /// state directory
     dir: Option<PathBuf>,
@@ -129,17 +133,19 @@ pub(crate) fn workers(reach: &Reach, cmd: Workers) -> Result<(), String> {
         Some(WorkersAction::Disable(a)) => (a.dir.clone(), a.database.clone()),
         Some(WorkersAction::Enable(a)) => (a.dir.clone(), a.database.clone()),
     };
-    let access = |worker: &str, access, serial: Option<String>| Ok::<_, String>((worker_id(worker)?, access, serial));
+    let access = |worker: &str, access, serial: Option<String>, renewals| {
+        Ok::<_, String>((worker_id(worker)?, access, serial, renewals))
+    };
     let change = match &cmd.action {
         None | Some(WorkersAction::Certificates(_)) => None,
-        Some(WorkersAction::Revoke(a)) => Some(access(&a.worker, Access::Revoke, a.serial.clone())?),
-        Some(WorkersAction::Disable(a)) => Some(access(&a.worker, Access::Disable, None)?),
-        Some(WorkersAction::Enable(a)) => Some(access(&a.worker, Access::Enable, None)?),
+        Some(WorkersAction::Revoke(a)) => Some(access(&a.worker, Access::Revoke, a.serial.clone(), a.with_renewals)?),
+        Some(WorkersAction::Disable(a)) => Some(access(&a.worker, Access::Disable, None, false)?),
+        Some(WorkersAction::Enable(a)) => Some(access(&a.worker, Access::Enable, None, false)?),
     };
     let out = with_target(reach, dir.or(cmd.dir), database.or(cmd.database), async |t| {
         Ok(match (&cmd.action, change) {
-            (_, Some((worker, access, serial))) => {
-                t.set_access(&worker, access, serial.as_deref()).await?.message + "\n"
+            (_, Some((worker, access, serial, renewals))) => {
+                t.set_access(&worker, access, serial.as_deref(), renewals).await?.message + "\n"
             }
             (Some(WorkersAction::Certificates(_)), None) => text::certificates(&t.certificates().await?),
             (_, None) => text::workers(&t.workers(cmd.limit).await?),

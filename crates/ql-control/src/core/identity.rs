@@ -137,18 +137,42 @@ pub(super) fn set_access(worker: &WorkerId, access: Access, rows: &Rows, now: Mi
     Decision::apply(Reply::AccessChanged(changed), writes).waking()
 }
 
-/// Revokes one certificate by serial. Its worker's sessions stay: another certificate of
-/// the worker (a rotated one) may hold them, and this one is refused from its next
-/// request on.
-pub(super) fn revoke_certificate(worker: &WorkerId, serial: &str, rows: &Rows, now: Millis) -> Decision {
-    match rows.certificate.as_ref().filter(|c| c.serial == serial && &c.worker == worker) {
-        None => Decision::refuse(ErrorCode::NotFound),
-        Some(c) if c.revoked_at.is_some() => Decision::answer(Reply::CertificateRevoked(Box::new(c.clone()))),
-        Some(c) => {
-            let revoked = Certificate { revoked_at: Some(now), ..c.clone() };
-            Decision::apply(Reply::CertificateRevoked(Box::new(revoked.clone())), vec![Write::Certificate(revoked)])
+/// Revokes one certificate by serial, and with `renewals` every certificate renewed from
+/// it, however many renewals down (`rows.certificates`, the worker's): whoever holds a
+/// copy may have renewed it before it was revoked. Without, an old certificate is retired
+/// after a rotation and the one renewed from it serves on. Its worker's sessions stay:
+/// another certificate of the worker (a rotated one) may hold them, and the revoked are
+/// refused from their next request on. Revoking a revoked one again with `renewals`
+/// revokes what was renewed from it since.
+pub(super) fn revoke_certificate(
+    worker: &WorkerId,
+    serial: &str,
+    renewals: bool,
+    rows: &Rows,
+    now: Millis,
+) -> Decision {
+    let Some(c) = rows.certificate.as_ref().filter(|c| c.serial == serial && &c.worker == worker) else {
+        return Decision::refuse(ErrorCode::NotFound);
+    };
+    let revoke = |c: &Certificate| Certificate { revoked_at: c.revoked_at.or(Some(now)), ..c.clone() };
+    let mut line: Vec<&str> = vec![&c.serial];
+    let mut writes: Vec<Write> = c.revoked_at.is_none().then(|| Write::Certificate(revoke(c))).into_iter().collect();
+    let mut descendants = 0;
+    let mut next = 0;
+    while let Some(&parent) = line.get(next).filter(|_| renewals) {
+        next += 1;
+        for d in rows.certificates.iter().filter(|d| &d.worker == worker && d.renewed_from.as_deref() == Some(parent)) {
+            if line.contains(&d.serial.as_str()) {
+                continue;
+            }
+            line.push(&d.serial);
+            if d.revoked_at.is_none() {
+                writes.push(Write::Certificate(revoke(d)));
+                descendants += 1;
+            }
         }
     }
+    Decision::apply(Reply::CertificateRevoked(Box::new(revoke(c)), descendants), writes)
 }
 
 /// Records a certificate just issued (`issued_at` becomes DB time). A worker renewing
@@ -167,7 +191,11 @@ pub(super) fn record_certificate(cert: &Certificate, issuer: &Issuer, rows: &Row
         // A serial is 16 random bytes: a repeat is a replay or a bug, never a new one.
         return Decision::refuse(ErrorCode::StateConflict);
     }
-    let recorded = Certificate { issued_at: now, revoked_at: None, ..cert.clone() };
+    let renewed_from = match issuer {
+        Issuer::Worker(serial) => Some(serial.clone()),
+        Issuer::Operator => None,
+    };
+    let recorded = Certificate { issued_at: now, revoked_at: None, renewed_from, ..cert.clone() };
     Decision::apply(Reply::CertificateRecorded(Box::new(recorded.clone())), vec![Write::Certificate(recorded)])
 }
 
@@ -204,7 +232,7 @@ pub(super) fn enrol(digest: &Digest, cert: &Certificate, rows: &Rows, now: Milli
         return Decision::refuse(ErrorCode::StateConflict);
     }
     let spent = Enrolment { used_at: Some(now), serial: Some(cert.serial.clone()), ..enrolment.clone() };
-    let recorded = Certificate { issued_at: now, revoked_at: None, ..cert.clone() };
+    let recorded = Certificate { issued_at: now, revoked_at: None, renewed_from: None, ..cert.clone() };
     Decision::apply(
         Reply::CertificateRecorded(Box::new(recorded.clone())),
         vec![Write::Enrolment(spent), Write::Certificate(recorded)],
@@ -225,6 +253,7 @@ mod tests {
             issued_at: NOW - 10,
             not_after: NOW + 1_000_000,
             revoked_at: None,
+            renewed_from: None,
         }
     }
 
@@ -336,15 +365,40 @@ mod tests {
     }
 
     #[test]
-    fn one_certificate_is_revoked_alone_and_an_unknown_serial_is_not_found() {
+    fn a_certificate_is_revoked_with_its_renewals_and_an_unknown_serial_is_not_found() {
         let rows = Rows { certificate: Some(cert("0a")), ..Rows::default() };
-        let d = revoke_certificate(&worker(), "0a", &rows, NOW);
+        let d = revoke_certificate(&worker(), "0a", true, &rows, NOW);
         assert_eq!(d.writes, vec![Write::Certificate(Certificate { revoked_at: Some(NOW), ..cert("0a") })]);
-        assert_eq!(revoke_certificate(&worker(), "0b", &Rows::default(), NOW), Decision::refuse(ErrorCode::NotFound));
-        assert_eq!(revoke_certificate(&other_worker(), "0a", &rows, NOW), Decision::refuse(ErrorCode::NotFound));
+        // Renewed from 0a: 0b, then 0c from 0b and 0d from 0c (0c revoked already), and
+        // a cycle back to 0a that a corrupt record could make; 0e is another line, 0f
+        // another worker's.
+        let renewed = |serial: &str, from: &str| Certificate { renewed_from: Some(from.into()), ..cert(serial) };
+        let family = vec![
+            cert("0a"),
+            renewed("0b", "0a"),
+            Certificate { revoked_at: Some(NOW - 1), ..renewed("0c", "0b") },
+            renewed("0d", "0c"),
+            renewed("0e", "09"),
+            Certificate { worker: other_worker(), ..renewed("0f", "0a") },
+            renewed("0a", "0d"),
+        ];
+        let rows = Rows { certificate: Some(cert("0a")), certificates: family, ..Rows::default() };
+        let d = revoke_certificate(&worker(), "0a", true, &rows, NOW);
+        let certs = written(&d, |w| if let Write::Certificate(c) = w { Some(c) } else { None });
+        assert_eq!(certs.iter().map(|c| c.serial.as_str()).collect::<Vec<_>>(), ["0a", "0b", "0d"]);
+        assert!(certs.iter().all(|c| c.revoked_at == Some(NOW)));
+        assert!(matches!(d.reply, Ok(Reply::CertificateRevoked(ref c, 2)) if c.serial == "0a"));
+        let alone = revoke_certificate(&worker(), "0a", false, &rows, NOW);
+        assert_eq!(alone.writes, vec![Write::Certificate(Certificate { revoked_at: Some(NOW), ..cert("0a") })]);
+        assert!(matches!(alone.reply, Ok(Reply::CertificateRevoked(_, 0))), "without its renewals");
+        assert_eq!(
+            revoke_certificate(&worker(), "0b", false, &Rows::default(), NOW),
+            Decision::refuse(ErrorCode::NotFound)
+        );
+        assert_eq!(revoke_certificate(&other_worker(), "0a", false, &rows, NOW), Decision::refuse(ErrorCode::NotFound));
         let again =
             Rows { certificate: Some(Certificate { revoked_at: Some(NOW - 1), ..cert("0a") }), ..Rows::default() };
-        assert!(revoke_certificate(&worker(), "0a", &again, NOW).writes.is_empty());
+        assert!(revoke_certificate(&worker(), "0a", false, &again, NOW).writes.is_empty());
     }
 
     fn enrolment(expires_at: Millis) -> Enrolment {

@@ -145,8 +145,9 @@ pub enum Command {
     LabelWorker(WorkerId, BTreeMap<String, String>),
     /// Operator: disable, enable or revoke a worker.
     SetAccess(WorkerId, Access),
-    /// Operator: revoke one certificate of a worker by serial.
-    RevokeCertificate(WorkerId, String),
+    /// Operator: revoke one certificate of a worker by serial, with `true` also every
+    /// certificate renewed from it.
+    RevokeCertificate(WorkerId, String, bool),
     /// Record a certificate just issued (by an operator, or renewed by its worker).
     RecordCertificate(Certificate, Issuer),
     /// Operator: record a one-time enrolment token's digest, valid this long.
@@ -339,8 +340,9 @@ pub enum Reply {
     WorkerLabelled(Box<Worker>),
     /// To disabling, enabling or revoking a worker: what it ended.
     AccessChanged(AccessChanged),
-    /// To revoking a certificate: its record now.
-    CertificateRevoked(Box<Certificate>),
+    /// To revoking a certificate: its record now, and how many certificates renewed from
+    /// it were revoked with it.
+    CertificateRevoked(Box<Certificate>, usize),
     /// A certificate was recorded (as issued, or on enrolment).
     CertificateRecorded(Box<Certificate>),
     /// An enrolment token was recorded, usable until then.
@@ -604,7 +606,15 @@ impl Command {
                 worker_certificates: Some(w.clone()),
                 ..Keys::default()
             },
-            Self::RevokeCertificate(_, serial) => Keys { certificate: Some(serial.clone()), ..Keys::default() },
+            Self::RevokeCertificate(w, serial, _) => Keys {
+                // The worker's lock (taken with its sessions), as a renewal takes it: a
+                // renewal from this certificate either commits first, and its new one is
+                // among the worker's certificates found here, or finds it revoked.
+                worker_sessions: Some(w.clone()),
+                worker_certificates: Some(w.clone()),
+                certificate: Some(serial.clone()),
+                ..Keys::default()
+            },
             Self::RecordCertificate(c, issuer) => Keys {
                 // The worker's lock (taken with its sessions), as revoking takes it.
                 worker_sessions: Some(c.worker.clone()),
@@ -711,7 +721,9 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::Cancel(_) => operator::cancel(rows, now, ids),
         Command::LabelWorker(w, labels) => worker::set_labels(w, labels, rows, now),
         Command::SetAccess(w, access) => identity::set_access(w, *access, rows, now, ids),
-        Command::RevokeCertificate(w, serial) => identity::revoke_certificate(w, serial, rows, now),
+        Command::RevokeCertificate(w, serial, renewals) => {
+            identity::revoke_certificate(w, serial, *renewals, rows, now)
+        }
         Command::RecordCertificate(cert, issuer) => identity::record_certificate(cert, issuer, rows, now),
         Command::CreateEnrolment(w, digest, ttl_ms) => identity::create_enrolment(w, digest, *ttl_ms, rows, now),
         Command::Enrol(digest, cert) => identity::enrol(digest, cert, rows, now),

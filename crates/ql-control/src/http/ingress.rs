@@ -500,7 +500,7 @@ pub(super) fn answer(result: Result<Result<Reply, ErrorCode>, StoreError>) -> An
         | Reply::Cancelled(_)
         | Reply::WorkerLabelled(_)
         | Reply::AccessChanged(_)
-        | Reply::CertificateRevoked(_)
+        | Reply::CertificateRevoked(..)
         | Reply::CertificateRecorded(_)
         | Reply::EnrolmentCreated(_)
         | Reply::Schedule(_)

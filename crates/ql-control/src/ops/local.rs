@@ -187,11 +187,21 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         }
     }
 
-    /// Disables, enables or revokes `worker`, or with `serial` one of its certificates.
-    pub async fn set_access(&self, worker: &WorkerId, access: Access, serial: Option<&str>) -> Result<Done, OpError> {
+    /// Disables, enables or revokes `worker`, or with `serial` one of its certificates
+    /// (with `renewals`, and every certificate renewed from it).
+    pub async fn set_access(
+        &self,
+        worker: &WorkerId,
+        access: Access,
+        serial: Option<&str>,
+        renewals: bool,
+    ) -> Result<Done, OpError> {
         let said = match (access, serial) {
-            (Access::Revoke, Some(serial)) => crate::identity::revoke_certificate(&self.store, worker, serial).await,
+            (Access::Revoke, Some(serial)) => {
+                crate::identity::revoke_certificate(&self.store, worker, serial, renewals).await
+            }
             (_, Some(_)) => return Err(OpError::invalid("a serial goes with revoke only")),
+            (_, None) if renewals => return Err(OpError::invalid("renewals go with a serial only")),
             (access, None) => crate::identity::set_access(&self.store, worker, access).await,
         };
         said.map(Done::said).map_err(coded)

@@ -189,9 +189,16 @@ impl Target {
     pub async fn certificates(&self) -> Result<CertificateList, OpError> {
         forward!(self.certificates())
     }
-    /// Disables, enables or revokes a worker (or, with a serial, one certificate).
-    pub async fn set_access(&self, worker: &WorkerId, access: Access, serial: Option<&str>) -> Result<Done, OpError> {
-        forward!(self.set_access(worker, access, serial))
+    /// Disables, enables or revokes a worker (or, with a serial, one certificate, and with
+    /// `renewals` those renewed from it).
+    pub async fn set_access(
+        &self,
+        worker: &WorkerId,
+        access: Access,
+        serial: Option<&str>,
+        renewals: bool,
+    ) -> Result<Done, OpError> {
+        forward!(self.set_access(worker, access, serial, renewals))
     }
     /// Sets the labels the operator vouches for of a worker.
     pub async fn label(&self, worker: &WorkerId, labels: &[String]) -> Result<Done, OpError> {

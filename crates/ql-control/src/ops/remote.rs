@@ -231,15 +231,24 @@ impl Remote {
         self.json("GET", "/v1/certificates", &[], None)
     }
 
-    /// Disables, enables or revokes a worker (or one certificate).
-    pub fn set_access(&self, worker: &WorkerId, access: Access, serial: Option<&str>) -> Result<Done, OpError> {
+    /// Disables, enables or revokes a worker (or one certificate, and with `renewals`
+    /// those renewed from it).
+    pub fn set_access(
+        &self,
+        worker: &WorkerId,
+        access: Access,
+        serial: Option<&str>,
+        renewals: bool,
+    ) -> Result<Done, OpError> {
         let word = match access {
             Access::Disable => "disable",
             Access::Enable => "enable",
             Access::Revoke => "revoke",
         };
         let body = match serial {
+            Some(serial) if renewals => serde_json::json!({ "serial": serial, "withRenewals": true }),
             Some(serial) => serde_json::json!({ "serial": serial }),
+            None if renewals => serde_json::json!({ "withRenewals": true }),
             None => serde_json::json!({}),
         };
         self.post(&format!("/v1/workers/{worker}:{word}"), &body)

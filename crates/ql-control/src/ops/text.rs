@@ -82,10 +82,11 @@ pub fn workers(list: &WorkerList) -> String {
 
 /// The recorded certificates, one line each.
 pub fn certificates(list: &CertificateList) -> String {
-    let line = |c: [&str; 5]| format!("{:<24} {:<34} {:<24} {:<24} {}\n", c[0], c[1], c[2], c[3], c[4]);
-    let mut out = line(["WORKER", "SERIAL", "ISSUED", "NOT AFTER", "REVOKED"]);
+    let line = |c: [&str; 6]| format!("{:<24} {:<34} {:<24} {:<24} {:<24} {}\n", c[0], c[1], c[2], c[3], c[4], c[5]);
+    let mut out = line(["WORKER", "SERIAL", "ISSUED", "NOT AFTER", "REVOKED", "RENEWED FROM"]);
     for c in &list.certificates {
-        out += &line([&c.worker, &c.serial, &c.issued_at, &c.not_after, or_dash(c.revoked_at.as_deref())]);
+        let (revoked, from) = (or_dash(c.revoked_at.as_deref()), or_dash(c.renewed_from.as_deref()));
+        out += &line([&c.worker, &c.serial, &c.issued_at, &c.not_after, revoked, from]);
     }
     out
 }

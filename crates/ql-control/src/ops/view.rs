@@ -459,6 +459,10 @@ pub struct CertificateRow {
     pub not_after: String,
     /// Revoked at.
     pub revoked_at: Option<String>,
+    /// The serial of the certificate its worker renewed to get it (absent from an older
+    /// server's answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewed_from: Option<String>,
 }
 
 impl From<&Certificate> for CertificateRow {
@@ -469,6 +473,7 @@ impl From<&Certificate> for CertificateRow {
             issued_at: time(c.issued_at),
             not_after: time(c.not_after),
             revoked_at: opt_time(c.revoked_at),
+            renewed_from: c.renewed_from.clone(),
         }
     }
 }

@@ -72,7 +72,7 @@ pub(super) const FIRE_COLS: &str = "schedule, fire_at, outcome, run_id, at";
 /// Columns of `operators`, in select order.
 pub(super) const OPERATOR_COLS: &str = "name, role, token_digest, created_at";
 /// Columns of `certificates`, in select order.
-pub(super) const CERTIFICATE_COLS: &str = "serial, worker, issued_at, not_after, revoked_at";
+pub(super) const CERTIFICATE_COLS: &str = "serial, worker, issued_at, not_after, revoked_at, renewed_from";
 /// Columns of `audit`, in select order (`seq` as for events).
 pub(super) const AUDIT_COLS: &str = "at, principal, route, outcome";
 
@@ -611,6 +611,7 @@ impl Stored for Certificate {
             issued_at: c.int("issued_at")?,
             not_after: c.int("not_after")?,
             revoked_at: c.opt_int("revoked_at")?,
+            renewed_from: c.opt_text("renewed_from")?,
         })
     }
 
@@ -621,6 +622,7 @@ impl Stored for Certificate {
             V::int(self.issued_at),
             V::int(self.not_after),
             V::opt_int(self.revoked_at),
+            V::opt_text(self.renewed_from.as_deref()),
         ])
     }
 }

@@ -11,7 +11,14 @@ use ql_wire::ErrorCode;
 use super::*;
 
 fn cert(w: &str, serial: &str) -> Certificate {
-    Certificate { serial: serial.into(), worker: worker(w), issued_at: 0, not_after: i64::MAX / 2, revoked_at: None }
+    Certificate {
+        serial: serial.into(),
+        worker: worker(w),
+        issued_at: 0,
+        not_after: i64::MAX / 2,
+        revoked_at: None,
+        renewed_from: None,
+    }
 }
 
 async fn admit<S: Store>(store: &S, w: &str, serial: &str) -> Option<ErrorCode> {
@@ -43,13 +50,13 @@ pub async fn admission_follows_the_worker_and_its_certificates<B: Backend>(b: B)
     exec(&store, Command::SetAccess(worker("router-1"), Access::Enable)).await.unwrap();
     assert_eq!(admit(&store, "router-1", "01").await, None);
 
-    exec(&store, Command::RevokeCertificate(worker("router-1"), "01".into())).await.unwrap();
+    exec(&store, Command::RevokeCertificate(worker("router-1"), "01".into(), false)).await.unwrap();
     assert_eq!(admit(&store, "router-1", "01").await, Some(ErrorCode::CertificateRevoked));
     assert_eq!(last_outcome(&store).await, "certificate_revoked");
     assert_eq!(admit(&store, "router-1", "0a").await, None, "one certificate revoked alone");
     refused(
         &store,
-        Command::RevokeCertificate(worker("router-2"), "01".into()),
+        Command::RevokeCertificate(worker("router-2"), "01".into(), true),
         ErrorCode::NotFound,
         "another worker's serial",
     )
@@ -78,11 +85,70 @@ pub async fn admission_follows_the_worker_and_its_certificates<B: Backend>(b: B)
         Command::RecordCertificate(cert("router-1", serial), Issuer::Worker(presented.into()))
     };
     assert!(exec(&store, renewal("05", "02")).await.is_ok(), "a renewal by an admitted certificate");
-    exec(&store, Command::RevokeCertificate(worker("router-1"), "05".into())).await.unwrap();
+    exec(&store, Command::RevokeCertificate(worker("router-1"), "05".into(), false)).await.unwrap();
     refused(&store, renewal("06", "05"), ErrorCode::CertificateRevoked, "a renewal by a certificate revoked meanwhile")
         .await;
     exec(&store, Command::SetAccess(worker("router-1"), Access::Revoke)).await.unwrap();
     refused(&store, renewal("07", "02"), ErrorCode::CertificateRevoked, "a renewal after the worker was revoked").await;
+}
+
+/// Revoking a certificate alone leaves what was renewed from it; with its renewals, it
+/// revokes every certificate renewed from it, however many renewals down, and nothing
+/// else, and again changes nothing more. Each record names what it was renewed from.
+pub async fn revoking_a_certificate_revokes_what_was_renewed_from_it<B: Backend>(b: B) {
+    let store = b.store();
+    let renewal =
+        |serial: &str, from: &str| Command::RecordCertificate(cert("router-1", serial), Issuer::Worker(from.into()));
+    exec(&store, Command::RecordCertificate(cert("router-1", "10"), Issuer::Operator)).await.unwrap();
+    exec(&store, Command::RecordCertificate(cert("router-1", "14"), Issuer::Operator)).await.unwrap();
+    exec(&store, Command::RecordCertificate(cert("router-2", "20"), Issuer::Operator)).await.unwrap();
+    for (serial, from) in [("11", "10"), ("12", "11"), ("13", "10")] {
+        exec(&store, renewal(serial, from)).await.unwrap();
+    }
+    let lineage = |all: &[Certificate]| -> Vec<(String, Option<String>, bool)> {
+        all.iter().map(|c| (c.serial.clone(), c.renewed_from.clone(), c.revoked_at.is_some())).collect()
+    };
+    let mut before = lineage(&store.certificates(100).await.unwrap());
+    before.sort();
+    let from = |s: &str| Some(s.to_owned());
+    assert_eq!(
+        before,
+        [
+            ("10".into(), None, false),
+            ("11".into(), from("10"), false),
+            ("12".into(), from("11"), false),
+            ("13".into(), from("10"), false),
+            ("14".into(), None, false),
+            ("20".into(), None, false),
+        ]
+    );
+
+    // Alone: an old certificate retired after a rotation, the one renewed from it serves.
+    let reply = exec(&store, Command::RevokeCertificate(worker("router-1"), "11".into(), false)).await.unwrap();
+    assert!(
+        matches!(&reply, Reply::CertificateRevoked(c, 0) if c.serial == "11" && c.revoked_at.is_some()),
+        "{reply:?}"
+    );
+    assert_eq!(admit(&store, "router-1", "11").await, Some(ErrorCode::CertificateRevoked));
+    assert_eq!(admit(&store, "router-1", "12").await, None, "renewed from 11, revoked alone");
+    // Again with its renewals: 12 goes too.
+    let reply = exec(&store, Command::RevokeCertificate(worker("router-1"), "11".into(), true)).await.unwrap();
+    assert!(matches!(&reply, Reply::CertificateRevoked(c, 1) if c.serial == "11"), "{reply:?}");
+    let refusals = [("10", false), ("11", true), ("12", true), ("13", false), ("14", false)];
+    for (serial, refused) in refusals {
+        assert_eq!(admit(&store, "router-1", serial).await.is_some(), refused, "{serial} after revoking 11's line");
+    }
+    let reply = exec(&store, Command::RevokeCertificate(worker("router-1"), "10".into(), true)).await.unwrap();
+    assert!(matches!(&reply, Reply::CertificateRevoked(c, 1) if c.serial == "10"), "13 only: {reply:?}");
+    for (serial, refused) in [("10", true), ("13", true), ("14", false)] {
+        assert_eq!(admit(&store, "router-1", serial).await.is_some(), refused, "{serial} after revoking 10's line");
+    }
+    assert_eq!(admit(&store, "router-2", "20").await, None, "another worker's certificate");
+
+    let after = store.certificates(100).await.unwrap();
+    let reply = exec(&store, Command::RevokeCertificate(worker("router-1"), "10".into(), true)).await.unwrap();
+    assert!(matches!(&reply, Reply::CertificateRevoked(c, 0) if c.serial == "10"), "{reply:?}");
+    assert_eq!(store.certificates(100).await.unwrap(), after, "a repeat changes nothing");
 }
 
 /// Revoking a worker closes its sessions, loses its running attempt and its open offer at

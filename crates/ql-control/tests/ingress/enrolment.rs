@@ -112,7 +112,7 @@ fn a_worker_renews_over_its_own_certificate_and_the_old_one_can_then_be_revoked(
         let (_, pem) = x509_parser::pem::parse_x509_pem(first.certificate.as_str().as_bytes()).unwrap();
         http::tls::serial(&[pem.contents.into()])
     };
-    let revoke = Command::RevokeCertificate(wid("router-1"), old_serial);
+    let revoke = Command::RevokeCertificate(wid("router-1"), old_serial, false);
     assert!(server.rt.block_on(server.store.execute(revoke)).unwrap().is_ok());
     let (session, generation) = issued_client(&server, "router-1", &second, &new_key).open(1);
     let hb = old.post(&Route::Heartbeat(wid("router-1"), session), &Heartbeat { generation, draining: false });

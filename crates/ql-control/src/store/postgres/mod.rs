@@ -877,6 +877,7 @@ impl Admit<'_> {
                 issued_at: row.get(4),
                 not_after: row.get(5),
                 revoked_at: row.get(6),
+                renewed_from: None,
             }),
         };
         Ok((now, core::admission(self.principal, worker.as_ref(), cert.as_ref(), now).err()))

@@ -32,6 +32,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0017_events_named_by_the_store.sql"),
     include_str!("../../../migrations/postgres/0018_one_queue_index.sql"),
     include_str!("../../../migrations/postgres/0019_keys_compared_bytewise.sql"),
+    include_str!("../../../migrations/postgres/0020_certificate_lineage.sql"),
 ];
 
 /// The schema version this build reads and writes.

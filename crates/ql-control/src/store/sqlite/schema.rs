@@ -26,6 +26,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0010_operators.sql"),
     include_str!("../../../migrations/sqlite/0011_webhooks.sql"),
     include_str!("../../../migrations/sqlite/0012_artifact_claim.sql"),
+    include_str!("../../../migrations/sqlite/0013_certificate_lineage.sql"),
 ];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.
