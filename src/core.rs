@@ -433,6 +433,14 @@ fn chunk_cap(rt: &Runtime, log: LogPolicy) -> u64 {
     }
 }
 
+/// Whether a `log_offset_conflict` that says the server holds `acked` bytes of the log
+/// moves the job on from `held`, what its journal holds acknowledged. One that names
+/// exactly that contradicts its own refusal (a server or proxy misbehaving): repeating the
+/// chunk or the seal at once would loop, so the agent backs off as after a failed call.
+pub(crate) fn conflict_moves(held: u64, acked: u64) -> bool {
+    acked != held
+}
+
 /// The next chunk cap after `sent` bytes went through in `took`: what the uplink carries
 /// in a sixth of the lease (`lease_ttl`), within [`MIN_CHUNK`]..=`max`. A chunk is given a
 /// third of the lease, so one that takes a sixth leaves room for a slower moment; a

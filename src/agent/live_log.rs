@@ -56,6 +56,11 @@ impl Agent {
                 Ok(Turn::Yield)
             }
             Ok(other) => Ok(self.unexpected(key, who, "log chunk", other.result)),
+            Err(CallError::Refused { code: ErrorCode::LogOffsetConflict, acked: Some(acked), .. })
+                if !core::conflict_moves(job.log_acked, acked) =>
+            {
+                Ok(self.conflict_stands(who, "log chunk", acked))
+            }
             Err(CallError::Refused { code: ErrorCode::LogOffsetConflict, acked: Some(acked), .. }) => {
                 self.call_ok();
                 self.settle_version(key, job)?;
@@ -75,6 +80,14 @@ impl Agent {
                 Ok(self.job_call_failed(key, who, "log chunk", e))
             }
         }
+    }
+
+    /// A `log_offset_conflict` naming the length the journal already holds
+    /// ([`core::conflict_moves`]): the same step later, after a backoff.
+    fn conflict_stands(&mut self, who: &str, what: &str, acked: u64) -> Turn {
+        warn!("{who}: {what}: the server refused it as a log offset conflict at {acked} bytes, where the log stands; will repeat");
+        self.block(None);
+        Turn::Blocked
     }
 
     /// No request that holds the one connection may outlast a third of the lease: the
@@ -129,6 +142,11 @@ impl Agent {
                 Ok(Turn::Moved)
             }
             Ok(other) => Ok(self.unexpected(key, who, "log seal", other.result)),
+            Err(CallError::Refused { code: ErrorCode::LogOffsetConflict, acked: Some(acked), .. })
+                if !core::conflict_moves(job.log_acked, acked) =>
+            {
+                Ok(self.conflict_stands(who, "log seal", acked))
+            }
             Err(CallError::Refused { code: ErrorCode::LogOffsetConflict, acked: Some(acked), .. }) => {
                 self.call_ok();
                 info!("{who}: the server holds {acked} bytes of the log before the seal");

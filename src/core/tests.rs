@@ -1074,3 +1074,10 @@ fn finished_at_is_the_wall_clock_unless_it_runs_ahead_of_the_server() {
     // Ahead (ten minutes, as on a router with a wrong clock): the server's time.
     assert_eq!(evidence_time(ts(1_605_000), clock, later), ts(1_005_000));
 }
+
+#[test]
+fn a_log_offset_conflict_at_the_offset_held_moves_nothing() {
+    assert!(!conflict_moves(4_096, 4_096), "the length the journal holds: no answer, back off");
+    assert!(conflict_moves(4_096, 8_192), "the server holds more: go on from there");
+    assert!(conflict_moves(4_096, 0), "the server lost bytes: complete without a log");
+}
