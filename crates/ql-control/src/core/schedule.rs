@@ -300,6 +300,23 @@ mod tests {
     }
 
     #[test]
+    fn resuming_a_schedule_with_no_fire_left_is_refused_and_writes_nothing() {
+        let now = ms("2026-03-01T00:00:00Z");
+        let paused = Schedule { paused: true, ..added(&spec(), now) };
+        // A record whose cron never matches again (written by hand, or by a build that
+        // read its time zone differently): resuming it would leave it with no next fire.
+        let never = Schedule { cron: "0 0 30 2 *".into(), ..paused.clone() };
+        assert_eq!(next_after(&never.cron, &never.tz, now), None);
+        let rows = Rows { schedule: Some(never), ..Rows::default() };
+        assert_eq!(set_paused("sign", false, &rows, now, &mut ids()), Decision::refuse(ErrorCode::StateConflict));
+        let rows = Rows { schedule: Some(paused), ..Rows::default() };
+        let resumed = set_paused("sign", false, &rows, now, &mut ids());
+        assert!(
+            matches!(&resumed.reply, Ok(Reply::Schedule(s)) if !s.paused && s.next_fire_at == ms("2026-03-01T07:30:00Z"))
+        );
+    }
+
+    #[test]
     fn a_due_fire_queues_one_run_and_moves_to_the_next_time() {
         let s = added(&spec(), ms("2026-03-01T00:00:00Z"));
         assert_eq!(s.next_fire_at, ms("2026-03-01T07:30:00Z"));
