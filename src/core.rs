@@ -143,6 +143,12 @@ pub(crate) struct Runtime {
     pub(crate) log_sent_at: Option<Instant>,
     /// The largest chunk to send next (`0`: the policy's largest); see [`adapt_chunk`].
     pub(crate) chunk_cap: u64,
+    /// No log chunk or seal of this job before this instant: the server refused the last
+    /// one as a conflict at the offset the journal holds ([`conflict_moves`]). The job's
+    /// renewals, and the other jobs, go on meanwhile.
+    pub(crate) log_held_until: Option<Instant>,
+    /// Such refusals in a row, for the back-off.
+    pub(crate) log_conflicts: u32,
 }
 
 impl Default for Runtime {
@@ -161,6 +167,8 @@ impl Default for Runtime {
             renewals_refused: false,
             log_sent_at: None,
             chunk_cap: 0,
+            log_held_until: None,
+            log_conflicts: 0,
         }
     }
 }
@@ -330,6 +338,9 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
             if !job.running_acked {
                 return Step::Upload(ArtifactHeader::new(fence, ArtifactSchema, exit.log_len, exit.truncated));
             }
+            if let Some(until) = log_held(rt, now) {
+                return Step::Wait(earliest([renew_at.filter(|_| !rt.renewals_refused), Some(until)]));
+            }
             if job.log_acked < exit.log_len {
                 let len = (exit.log_len - job.log_acked).min(chunk_cap(rt, now.log));
                 return Step::Append(LogChunkHeader::new(fence, LogChunkSchema, artifact.clone(), job.log_acked, len));
@@ -410,6 +421,9 @@ fn live_chunk(job: &Job, rt: &Runtime, now: Now, fence: &Fence) -> (Option<LogCh
     let Some(artifact) = job.callback.as_ref().and_then(|c| c.log_artifact_id.as_ref()).filter(|_| !rt.log_lost) else {
         return (None, None);
     };
+    if let Some(until) = log_held(rt, now) {
+        return (None, Some(until));
+    }
     let waiting = rt.spooled.saturating_sub(job.log_acked);
     let flush_at = rt.log_sent_at.map(|t| t + now.log.flush);
     if waiting == 0 {
@@ -424,6 +438,11 @@ fn live_chunk(job: &Job, rt: &Runtime, now: Now, fence: &Fence) -> (Option<LogCh
     (None, flush_at)
 }
 
+/// Until when the job's log is held back ([`Runtime::log_held_until`]), if it still is.
+fn log_held(rt: &Runtime, now: Now) -> Option<Instant> {
+    rt.log_held_until.filter(|t| now.at < *t)
+}
+
 /// The largest chunk to send now.
 fn chunk_cap(rt: &Runtime, log: LogPolicy) -> u64 {
     if rt.chunk_cap == 0 {
@@ -436,7 +455,8 @@ fn chunk_cap(rt: &Runtime, log: LogPolicy) -> u64 {
 /// Whether a `log_offset_conflict` that says the server holds `acked` bytes of the log
 /// moves the job on from `held`, what its journal holds acknowledged. One that names
 /// exactly that contradicts its own refusal (a server or proxy misbehaving): repeating the
-/// chunk or the seal at once would loop, so the agent backs off as after a failed call.
+/// chunk or the seal at once would loop, so the job's log is held back for a back-off
+/// ([`Runtime::log_held_until`]) while its renewals and the other jobs go on.
 pub(crate) fn conflict_moves(held: u64, acked: u64) -> bool {
     acked != held
 }

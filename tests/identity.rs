@@ -133,6 +133,7 @@ fn a_token_enrols_a_device_whose_certificate_renews_twice_during_one_run() {
     for pair in serials.windows(2) {
         assert_eq!(from(&pair[1]), pair[0], "{listing}");
     }
+    let logged = agent_log(&root.0).len();
     let out = control.cli(&["workers", "revoke", "w9", "--serial", &serials[0], "--with-renewals"]);
     let said = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -143,8 +144,11 @@ fn a_token_enrols_a_device_whose_certificate_renews_twice_during_one_run() {
         .and_then(|(n, _)| n.parse().ok())
         .unwrap_or_else(|| panic!("{said}"));
     assert!(renewed >= serials.len() - 1, "{said}");
+    let listing = String::from_utf8(control.cli(&["workers", "certificates"]).stdout).unwrap();
+    let w9: Vec<&str> = listing.lines().filter(|l| l.starts_with("w9 ")).collect();
+    assert!(w9.len() >= serials.len() && w9.iter().all(|l| l.split_whitespace().nth(4) != Some("-")), "{listing}");
     common::wait_for("the agent to be refused", context, || {
-        agent_log(&root.0).contains("certificate_revoked").then_some(())
+        agent_log(&root.0)[logged..].contains("certificate_revoked").then_some(())
     });
     assert!(agent.terminate().success());
 }

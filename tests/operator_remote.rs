@@ -117,6 +117,12 @@ fn the_quickstart_runs_remotely_through_the_operator_api() {
     assert!(ok(remote(&w, &viewer, &["runs", "--status", "succeeded"])).contains(&run));
     let workers = ok(remote(&w, &viewer, &["workers"]));
     assert!(workers.lines().any(|l| l.starts_with("w1 ") && l.contains("online")), "{workers}");
+    let certificates = ok(remote(&w, &viewer, &["workers", "certificates"]));
+    assert!(certificates.starts_with("WORKER") && certificates.contains("RENEWED FROM"), "{certificates}");
+    // A revocation with its renewals travels whole: the server looks the serial up.
+    let unknown = remote(&w, &admin, &["workers", "revoke", "w1", "--serial", "00ff", "--with-renewals"]);
+    let said = String::from_utf8_lossy(&unknown.stderr);
+    assert!(!unknown.status.success() && said.contains("no certificate of w1 with that serial"), "{said}");
 
     // Schedules remotely.
     let added = ok(remote(&w, &admin, &["schedule", "add", "nightly", "--cron", "0 30 7 * * *", "--", "true"]));

@@ -59,7 +59,7 @@ impl Agent {
             Err(CallError::Refused { code: ErrorCode::LogOffsetConflict, acked: Some(acked), .. })
                 if !core::conflict_moves(job.log_acked, acked) =>
             {
-                Ok(self.conflict_stands(who, "log chunk", acked))
+                Ok(self.conflict_stands(key, who, "log chunk", acked))
             }
             Err(CallError::Refused { code: ErrorCode::LogOffsetConflict, acked: Some(acked), .. }) => {
                 self.call_ok();
@@ -83,11 +83,23 @@ impl Agent {
     }
 
     /// A `log_offset_conflict` naming the length the journal already holds
-    /// ([`core::conflict_moves`]): the same step later, after a backoff.
-    fn conflict_stands(&mut self, who: &str, what: &str, acked: u64) -> Turn {
-        warn!("{who}: {what}: the server refused it as a log offset conflict at {acked} bytes, where the log stands; will repeat");
-        self.block(None);
-        Turn::Blocked
+    /// ([`core::conflict_moves`]): the job's log waits a back-off that doubles with each
+    /// such refusal in a row, and nothing else of the agent does.
+    fn conflict_stands(&mut self, key: &JobKey, who: &str, what: &str, acked: u64) -> Turn {
+        self.call_ok();
+        let random = self.draw();
+        let (initial, max) = (self.cfg.backoff_initial, self.cfg.backoff_max);
+        let rt = self.rt(key);
+        rt.log_conflicts = rt.log_conflicts.saturating_add(1);
+        let wait = core::backoff(initial, max, rt.log_conflicts, random, None);
+        let until = Instant::now() + wait;
+        rt.log_held_until = Some(until);
+        warn!(
+            "{who}: {what}: the server refused it as a log offset conflict at {acked} bytes, where the log \
+             stands; repeating in {} ms",
+            wait.as_millis()
+        );
+        Turn::Idle(Some(until))
     }
 
     /// No request that holds the one connection may outlast a third of the lease: the
@@ -113,6 +125,7 @@ impl Agent {
         if acked > job.log_acked {
             self.commit(&Record::LogAcked { job: key.clone(), acked })?;
         }
+        self.rt(key).log_conflicts = 0;
         self.rt(key).log_sent_at = Some(now);
         let spool = RunDir::new(&self.cfg.state_dir, &key.attempt_id).spool;
         match exec::release_spool(&spool, acked) {
@@ -145,7 +158,7 @@ impl Agent {
             Err(CallError::Refused { code: ErrorCode::LogOffsetConflict, acked: Some(acked), .. })
                 if !core::conflict_moves(job.log_acked, acked) =>
             {
-                Ok(self.conflict_stands(who, "log seal", acked))
+                Ok(self.conflict_stands(key, who, "log seal", acked))
             }
             Err(CallError::Refused { code: ErrorCode::LogOffsetConflict, acked: Some(acked), .. }) => {
                 self.call_ok();

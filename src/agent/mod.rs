@@ -566,12 +566,18 @@ impl Agent {
         self.net = Net::default();
     }
 
-    fn block(&mut self, retry_after: Option<Duration>) {
-        self.net.failures = self.net.failures.saturating_add(1);
-        // xorshift: a new spread for every wait.
+    /// A new number for a back-off's spread (xorshift).
+    fn draw(&mut self) -> u64 {
         self.random ^= self.random << 13;
         self.random ^= self.random >> 7;
         self.random ^= self.random << 17;
+        self.random
+    }
+
+    fn block(&mut self, retry_after: Option<Duration>) {
+        self.net.failures = self.net.failures.saturating_add(1);
+        // A new spread for every wait.
+        self.draw();
         // While a job holds a lease, never wait longer than a sixth of it: after an outage
         // of the control plane, the lease the server gives back must see a renewal in
         // time.

@@ -1076,6 +1076,28 @@ fn finished_at_is_the_wall_clock_unless_it_runs_ahead_of_the_server() {
 }
 
 #[test]
+fn a_held_log_waits_while_its_renewals_go_on() {
+    let (_, job) = after(6);
+    let base = t0();
+    let until = base + Duration::from_millis(500);
+    // Running, bytes waiting: no chunk before `until`, one after.
+    let rt = Runtime { spooled: 1_000, log_held_until: Some(until), ..running(base) };
+    assert_eq!(next(&k(), &job, &rt, at(base, 100)), Step::Wait(Some(until)));
+    assert!(matches!(next(&k(), &job, &rt, at(base, 500)), Step::Append(_)));
+    // A renewal that is due goes first.
+    let long = Runtime { log_held_until: Some(base + Duration::from_millis(TTL_MS)), ..rt };
+    assert!(matches!(next(&k(), &job, &long, at(base, TTL_MS / 3)), Step::Renew(_)));
+    // Ended: neither the rest of the log nor the seal before `until`.
+    let ended = with(&job, &[Record::LogAcked { job: k(), acked: 5 }, exited_record(Some(0), None)]);
+    let held = Runtime { log_held_until: Some(until), ..fresh(base) };
+    assert_eq!(next(&k(), &ended, &held, at(base, 100)), Step::Wait(Some(until)));
+    let all = with(&ended, &[Record::LogAcked { job: k(), acked: 12 }]);
+    assert_eq!(next(&k(), &all, &held, at(base, 100)), Step::Wait(Some(until)));
+    assert!(matches!(next(&k(), &all, &held, at(base, 500)), Step::Seal(_)));
+    assert!(matches!(next(&k(), &all, &long, at(base, TTL_MS / 3)), Step::Renew(_)));
+}
+
+#[test]
 fn a_log_offset_conflict_at_the_offset_held_moves_nothing() {
     assert!(!conflict_moves(4_096, 4_096), "the length the journal holds: no answer, back off");
     assert!(conflict_moves(4_096, 8_192), "the server holds more: go on from there");

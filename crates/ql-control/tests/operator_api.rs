@@ -272,6 +272,8 @@ fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
         ("POST", "/v1/runs".to_owned(), json!({ "argv": ["true"], "timeoutMs": 0 }), 400),
         ("POST", "/v1/runs".to_owned(), json!({ "argv": ["true"], "env": { "1X": "y" } }), 400),
         ("POST", "/v1/workers/w1:disable".to_owned(), json!({ "serial": "00ff" }), 400),
+        ("POST", "/v1/workers/w1:revoke".to_owned(), json!({ "withRenewals": true }), 400),
+        ("POST", "/v1/workers/w1:revoke".to_owned(), json!({ "serial": "00ff", "withRenewals": true }), 404),
         ("POST", "/v1/workers/w1:frobnicate".to_owned(), json!({}), 404),
         ("POST", "/v1/workers/Not_A_Worker:disable".to_owned(), json!({}), 404),
         ("PUT", "/v1/workers/w1/labels".to_owned(), json!({ "labels": { "a=b": "c" } }), 400),
