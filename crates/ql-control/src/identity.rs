@@ -27,12 +27,12 @@ async fn execute<S: Store>(store: &S, cmd: Command) -> Result<Reply, String> {
 
 /// Disables, enables or revokes `worker`, and says what that ended.
 pub async fn set_access<S: Store>(store: &S, worker: &WorkerId, access: Access) -> Result<String, String> {
-    let Reply::AccessChanged(AccessChanged { sessions, attempts, certificates }) =
+    let Reply::AccessChanged(AccessChanged { sessions, attempts, certificates, unknown }) =
         execute(store, Command::SetAccess(worker.clone(), access)).await?
     else {
         return Err("unexpected answer".into());
     };
-    Ok(match access {
+    let said = match access {
         Access::Enable => format!("{worker} enabled"),
         Access::Disable => format!(
             "{worker} disabled: {sessions} session(s) closed, {attempts} attempt(s) lost and their runs queued again"
@@ -41,6 +41,14 @@ pub async fn set_access<S: Store>(store: &S, worker: &WorkerId, access: Access) 
             "{worker} revoked: {certificates} recorded certificate(s) and any unrecorded one refused, {sessions} \
              session(s) closed, {attempts} attempt(s) lost and their runs queued again; enrol it again to bring it back"
         ),
+    };
+    Ok(if unknown {
+        format!(
+            "{said}\nnote: nothing here named {worker} before (no record, session, certificate or token): check the \
+             name; `ql-control workers` lists the workers"
+        )
+    } else {
+        said
     })
 }
 

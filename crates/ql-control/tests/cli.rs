@@ -298,3 +298,18 @@ fn every_operator_command_refuses_bad_input_says_why_and_writes_nothing() {
         assert_eq!(state(), before, "{words:?} {rest:?} changed something");
     }
 }
+
+/// Blocking a name nothing here knows (a typo, most likely) blocks it all the same, and
+/// says that nothing named it before.
+#[test]
+fn revoking_a_name_nothing_knew_says_so() {
+    let (_root, dir) = initialised("unknown-worker");
+    let out = cli(&dir, &["workers", "revoke", "routr-1"]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("routr-1 revoked") && said.contains("nothing here named routr-1 before"), "{said}");
+    let workers = String::from_utf8(cli(&dir, &["workers"]).stdout).unwrap();
+    assert!(workers.lines().any(|l| l.starts_with("routr-1 ") && l.contains("revoked")), "{workers}");
+    let again = String::from_utf8(cli(&dir, &["workers", "disable", "routr-1"]).stdout).unwrap();
+    assert!(again.contains("routr-1 disabled") && !again.contains("nothing here named"), "known now: {again}");
+}

@@ -57,6 +57,10 @@ pub struct AccessChanged {
     pub attempts: usize,
     /// Certificates revoked.
     pub certificates: usize,
+    /// Nothing named the worker before: no record, session, certificate or token (a
+    /// mistyped name, most likely; or a worker whose certificate predates the records and
+    /// that never came, which this still blocks).
+    pub unknown: bool,
 }
 
 /// Whether a request of `principal` presenting the certificate `serial` (its record, if
@@ -81,8 +85,12 @@ pub fn admission(
 
 /// Disables, enables or revokes `worker` (see the module doc).
 pub(super) fn set_access(worker: &WorkerId, access: Access, rows: &Rows, now: Millis, ids: &mut IdGen) -> Decision {
+    let known = rows.worker.as_ref().is_some_and(|w| &w.id == worker)
+        || rows.worker_sessions.iter().any(|s| &s.worker == worker)
+        || rows.certificates.iter().any(|c| &c.worker == worker)
+        || rows.enrolments.iter().any(|e| &e.worker == worker);
     let record = rows.worker.clone().filter(|w| &w.id == worker).unwrap_or_else(|| Worker::new(worker.clone(), now));
-    let mut changed = AccessChanged::default();
+    let mut changed = AccessChanged { unknown: !known && access != Access::Enable, ..AccessChanged::default() };
     let (updated, code) = match access {
         Access::Enable => {
             if record.disabled_at.is_none() {
@@ -306,7 +314,10 @@ mod tests {
     fn revoking_closes_sessions_loses_leases_and_requeues_within_budget() {
         let rows = holding(AttemptStatus::Running);
         let d = set_access(&worker(), Access::Revoke, &rows, NOW, &mut ids());
-        assert_eq!(d.reply, Ok(Reply::AccessChanged(AccessChanged { sessions: 1, attempts: 1, certificates: 1 })));
+        assert_eq!(
+            d.reply,
+            Ok(Reply::AccessChanged(AccessChanged { sessions: 1, attempts: 1, certificates: 1, unknown: false }))
+        );
         assert!(d.wake);
         let w = written(&d, |w| if let Write::Worker(x) = w { Some(x) } else { None });
         assert_eq!(w[0].revoked_at, Some(NOW));
@@ -345,7 +356,10 @@ mod tests {
     fn disabling_lapses_open_offers_without_spending_the_budget() {
         let rows = holding(AttemptStatus::Offered);
         let d = set_access(&worker(), Access::Disable, &rows, NOW, &mut ids());
-        assert_eq!(d.reply, Ok(Reply::AccessChanged(AccessChanged { sessions: 1, attempts: 1, certificates: 0 })));
+        assert_eq!(
+            d.reply,
+            Ok(Reply::AccessChanged(AccessChanged { sessions: 1, attempts: 1, certificates: 0, unknown: false }))
+        );
         let runs = written(&d, |w| if let Write::Run(x) = w { Some(x) } else { None });
         assert_eq!((runs[0].status, runs[0].retries_used), (RunStatus::Queued, 0));
         let attempts = written(&d, |w| if let Write::Attempt(x) = w { Some(x) } else { None });
@@ -362,6 +376,28 @@ mod tests {
         let d = set_access(&worker(), Access::Enable, &rows, NOW, &mut ids());
         let w = written(&d, |w| if let Write::Worker(x) = w { Some(x) } else { None });
         assert_eq!((w[0].disabled_at, w[0].revoked_at), (None, Some(NOW - 9)));
+    }
+
+    #[test]
+    fn blocking_a_name_nothing_named_before_says_so_and_still_blocks() {
+        let unknown = |rows: &Rows, access| {
+            let d = set_access(&worker(), access, rows, NOW, &mut ids());
+            let Ok(Reply::AccessChanged(changed)) = d.reply else { panic!("{d:?}") };
+            (changed.unknown, d.writes.iter().any(|w| matches!(w, Write::Worker(_))))
+        };
+        assert_eq!(unknown(&Rows::default(), Access::Revoke), (true, true), "a typo, blocked all the same");
+        assert_eq!(unknown(&Rows::default(), Access::Disable), (true, true));
+        assert_eq!(unknown(&Rows::default(), Access::Enable), (false, false), "enabling changes nothing");
+        let certified = Rows { certificates: vec![cert("01")], ..Rows::default() };
+        assert!(!unknown(&certified, Access::Revoke).0);
+        assert!(!unknown(&Rows { worker: Some(record()), ..Rows::default() }, Access::Disable).0);
+        let token = Rows { enrolments: vec![enrolment(NOW + 1)], ..Rows::default() };
+        assert!(!unknown(&token, Access::Disable).0);
+        let seen = holding(AttemptStatus::Running);
+        assert!(!unknown(&seen, Access::Disable).0);
+        let elsewhere =
+            Rows { certificates: vec![Certificate { worker: other_worker(), ..cert("02") }], ..Rows::default() };
+        assert!(unknown(&elsewhere, Access::Revoke).0, "another worker's certificate");
     }
 
     #[test]

@@ -167,7 +167,10 @@ pub async fn revoking_a_worker_ends_what_it_holds_and_requeues_its_runs<B: Backe
     exec(&store, Command::RecordCertificate(cert("router-1", "11"), Issuer::Operator)).await.unwrap();
 
     let reply = exec(&store, Command::SetAccess(worker("router-1"), Access::Revoke)).await;
-    assert_eq!(reply, Ok(Reply::AccessChanged(AccessChanged { sessions: 1, attempts: 2, certificates: 1 })));
+    assert_eq!(
+        reply,
+        Ok(Reply::AccessChanged(AccessChanged { sessions: 1, attempts: 2, certificates: 1, unknown: false }))
+    );
     let snap = store.snapshot().await.unwrap();
     assert_eq!(snap.sessions.iter().find(|s| s.id == agent.session).unwrap().state, SessionState::Closed);
     let d = detail(&store, &running_run).await;
