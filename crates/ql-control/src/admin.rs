@@ -149,6 +149,9 @@ impl Store for Authority {
     async fn prune_audit(&self, retention: crate::store::AuditRetention) -> Result<u64, StoreError> {
         either!(self, s => s.prune_audit(retention))
     }
+    async fn prune_sessions(&self, retention: crate::store::SessionRetention) -> Result<u64, StoreError> {
+        either!(self, s => s.prune_sessions(retention))
+    }
     async fn certificates(&self, limit: usize) -> Result<Vec<crate::model::Certificate>, StoreError> {
         either!(self, s => s.certificates(limit))
     }

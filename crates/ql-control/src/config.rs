@@ -162,6 +162,11 @@ pub struct Config {
     pub audit_max_age_ms: u64,
     /// The sweeper keeps at most this many audit records, the newest (0: any number).
     pub audit_max_records: u64,
+    /// Ended sessions never offered any work are pruned by the sweeper once they are more
+    /// than this many generations behind their worker's newest (at least 1).
+    pub ended_sessions_kept: u64,
+    /// The most sessions one sweep prunes (0: none).
+    pub session_prune_batch: u64,
     /// How often the artifact store is searched for what uploads that never completed
     /// left, and for live-log chunks of recorded logs (0: never).
     pub artifact_collect_ms: u64,
@@ -248,6 +253,8 @@ impl Default for Config {
             refusal_report_ms: 10_000,
             audit_max_age_ms: 30 * 24 * 3_600_000,
             audit_max_records: 1_000_000,
+            ended_sessions_kept: 16,
+            session_prune_batch: 1_000,
             artifact_collect_ms: 6 * 3_600_000,
             artifact_leftover_age_ms: 24 * 3_600_000,
             artifact_collect_remember: 100_000,
@@ -368,6 +375,11 @@ impl Config {
             max_age_ms: bound(self.audit_max_age_ms),
             max_records: bound(self.audit_max_records),
         }
+    }
+
+    /// What the sweeper keeps of the ended sessions.
+    pub fn session_retention(&self) -> crate::store::SessionRetention {
+        crate::store::SessionRetention { kept: self.ended_sessions_kept, batch: self.session_prune_batch }
     }
 
     /// Refuses settings that cannot work together.

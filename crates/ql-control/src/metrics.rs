@@ -401,6 +401,9 @@ impl<S: Store> Store for Measured<S> {
     async fn prune_audit(&self, retention: crate::store::AuditRetention) -> Result<u64, StoreError> {
         self.inner.prune_audit(retention).await
     }
+    async fn prune_sessions(&self, retention: crate::store::SessionRetention) -> Result<u64, StoreError> {
+        self.inner.prune_sessions(retention).await
+    }
     async fn twin_refusals(&self, within_ms: u64) -> Result<Vec<(ql_wire::ids::WorkerId, u64)>, StoreError> {
         self.inner.twin_refusals(within_ms).await
     }

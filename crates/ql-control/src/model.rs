@@ -255,6 +255,10 @@ pub struct Session {
     pub seen_at: Millis,
     /// Expires unless seen again.
     pub expires_at: Millis,
+    /// Work was placed on it: an offer (and so maybe an attempt and a lease) names it.
+    /// An ended session never offered anything is history nothing points at, and the
+    /// sweeper prunes it ([`crate::store::Store::prune_sessions`]).
+    pub offered: bool,
 }
 
 /// The lease fields an attempt carries as a projection of its lease. They must always

@@ -32,7 +32,7 @@ use crate::http::{self, IngressConfig};
 use crate::metrics::Metrics;
 use crate::store::postgres::{PgOptions, PgStore};
 use crate::store::sqlite::{SqliteOptions, SqliteStore};
-use crate::store::{AuditRetention, Store};
+use crate::store::{AuditRetention, SessionRetention, Store};
 
 /// The ingress settings a [`Config`] implies.
 pub fn ingress_config(config: &Config) -> IngressConfig {
@@ -72,8 +72,8 @@ pub async fn sweep_once<S: Store>(store: &S) {
 }
 
 /// Sweeps lapsed offers, sessions and leases every `every`, and prunes the audit records
-/// beyond `retention`, for ever.
-pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: AuditRetention) {
+/// beyond `retention` and the ended sessions beyond `sessions`, for ever.
+pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: AuditRetention, sessions: SessionRetention) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -86,6 +86,9 @@ pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: Audit
         }
         if let Err(e) = store.prune_audit(retention).await {
             eprintln!("ql-control: pruning audit records failed: {e}");
+        }
+        if let Err(e) = store.prune_sessions(sessions).await {
+            eprintln!("ql-control: pruning ended sessions failed: {e}");
         }
     }
 }
@@ -480,7 +483,8 @@ async fn serve_on<S: Store>(
         tokio::spawn(crate::notifier::notify_forever(store.clone(), Arc::new(notifier), every))
     };
     let every = Duration::from_millis(config.sweep_interval_ms);
-    let sweeper = tokio::spawn(sweep_forever(store.clone(), every, config.audit_retention()));
+    let sweeper =
+        tokio::spawn(sweep_forever(store.clone(), every, config.audit_retention(), config.session_retention()));
     let collector = Collection::of(config)
         .map(|collection| tokio::spawn(collect_forever(leftovers, store.clone(), collection, Some(metrics.clone()))));
     shutdown.await;

@@ -154,6 +154,14 @@ pub(super) fn poll(
         offers.push(wire_offer(&offer));
         writes.splice(placed_at..placed_at, [Write::Run(next_run), Write::Attempt(attempt), Write::Offer(offer)]);
     }
+    // The first work placed on the session marks it, in the placement's transaction: an
+    // offer names it from now on, so it is never pruned.
+    if !session.offered && writes.len() > placed_at {
+        match writes.first_mut() {
+            Some(Write::Session(s)) if placed_at > 0 => s.offered = true,
+            _ => writes.insert(0, Write::Session(Session { offered: true, ..session.clone() })),
+        }
+    }
     offers.truncate(body.max as usize);
     Decision::apply(Reply::Offers(Offers { offers }, Box::new(fit)), writes)
 }
@@ -423,6 +431,39 @@ mod tests {
         for state in [SessionState::Draining, SessionState::Replaced, SessionState::Expired, SessionState::Closed] {
             assert_eq!(room(&Session { state, ..s.clone() }, 0), 0, "{state:?}");
         }
+    }
+
+    #[test]
+    fn the_first_work_placed_on_a_session_marks_it_in_the_same_decision() {
+        let t = timings();
+        let body = PollOffers { generation: Counter::ONE, wait_ms: 0, max: 1 };
+        let poll = |rows: &Rows, now: Millis| {
+            let cmd = Command::PollOffers(worker(), SessionId::parse("ses_1").unwrap(), body.clone());
+            decide(&cmd, rows, now, &t, &mut ids())
+        };
+        let marks = |d: &Decision| {
+            d.writes
+                .iter()
+                .filter_map(|w| if let Write::Session(s) = w { Some(s.offered) } else { None })
+                .collect::<Vec<_>>()
+        };
+        let fresh = Session { offered: false, seen_at: NOW - 100, created_at: NOW - 1_000, ..session(1) };
+        // Nothing to place: no mark (the poll may write the session for its own reasons).
+        let idle = poll(&Rows { session: Some(fresh.clone()), ..Rows::default() }, NOW);
+        assert!(marks(&idle).iter().all(|offered| !offered), "{:?}", idle.writes);
+        // Placing marks it, once, before the placement's writes; an offered one is not written for it.
+        let rows = Rows { session: Some(fresh.clone()), queued: vec![queued_run()], ..Rows::default() };
+        let placing = poll(&rows, NOW);
+        assert_eq!(marks(&placing), [true], "{:?}", placing.writes);
+        assert!(matches!(placing.writes.first(), Some(Write::Session(s)) if s.offered && s.id == fresh.id));
+        // Never seen since it opened: the poll writes the session anyway, and that one
+        // write carries the mark.
+        let seen = Session { seen_at: fresh.created_at, ..fresh.clone() };
+        let both = poll(&Rows { session: Some(seen), queued: vec![queued_run()], ..Rows::default() }, NOW);
+        assert_eq!(marks(&both), [true], "the poll's own session write carries the mark: {:?}", both.writes);
+        let marked = Session { offered: true, ..fresh };
+        let again = poll(&Rows { session: Some(marked), queued: vec![queued_run()], ..Rows::default() }, NOW);
+        assert!(marks(&again).is_empty(), "{:?}", again.writes);
     }
 
     #[test]

@@ -67,6 +67,7 @@ pub(super) fn open(
         created_at: now,
         seen_at: now,
         expires_at: now + timings.session_ttl_ms as i64,
+        offered: false,
     };
     let reply = SessionOpened {
         session_id: session.id.clone(),

@@ -89,6 +89,8 @@ pub(crate) fn session(generation: u64) -> Session {
         created_at: NOW - 1_000,
         seen_at: NOW - 1_000,
         expires_at: NOW + 2_000,
+        // As a session that has held work: placing on it writes nothing for the mark.
+        offered: true,
     }
 }
 

@@ -149,6 +149,19 @@ pub struct AuditRetention {
     pub max_records: Option<u64>,
 }
 
+/// Which ended sessions the sweeper keeps ([`Store::prune_sessions`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionRetention {
+    /// Generations behind a worker's newest within which its ended sessions stay, offered
+    /// or not, at least one (the newest always stays, so the next open numbers after it; a
+    /// restarted agent resumes the session its journal names, answered
+    /// `session_conflict` while it stays, `not_found` once pruned: either way it opens a
+    /// new one).
+    pub kept: u64,
+    /// The most pruned in one sweep.
+    pub batch: u64,
+}
+
 /// The audit of the request a command answers ([`Store::execute_audited`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Audit {
@@ -195,6 +208,13 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Prunes audit records from the old end as `retention` says; returns how many went.
     fn prune_audit(&self, retention: AuditRetention) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Prunes ended sessions (closed, expired, replaced) that were never offered work
+    /// ([`Session::offered`](crate::model::Session::offered)) and that are more than
+    /// `retention.kept` generations behind their worker's newest, at most
+    /// `retention.batch` of them; returns how many went. Nothing names such a session,
+    /// and a worker opening sessions in a loop would otherwise leave a row each.
+    fn prune_sessions(&self, retention: SessionRetention) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Per worker, how many session opens were refused as a twin's (`session_conflict`)
     /// within the last `within_ms` of DB time, from the audit records.

@@ -35,7 +35,7 @@ fn parse_stop(s: &str) -> Option<StopIntent> {
 
 /// Columns of `sessions`, in select order.
 pub(super) const SESSION_COLS: &str =
-    "id, worker, generation, state, capacity, labels, agent_version, arch, created_at, seen_at, expires_at";
+    "id, worker, generation, state, capacity, labels, agent_version, arch, created_at, seen_at, expires_at, offered";
 /// Columns of `runs`, in select order.
 pub(super) const RUN_COLS: &str =
     "id, project, spec, labels, agent_labels, status, stop, retry_budget, retries_used, attempts, \
@@ -135,6 +135,7 @@ impl Stored for Session {
             created_at: c.int("created_at")?,
             seen_at: c.int("seen_at")?,
             expires_at: c.int("expires_at")?,
+            offered: c.int("offered")? != 0,
         })
     }
 
@@ -151,6 +152,7 @@ impl Stored for Session {
             V::int(self.created_at),
             V::int(self.seen_at),
             V::int(self.expires_at),
+            V::int(i64::from(self.offered)),
         ])
     }
 }

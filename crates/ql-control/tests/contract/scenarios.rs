@@ -14,7 +14,7 @@ use ql_control::core::{
 use ql_control::model::{
     AttemptStatus, AuditRecord, EndKind, LeaseState, OfferState, RunStatus, SessionState, REMOTE_WORKER,
 };
-use ql_control::store::{Audit, AuditRetention, Store};
+use ql_control::store::{Audit, AuditRetention, SessionRetention, Store};
 use ql_wire::ack::Running;
 use ql_wire::artifact::{ArtifactHeader, ArtifactSchema, Receipt};
 use ql_wire::capability::{Digest, Token};
@@ -1149,6 +1149,61 @@ pub async fn twin_refusals_are_counted_from_the_audit_records<B: Backend>(b: B) 
 
 /// The sweeper's audit retention removes only from the old end: first by age (DB time),
 /// then all but the newest records; it never touches the protocol's rows.
+/// A worker opening sessions in a loop leaves no more than a few rows: the ended sessions
+/// never offered work go once they are `kept` generations behind the newest, a batch at a
+/// time; one work was placed on stays with what names it, and so does every live one and
+/// another worker's. The next open still numbers after the highest.
+pub async fn ended_sessions_never_offered_work_are_pruned<B: Backend>(b: B) {
+    let store = b.store();
+    // An agent's clean exit closes its session: the next open is no twin of it.
+    let close = |a: &Agent| {
+        let body = ql_wire::session::CloseSession { generation: a.generation };
+        Command::CloseSession(a.worker.clone(), a.session.clone(), body)
+    };
+    let first = open(&store, "router-9").await;
+    exec(&store, close(&first)).await.unwrap();
+    let offered = open(&store, "router-9").await;
+    submit(&store, 600_000, 0).await;
+    assert_eq!(poll(&store, &offered).await.len(), 1, "work placed on generation 2");
+    exec(&store, close(&offered)).await.unwrap();
+    let mut newest = offered.clone();
+    for _ in 0..18 {
+        newest = open(&store, "router-9").await;
+        if newest.generation.get() < 20 {
+            exec(&store, close(&newest)).await.unwrap();
+        }
+    }
+    assert_eq!(newest.generation.get(), 20);
+    let other = open(&store, "router-8").await;
+    let kept = |all: Vec<ql_control::model::Session>, name: &str| -> Vec<u64> {
+        let mut g: Vec<u64> = all.iter().filter(|s| s.worker.as_str() == name).map(|s| s.generation.get()).collect();
+        g.sort_unstable();
+        g
+    };
+    assert!(store.snapshot().await.unwrap().sessions.iter().any(|s| s.id == first.session && !s.offered));
+    assert!(store.snapshot().await.unwrap().sessions.iter().any(|s| s.id == offered.session && s.offered));
+
+    let retention = SessionRetention { kept: 4, batch: 10 };
+    assert_eq!(store.prune_sessions(SessionRetention { batch: 0, ..retention }).await.unwrap(), 0, "no batch");
+    assert_eq!(store.prune_sessions(retention).await.unwrap(), 10, "a batch at a time, oldest first");
+    let sessions = kept(store.snapshot().await.unwrap().sessions, "router-9");
+    assert_eq!(sessions, [2, 12, 13, 14, 15, 16, 17, 18, 19, 20]);
+    assert_eq!(store.prune_sessions(retention).await.unwrap(), 5);
+    let sessions = kept(store.snapshot().await.unwrap().sessions, "router-9");
+    assert_eq!(sessions, [2, 17, 18, 19, 20], "offered, and the newest four");
+    let before = store.snapshot().await.unwrap();
+    assert_eq!(store.prune_sessions(retention).await.unwrap(), 0);
+    assert_unchanged(&before, &store.snapshot().await.unwrap(), "nothing more to prune");
+    assert_eq!(kept(before.sessions, "router-8"), [other.generation.get()]);
+    // A heartbeat on a pruned session is told it is gone; the next open numbers on.
+    assert_eq!(heartbeat(&store, &first, false).await, Err(ErrorCode::NotFound));
+    exec(&store, close(&newest)).await.unwrap();
+    assert_eq!(open(&store, "router-9").await.generation.get(), 21);
+    // Kept at zero still keeps the newest: the next generation never repeats.
+    assert_eq!(store.prune_sessions(SessionRetention { kept: 0, batch: 100 }).await.unwrap(), 4);
+    assert_eq!(kept(store.snapshot().await.unwrap().sessions, "router-9"), [2, 21]);
+}
+
 pub async fn audit_records_are_pruned_by_age_and_count<B: Backend>(b: B) {
     let store = b.store();
     let rec = |route: &str| AuditRecord { at: 0, principal: None, route: route.into(), outcome: "admitted".into() };

@@ -111,7 +111,7 @@ use super::records::{
     LOG_CHUNK_COLS, OFFERS, OPERATORS, RUNS, SCHEDULES, SESSIONS, WORKERS,
 };
 use super::wakes::Wakes;
-use super::{Audit, AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
+use super::{Audit, AuditRetention, RunDetail, RunQuery, SessionRetention, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Millis, Operator, Run, Schedule, Session, Worker};
 use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
@@ -950,6 +950,18 @@ impl Store for PgStore {
         let age = retention.max_age_ms.map(clamp);
         let keep = retention.max_records.map(clamp);
         let row = conn.client().query_one(SQL, &[&self.offset(), &age, &keep]).await.map_err(Error::Pg)?;
+        conn.keep();
+        Ok(row.get::<_, i64>(0).max(0) as u64)
+    }
+
+    async fn prune_sessions(&self, retention: SessionRetention) -> Result<u64, StoreError> {
+        let clamp = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let mut conn = self.inner.pool.get().await?;
+        let row = conn
+            .client()
+            .query_one("SELECT prune_sessions($1, $2)", &[&clamp(retention.kept.max(1)), &clamp(retention.batch)])
+            .await
+            .map_err(Error::Pg)?;
         conn.keep();
         Ok(row.get::<_, i64>(0).max(0) as u64)
     }

@@ -177,6 +177,7 @@ mod tests {
             created_at: 1_000,
             seen_at: 2_000,
             expires_at: 3_000,
+            offered: false,
         }
     }
 

@@ -33,6 +33,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0018_one_queue_index.sql"),
     include_str!("../../../migrations/postgres/0019_keys_compared_bytewise.sql"),
     include_str!("../../../migrations/postgres/0020_certificate_lineage.sql"),
+    include_str!("../../../migrations/postgres/0021_session_pruning.sql"),
 ];
 
 /// The schema version this build reads and writes.

@@ -91,7 +91,7 @@ use super::records::{
     LOG_CHUNK_COLS, OFFER_COLS, OPERATOR_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
 };
 use super::wakes::Wakes;
-use super::{Audit, AuditRetention, RunDetail, RunQuery, Snapshot, Store, StoreError};
+use super::{Audit, AuditRetention, RunDetail, RunQuery, SessionRetention, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
 
@@ -737,6 +737,14 @@ fn limit(n: usize) -> i64 {
 }
 
 /// Refused twin opens by worker since `?1` (see [`Store::twin_refusals`]).
+/// [`Store::prune_sessions`]: `?1` generations kept, `?2` the batch. The candidates come
+/// from `sessions_prunable` (migration 0014), each one's worker's newest from the key on
+/// (worker, generation).
+const PRUNE_SESSIONS: &str = "DELETE FROM sessions WHERE id IN (SELECT s.id FROM sessions s \
+     WHERE s.offered = 0 AND s.state IN ('closed', 'expired', 'replaced') \
+     AND s.generation <= (SELECT max(m.generation) FROM sessions m WHERE m.worker = s.worker) - ?1 \
+     ORDER BY s.worker, s.generation LIMIT ?2)";
+
 const TWIN_REFUSALS: &str = "SELECT principal, count(*) FROM audit WHERE at >= ?1 AND route = 'session.open' \
      AND outcome = 'session_conflict' AND principal IS NOT NULL GROUP BY principal ORDER BY principal";
 
@@ -857,6 +865,15 @@ impl Store for SqliteStore {
                 let q = "DELETE FROM audit WHERE seq <= (SELECT max(seq) FROM audit) - ?1";
                 pruned += w.conn.execute(q, [clamp(keep)]).map_err(sql)?;
             }
+            Ok(pruned as u64)
+        })
+        .await
+    }
+
+    async fn prune_sessions(&self, retention: SessionRetention) -> Result<u64, StoreError> {
+        self.call(move |w| {
+            let pruned =
+                w.conn.execute(PRUNE_SESSIONS, [clamp(retention.kept.max(1)), clamp(retention.batch)]).map_err(sql)?;
             Ok(pruned as u64)
         })
         .await

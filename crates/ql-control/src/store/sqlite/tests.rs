@@ -69,6 +69,7 @@ fn full_session() -> Session {
         created_at: 1_000,
         seen_at: 2_000,
         expires_at: 3_000,
+        offered: true,
     }
 }
 
