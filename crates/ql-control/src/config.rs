@@ -162,8 +162,9 @@ pub struct Config {
     pub audit_max_age_ms: u64,
     /// The sweeper keeps at most this many audit records, the newest (0: any number).
     pub audit_max_records: u64,
-    /// Ended sessions never offered any work are pruned by the sweeper once they are more
-    /// than this many generations behind their worker's newest (at least 1).
+    /// Of a worker's ended sessions never offered any work, only those among its newest
+    /// this many generations stay; the sweeper prunes the others (at least 1: the newest
+    /// always stays).
     pub ended_sessions_kept: u64,
     /// The most sessions one sweep prunes (0: none).
     pub session_prune_batch: u64,

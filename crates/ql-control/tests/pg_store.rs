@@ -395,6 +395,7 @@ async fn a_row_that_breaks_a_hot_tables_rule_is_refused_and_changes_nothing() {
         ("sessions_capacity_check", "UPDATE sessions SET capacity = -1".to_owned()),
         ("sessions_state_check", "UPDATE sessions SET state = 'asleep'".to_owned()),
         ("sessions_labels_check", "UPDATE sessions SET labels = '[]'".to_owned()),
+        ("sessions_offered_check", "UPDATE sessions SET offered = 2".to_owned()),
         ("runs_status_check", format!("UPDATE runs SET status = 'paused' {at_run}")),
         ("runs_stop_check", format!("UPDATE runs SET stop = 'halt' {at_run}")),
         ("runs_retry_budget_check", format!("UPDATE runs SET retry_budget = -1 {at_run}")),

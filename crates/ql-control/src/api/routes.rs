@@ -39,7 +39,7 @@ use super::ApiConfig;
 use crate::blob::BlobStore;
 use crate::core::Access;
 use crate::model::Role;
-use crate::ops::{Local, LogRequest, OpError, RunFilter, ScheduleAction};
+use crate::ops::{AccessChange, Local, LogRequest, OpError, RunFilter, ScheduleAction};
 use crate::store::Store;
 
 /// What every request of a listener shares.
@@ -312,7 +312,10 @@ async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, request: Request<
             Err(e) => refuse(&e),
         },
         Route::Access(worker, access) => match body::<AccessBody>(request, cap).await {
-            Ok(b) => answer(local.set_access(&worker, access, b.serial.as_deref(), b.with_renewals).await),
+            Ok(b) => {
+                let change = AccessChange { access, serial: b.serial.as_deref(), with_renewals: b.with_renewals };
+                answer(local.set_access(&worker, change).await)
+            }
             Err(e) => refuse(&e),
         },
         Route::Labels(worker) => match body::<LabelsBody>(request, cap).await {

@@ -144,8 +144,9 @@ pub(crate) fn workers(reach: &Reach, cmd: Workers) -> Result<(), String> {
     };
     let out = with_target(reach, dir.or(cmd.dir), database.or(cmd.database), async |t| {
         Ok(match (&cmd.action, change) {
-            (_, Some((worker, access, serial, renewals))) => {
-                t.set_access(&worker, access, serial.as_deref(), renewals).await?.message + "\n"
+            (_, Some((worker, access, serial, with_renewals))) => {
+                let change = ql_control::ops::AccessChange { access, serial: serial.as_deref(), with_renewals };
+                t.set_access(&worker, change).await?.message + "\n"
             }
             (Some(WorkersAction::Certificates(_)), None) => text::certificates(&t.certificates().await?),
             (_, None) => text::workers(&t.workers(cmd.limit).await?),

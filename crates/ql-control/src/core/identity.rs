@@ -393,8 +393,8 @@ mod tests {
         assert!(!unknown(&Rows { worker: Some(record()), ..Rows::default() }, Access::Disable).0);
         let token = Rows { enrolments: vec![enrolment(NOW + 1)], ..Rows::default() };
         assert!(!unknown(&token, Access::Disable).0);
-        let seen = holding(AttemptStatus::Running);
-        assert!(!unknown(&seen, Access::Disable).0);
+        let seen = Rows { worker_sessions: vec![session(1)], ..Rows::default() };
+        assert!(!unknown(&seen, Access::Disable).0, "a session only");
         let elsewhere =
             Rows { certificates: vec![Certificate { worker: other_worker(), ..cert("02") }], ..Rows::default() };
         assert!(unknown(&elsewhere, Access::Revoke).0, "another worker's certificate");

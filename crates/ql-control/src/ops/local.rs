@@ -15,7 +15,7 @@ use super::view::{
     time, CertificateList, CertificateRow, Done, FireRow, LogWindow, RunPage, RunRow, RunView, ScheduleBody,
     ScheduleList, ScheduleRow, ScheduleView, SubmitBody, WorkerList, WorkerRow,
 };
-use super::{LogRequest, OpError, RunFilter, ScheduleAction, MAX_PAGE};
+use super::{AccessChange, LogRequest, OpError, RunFilter, ScheduleAction, MAX_PAGE};
 use crate::admin::labels_of;
 use crate::blob::{ArtifactKey, BlobStore};
 use crate::core::{Access, CancelOutcome, Command, Reply, ScheduleSpec, Submit};
@@ -187,21 +187,14 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         }
     }
 
-    /// Disables, enables or revokes `worker`, or with `serial` one of its certificates
-    /// (with `renewals`, and every certificate renewed from it).
-    pub async fn set_access(
-        &self,
-        worker: &WorkerId,
-        access: Access,
-        serial: Option<&str>,
-        renewals: bool,
-    ) -> Result<Done, OpError> {
-        let said = match (access, serial) {
+    /// Changes `worker`'s access ([`AccessChange`]).
+    pub async fn set_access(&self, worker: &WorkerId, change: AccessChange<'_>) -> Result<Done, OpError> {
+        let said = match (change.access, change.serial) {
             (Access::Revoke, Some(serial)) => {
-                crate::identity::revoke_certificate(&self.store, worker, serial, renewals).await
+                crate::identity::revoke_certificate(&self.store, worker, serial, change.with_renewals).await
             }
             (_, Some(_)) => return Err(OpError::invalid("a serial goes with revoke only")),
-            (_, None) if renewals => return Err(OpError::invalid("renewals go with a serial only")),
+            (_, None) if change.with_renewals => return Err(OpError::invalid("renewals go with a serial only")),
             (access, None) => crate::identity::set_access(&self.store, worker, access).await,
         };
         said.map(Done::said).map_err(coded)

@@ -27,6 +27,26 @@ use view::{
     WorkerList,
 };
 
+/// What an operator changes of a worker's access: disable, enable or revoke it whole, or
+/// revoke one of its certificates by serial (with `with_renewals`, and every certificate
+/// renewed from it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AccessChange<'a> {
+    /// Disable, enable or revoke.
+    pub access: Access,
+    /// One certificate (revoke only), as `workers certificates` shows its serial.
+    pub serial: Option<&'a str>,
+    /// With `serial`: the certificates renewed from it too.
+    pub with_renewals: bool,
+}
+
+impl AccessChange<'_> {
+    /// The whole worker.
+    pub fn whole(access: Access) -> Self {
+        Self { access, serial: None, with_renewals: false }
+    }
+}
+
 /// Why an operator command did not happen: the API's `{error}` code and a sentence.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpError {
@@ -189,16 +209,9 @@ impl Target {
     pub async fn certificates(&self) -> Result<CertificateList, OpError> {
         forward!(self.certificates())
     }
-    /// Disables, enables or revokes a worker (or, with a serial, one certificate, and with
-    /// `renewals` those renewed from it).
-    pub async fn set_access(
-        &self,
-        worker: &WorkerId,
-        access: Access,
-        serial: Option<&str>,
-        renewals: bool,
-    ) -> Result<Done, OpError> {
-        forward!(self.set_access(worker, access, serial, renewals))
+    /// Changes a worker's access ([`AccessChange`]).
+    pub async fn set_access(&self, worker: &WorkerId, change: AccessChange<'_>) -> Result<Done, OpError> {
+        forward!(self.set_access(worker, change))
     }
     /// Sets the labels the operator vouches for of a worker.
     pub async fn label(&self, worker: &WorkerId, labels: &[String]) -> Result<Done, OpError> {

@@ -19,7 +19,7 @@ use super::view::{
     CertificateList, Done, LogWindow, RunPage, RunView, ScheduleBody, ScheduleList, ScheduleView, SubmitBody,
     WorkerList,
 };
-use super::{LogRequest, OpError, RunFilter, ScheduleAction};
+use super::{AccessChange, LogRequest, OpError, RunFilter, ScheduleAction};
 use crate::core::Access;
 
 /// The most one answer may carry (a log window is smaller; see the API).
@@ -231,26 +231,20 @@ impl Remote {
         self.json("GET", "/v1/certificates", &[], None)
     }
 
-    /// Disables, enables or revokes a worker (or one certificate, and with `renewals`
-    /// those renewed from it).
-    pub fn set_access(
-        &self,
-        worker: &WorkerId,
-        access: Access,
-        serial: Option<&str>,
-        renewals: bool,
-    ) -> Result<Done, OpError> {
-        let word = match access {
+    /// Changes a worker's access ([`AccessChange`]).
+    pub fn set_access(&self, worker: &WorkerId, change: AccessChange<'_>) -> Result<Done, OpError> {
+        let word = match change.access {
             Access::Disable => "disable",
             Access::Enable => "enable",
             Access::Revoke => "revoke",
         };
-        let body = match serial {
-            Some(serial) if renewals => serde_json::json!({ "serial": serial, "withRenewals": true }),
-            Some(serial) => serde_json::json!({ "serial": serial }),
-            None if renewals => serde_json::json!({ "withRenewals": true }),
-            None => serde_json::json!({}),
-        };
+        let mut body = serde_json::json!({});
+        if let Some(serial) = change.serial {
+            body["serial"] = serial.into();
+        }
+        if change.with_renewals {
+            body["withRenewals"] = true.into();
+        }
         self.post(&format!("/v1/workers/{worker}:{word}"), &body)
     }
 

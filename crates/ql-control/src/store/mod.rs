@@ -152,8 +152,8 @@ pub struct AuditRetention {
 /// Which ended sessions the sweeper keeps ([`Store::prune_sessions`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SessionRetention {
-    /// Generations behind a worker's newest within which its ended sessions stay, offered
-    /// or not, at least one (the newest always stays, so the next open numbers after it; a
+    /// A worker's newest generations, whose ended sessions stay, offered or not, at least
+    /// one (the newest always stays, so the next open numbers after it; a
     /// restarted agent resumes the session its journal names, answered
     /// `session_conflict` while it stays, `not_found` once pruned: either way it opens a
     /// new one).
@@ -210,9 +210,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn prune_audit(&self, retention: AuditRetention) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Prunes ended sessions (closed, expired, replaced) that were never offered work
-    /// ([`Session::offered`](crate::model::Session::offered)) and that are more than
-    /// `retention.kept` generations behind their worker's newest, at most
-    /// `retention.batch` of them; returns how many went. Nothing names such a session,
+    /// ([`Session::offered`](crate::model::Session::offered)) and are not among their
+    /// worker's newest `retention.kept` generations, at most `retention.batch` of them;
+    /// returns how many went. Nothing names such a session,
     /// and a worker opening sessions in a loop would otherwise leave a row each.
     fn prune_sessions(&self, retention: SessionRetention) -> impl Future<Output = Result<u64, StoreError>> + Send;
 

@@ -1147,12 +1147,10 @@ pub async fn twin_refusals_are_counted_from_the_audit_records<B: Backend>(b: B) 
     assert_eq!(store.twin_refusals(600_000).await.unwrap(), vec![(worker("router-1"), 3)]);
 }
 
-/// The sweeper's audit retention removes only from the old end: first by age (DB time),
-/// then all but the newest records; it never touches the protocol's rows.
-/// A worker opening sessions in a loop leaves no more than a few rows: the ended sessions
-/// never offered work go once they are `kept` generations behind the newest, a batch at a
-/// time; one work was placed on stays with what names it, and so does every live one and
-/// another worker's. The next open still numbers after the highest.
+/// A worker opening sessions in a loop leaves no more than a few rows: of its ended
+/// sessions never offered work only the newest `kept` generations stay, the rest going a
+/// batch at a time; one work was placed on stays with what names it, and so do another
+/// worker's. The next open still numbers after the highest.
 pub async fn ended_sessions_never_offered_work_are_pruned<B: Backend>(b: B) {
     let store = b.store();
     // An agent's clean exit closes its session: the next open is no twin of it.
@@ -1198,12 +1196,17 @@ pub async fn ended_sessions_never_offered_work_are_pruned<B: Backend>(b: B) {
     // A heartbeat on a pruned session is told it is gone; the next open numbers on.
     assert_eq!(heartbeat(&store, &first, false).await, Err(ErrorCode::NotFound));
     exec(&store, close(&newest)).await.unwrap();
-    assert_eq!(open(&store, "router-9").await.generation.get(), 21);
-    // Kept at zero still keeps the newest: the next generation never repeats.
+    let last = open(&store, "router-9").await;
+    assert_eq!(last.generation.get(), 21);
+    // Kept at zero still keeps the newest, ended too: the next generation never repeats.
+    exec(&store, close(&last)).await.unwrap();
     assert_eq!(store.prune_sessions(SessionRetention { kept: 0, batch: 100 }).await.unwrap(), 4);
     assert_eq!(kept(store.snapshot().await.unwrap().sessions, "router-9"), [2, 21]);
+    assert_eq!(open(&store, "router-9").await.generation.get(), 22);
 }
 
+/// The sweeper's audit retention removes only from the old end: first by age (DB time),
+/// then all but the newest records; it never touches the protocol's rows.
 pub async fn audit_records_are_pruned_by_age_and_count<B: Backend>(b: B) {
     let store = b.store();
     let rec = |route: &str| AuditRecord { at: 0, principal: None, route: route.into(), outcome: "admitted".into() };

@@ -736,15 +736,15 @@ fn limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-/// Refused twin opens by worker since `?1` (see [`Store::twin_refusals`]).
-/// [`Store::prune_sessions`]: `?1` generations kept, `?2` the batch. The candidates come
-/// from `sessions_prunable` (migration 0014), each one's worker's newest from the key on
-/// (worker, generation).
+/// [`Store::prune_sessions`]: `?1` generations kept, `?2` the batch. The partial index
+/// `sessions_prunable` (migration 0014) holds the candidates, and the key on (worker,
+/// generation) gives each one's worker's newest.
 const PRUNE_SESSIONS: &str = "DELETE FROM sessions WHERE id IN (SELECT s.id FROM sessions s \
      WHERE s.offered = 0 AND s.state IN ('closed', 'expired', 'replaced') \
      AND s.generation <= (SELECT max(m.generation) FROM sessions m WHERE m.worker = s.worker) - ?1 \
      ORDER BY s.worker, s.generation LIMIT ?2)";
 
+/// Refused twin opens by worker since `?1` (see [`Store::twin_refusals`]).
 const TWIN_REFUSALS: &str = "SELECT principal, count(*) FROM audit WHERE at >= ?1 AND route = 'session.open' \
      AND outcome = 'session_conflict' AND principal IS NOT NULL GROUP BY principal ORDER BY principal";
 
