@@ -8,7 +8,8 @@
 -- only the candidates. Deleting a session makes PostgreSQL look for attempts and offers
 -- still naming it (their foreign keys): the two indexes on session_id make that a probe
 -- rather than a scan of each table. The rule on `offered` joins the others of the table
--- in its trigger (migration 0014), which a heartbeat's or poll's update never fires.
+-- in its trigger (migration 0014), which a heartbeat never fires, and a poll only once
+-- per session, when its first placement marks `offered`.
 ALTER TABLE sessions ADD COLUMN offered BIGINT NOT NULL DEFAULT 1;
 CREATE INDEX sessions_prunable ON sessions (worker, generation)
     WHERE offered = 0 AND state IN ('closed', 'expired', 'replaced');

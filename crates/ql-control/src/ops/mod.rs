@@ -40,13 +40,6 @@ pub struct AccessChange<'a> {
     pub with_renewals: bool,
 }
 
-impl AccessChange<'_> {
-    /// The whole worker.
-    pub fn whole(access: Access) -> Self {
-        Self { access, serial: None, with_renewals: false }
-    }
-}
-
 /// Why an operator command did not happen: the API's `{error}` code and a sentence.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpError {
