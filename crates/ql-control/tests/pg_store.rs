@@ -838,6 +838,41 @@ async fn a_polls_queue_probe_reads_by_label_set_after_statistics_of_an_empty_que
     assert!(read <= 8.0, "the probe read {read} queued runs: {plan}");
 }
 
+/// A session declaring more labels than placement probes subsets for: its probe walks the
+/// label sets queued, one index step each, and reads the runs of only those within its
+/// labels, up to its room, however many runs wait for other label sets.
+#[tokio::test]
+async fn a_probe_for_many_declared_labels_reads_each_queued_label_set_once_not_every_run() {
+    let b = Pg::new().await;
+    let owner = connect(&b.db().url("ql_owner")).await;
+    queue_runs(&owner, 2000, r#"{"arch":"mipsel"}"#).await;
+    owner
+        .batch_execute(
+            "INSERT INTO runs (id, project, spec, labels, agent_labels, status, retry_budget, retries_used, \
+             attempts, lease_generations, created_at) SELECT 'mine_' || g, 'default', '{}', '{}', \
+             jsonb_build_object('arch', 'arm', 'x' || (g % 3), '1'), 'queued', 0, 0, 0, 0, 3000 + g \
+             FROM generate_series(1, 30) g; ANALYZE runs",
+        )
+        .await
+        .unwrap();
+    let walk = ql_control::store::postgres::QUEUE_WALK.as_str();
+    owner
+        .batch_execute(&format!(
+            "PREPARE walk (text, text, bigint) AS {walk}; SET plan_cache_mode = force_generic_plan"
+        ))
+        .await
+        .unwrap();
+    let many = r#"{"arch":"arm","x0":"1","x1":"1","a":"1","b":"1","c":"1","d":"1"}"#;
+    // Four label sets queued: mipsel's, and arm's with x0, x1 or x2; the session takes two.
+    // (its labels, its room, the runs it is offered)
+    for (declared, room, offered) in [(many, 4.0_f64, 4.0), (many, 100.0, 20.0), (r#"{"arch":"riscv"}"#, 4.0, 0.0)] {
+        let plan = &analysed(&owner, &format!("EXECUTE walk('{{}}', '{declared}', {room})")).await;
+        assert_eq!(plan["Actual Rows"].as_f64(), Some(offered), "{declared}, room {room}: {plan}");
+        let read = runs_rows_read(plan);
+        assert!(read <= 5.0 + 2.0 * room.min(20.0), "{declared}, room {room}: the walk read {read} runs: {plan}");
+    }
+}
+
 /// Prepares the queue probe as `probe`, and a wave's probes as `probes`, on `client`, on
 /// the generic plans the store runs.
 async fn prepare_probe(client: &tokio_postgres::Client) {

@@ -78,11 +78,13 @@ impl Fit {
         })
     }
 
+    /// Whether a run's `agent_labels` are all among the declared labels.
+    pub fn declares(&self, agent_labels: &BTreeMap<String, String>) -> bool {
+        agent_labels.iter().all(|(k, v)| self.declared.get(k) == Some(v))
+    }
+
     fn takes_labels(&self, labels: &BTreeMap<String, String>, agent_labels: &BTreeMap<String, String>) -> bool {
-        let within = |wanted: &BTreeMap<String, String>, carried: &BTreeMap<String, String>| {
-            wanted.iter().all(|(k, v)| carried.get(k) == Some(v))
-        };
-        within(labels, &self.trusted) && within(agent_labels, &self.declared)
+        labels.iter().all(|(k, v)| self.trusted.get(k) == Some(v)) && self.declares(agent_labels)
     }
 }
 

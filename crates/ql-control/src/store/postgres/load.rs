@@ -233,6 +233,26 @@ pub static QUEUE_PROBE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// The queue probe of a session declaring more labels than it probes subsets for: `$1`
+/// the worker's trusted labels, `$2` the declared labels, `$3` the room. It walks the
+/// label sets queued (one step along `runs_queue_fit` per set, from each set to the next),
+/// keeps those within the declared labels, and probes each as [`QUEUE_PROBE`] probes one:
+/// its cost follows how many label sets are queued, not how many runs.
+#[doc(hidden)]
+pub static QUEUE_WALK: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH RECURSIVE sets (fit) AS (\
+         (SELECT r.agent_labels FROM runs r WHERE r.status = 'queued' ORDER BY r.agent_labels LIMIT 1) \
+         UNION ALL SELECT (SELECT r.agent_labels FROM runs r WHERE r.status = 'queued' AND r.agent_labels > s.fit \
+         ORDER BY r.agent_labels LIMIT 1) FROM sets s WHERE s.fit IS NOT NULL) \
+         SELECT c.* FROM (SELECT fit FROM sets WHERE $2::text::jsonb @> fit) s CROSS JOIN LATERAL (SELECT {} \
+         FROM runs r WHERE r.status = 'queued' AND r.agent_labels = ANY (ARRAY[s.fit]) AND $1::text::jsonb @> r.labels \
+         ORDER BY r.agent_labels, r.created_at, r.id LIMIT $3 FOR UPDATE SKIP LOCKED) c \
+         ORDER BY c.created_at, c.id LIMIT $3",
+        *RUN_COLS
+    )
+});
+
 /// The queue probes of several polls as one statement: a row of `$1`..`$4` (the poll,
 /// its worker's trusted labels, one of its label sets, its limit) for each label set of
 /// each poll, each probed as [`QUEUE_PROBE`] probes one, in the order of the rows (so the
@@ -264,12 +284,12 @@ pub static QUEUE_PROBES_OF: LazyLock<String> = LazyLock::new(|| {
 /// wait for other workers. The runs a probe locked beyond those stay queued and are
 /// released at COMMIT (another replica's poll skips them meanwhile, as any run being
 /// placed). A session declaring more than [`SUBSET_LABELS`](crate::core::SUBSET_LABELS)
-/// labels scans the queue.
+/// labels walks the label sets queued instead ([`QUEUE_WALK`]).
 pub(super) enum Queue {
     /// By label sets: the trusted labels and each set, as JSON.
     Fits { trusted: String, fits: Vec<String> },
-    /// A scan: the trusted labels and the declared ones, as JSON.
-    Scan { trusted: String, declared: String },
+    /// By the label sets queued: the trusted labels and the declared ones, as JSON.
+    Walk { trusted: String, declared: String },
 }
 
 impl Queue {
@@ -282,7 +302,7 @@ impl Queue {
         let trusted = json(&fit.trusted)?;
         Ok(match fit.declared_subsets() {
             Some(subsets) => Queue::Fits { trusted, fits: subsets.iter().map(json).collect::<Result<_, _>>()? },
-            None => Queue::Scan { trusted, declared: json(&fit.declared)? },
+            None => Queue::Walk { trusted, declared: json(&fit.declared)? },
         })
     }
 
@@ -295,13 +315,9 @@ impl Queue {
                 let params: rows::Params = vec![Box::new(trusted), Box::new(fits), Box::new(limit)];
                 (vec![(GENERIC_PLANS.into(), Vec::new()), (QUEUE_PROBE.as_str().into(), params)], 1)
             }
-            Queue::Scan { trusted, declared } => {
-                let sql = format!(
-                    "SELECT {} FROM runs WHERE status = 'queued' AND $1::text::jsonb @> labels \
-                     AND $2::text::jsonb @> agent_labels ORDER BY created_at, id LIMIT $3 FOR UPDATE SKIP LOCKED",
-                    *RUN_COLS
-                );
-                (vec![(sql.into(), vec![Box::new(trusted), Box::new(declared), Box::new(limit)])], 0)
+            Queue::Walk { trusted, declared } => {
+                let params: rows::Params = vec![Box::new(trusted), Box::new(declared), Box::new(limit)];
+                (vec![(GENERIC_PLANS.into(), Vec::new()), (QUEUE_WALK.as_str().into(), params)], 1)
             }
         }
     }

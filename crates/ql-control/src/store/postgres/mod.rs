@@ -122,7 +122,9 @@ use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSIO
 pub use found::checked_text;
 pub use group::GroupCommits;
 #[doc(hidden)]
-pub use load::{ACTIVE_ATTEMPTS_OF, COMPLETION_EVENTS_OF, OPEN_OFFERS_OF, QUEUE_PROBE, QUEUE_PROBES_OF, WORKERS_OF};
+pub use load::{
+    ACTIVE_ATTEMPTS_OF, COMPLETION_EVENTS_OF, OPEN_OFFERS_OF, QUEUE_PROBE, QUEUE_PROBES_OF, QUEUE_WALK, WORKERS_OF,
+};
 pub use schema::{ROLES, SCHEMA_VERSION};
 #[doc(hidden)]
 pub use wave::{merged_update, WAVE_FENCES, WAVE_RUNS};

@@ -10,8 +10,9 @@
 //! Runs are also kept by their `agent_labels`: a session declaring a few labels takes a
 //! run only if the run's `agent_labels` is one of their subsets
 //! ([`Fit::declared_subsets`]), so a poll looks those subsets up and walks only their
-//! runs, in placement order, instead of every queued run; a session declaring more
-//! labels walks them all.
+//! runs, in placement order, instead of every queued run. When the subsets would
+//! outnumber the label sets queued (a session declaring many labels), the poll walks the
+//! queued sets within its labels instead: either way, never every queued run.
 //!
 //! The index follows every run the writer writes ([`Queue::note`]). A job whose savepoint
 //! rolls back after it noted a run, or a failed batch, drops the index; so does a commit
@@ -24,7 +25,7 @@ use rusqlite::Connection;
 
 use ql_wire::ids::RunId;
 
-use crate::core::{Fit, Want};
+use crate::core::{Fit, Want, SUBSET_LABELS};
 use crate::model::{Millis, Run, RunStatus};
 
 use super::load;
@@ -61,15 +62,18 @@ impl Index {
         if self.runs.is_empty() {
             return Vec::new(); // an idle fleet's polls: no subsets to make
         }
-        let Some(subsets) = fit.declared_subsets() else {
-            let fitting = self.runs.iter().filter(|(_, want)| fit.takes(want));
-            return fitting.take(limit).map(|((_, id), _)| id.clone()).collect();
+        // The label sets to walk: the queued ones among the declared labels' subsets, or,
+        // when the subsets outnumber the sets queued (a session declaring many labels),
+        // the queued sets within the declared labels.
+        let few_subsets = fit.declared.len() <= SUBSET_LABELS && 1 << fit.declared.len() <= self.by_agent_labels.len();
+        let sets: Vec<&BTreeSet<Key>> = if few_subsets {
+            let subsets = fit.declared_subsets().unwrap_or_default();
+            subsets.iter().filter_map(|subset| self.by_agent_labels.get(subset)).collect()
+        } else {
+            self.by_agent_labels.iter().filter(|(set, _)| fit.declares(set)).map(|(_, keys)| keys).collect()
         };
-        let mut found: Vec<&Key> = subsets
-            .iter()
-            .filter_map(|subset| self.by_agent_labels.get(subset))
-            .flat_map(|keys| keys.iter().filter(|k| fit.takes(&self.runs[*k])).take(limit))
-            .collect();
+        let mut found: Vec<&Key> =
+            sets.into_iter().flat_map(|keys| keys.iter().filter(|k| fit.takes(&self.runs[*k])).take(limit)).collect();
         found.sort();
         found.into_iter().take(limit).map(|(_, id)| id.clone()).collect()
     }
@@ -202,8 +206,11 @@ mod tests {
 
         let declared_many =
             map(&[("arch", "mipsel"), ("site", "a"), ("a", "1"), ("b", "2"), ("c", "3"), ("d", "4"), ("e", "5")]);
-        for declared in [map(&[]), map(&[("arch", "mipsel")]), map(&[("arch", "mipsel"), ("site", "a")]), declared_many]
-        {
+        // Four label sets are queued: two declared labels look their four subsets up, three
+        // or seven walk the queued sets within them.
+        let declared_three = map(&[("arch", "mipsel"), ("site", "a"), ("c", "3")]);
+        let declared = [map(&[]), map(&[("arch", "mipsel")]), map(&[("arch", "mipsel"), ("site", "a")])];
+        for declared in declared.into_iter().chain([declared_three, declared_many]) {
             for trusted in &trusted {
                 let fit = Fit { trusted: trusted.clone(), declared: declared.clone() };
                 for limit in [1, 3, 100] {
