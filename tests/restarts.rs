@@ -213,6 +213,52 @@ fn a_job_lost_with_its_supervisor_is_given_up_and_its_run_runs_again_within_its_
     assert!(w.agent.log().contains("reported lost, not failed"), "{}", w.context());
 }
 
+/// A supervisor killed while the agent watches its job (the kernel's OOM killer on a
+/// small router, say): nobody knows how the job ended, so it is reported lost, as a job
+/// found gone after a restart is, its process is stopped, and its run runs again within
+/// its retries.
+#[test]
+fn a_job_whose_supervisor_is_killed_under_a_running_agent_is_reported_lost() {
+    let w = World::new("supervisor-killed", &[]);
+    let dir = w.path("gates");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (marker, pids) = (dir.join("first"), dir.join("pids"));
+    let body = format!(
+        "if [ -e {m} ]; then echo second; else touch {m}; echo $$ >> {p}; echo first; sleep 600; fi",
+        m = marker.display(),
+        p = pids.display()
+    );
+    let run = w.control.submit(&["--retries", "1", "--", "sh", "-c", &body]);
+    let shown = w.wait_status(&run, "running");
+    common::wait_for("the job's pid", || w.context(), || (!common::read_pids(&pids).is_empty()).then_some(()));
+    let job = common::read_pids(&pids)[0];
+    let attempt_id = attempt(&shown)["attemptId"].as_str().unwrap().to_owned();
+    let job_file = w.path("agent-state").join("runs").join(&attempt_id).join("job");
+    let supervisor: i32 = common::wait_for(
+        "the supervisor's pid",
+        || w.context(),
+        || {
+            let handles = std::fs::read_to_string(&job_file).ok()?;
+            let line = handles.lines().nth(1)?;
+            line.split_whitespace().next()?.strip_prefix("pid:")?.parse().ok()
+        },
+    );
+    rustix::process::kill_process(rustix::process::Pid::from_raw(supervisor).unwrap(), rustix::process::Signal::KILL)
+        .unwrap();
+
+    let shown = w.wait_status(&run, "succeeded");
+    let attempts = shown["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{shown}");
+    assert_eq!(
+        (attempts[0]["status"].as_str(), attempts[0]["errorCode"].as_str()),
+        (Some("lost"), Some("WORKER_LOST")),
+        "{shown}"
+    );
+    assert_eq!(w.control.logs(&run), b"second\n");
+    common::wait_for("the job stopped", || w.context(), || (!common::alive(job)).then_some(()));
+    assert!(w.agent.log().contains("reported lost, not failed"), "{}", w.context());
+}
+
 /// A reload hands the jobs over instead of draining them: a SIGTERM that finds the
 /// reload marker, or a SIGHUP, ends the agent at once with status 75 and its job running;
 /// the agent started again takes the job back and reports it once, its log whole. A plain

@@ -302,7 +302,7 @@ impl Agent {
                     }
                     Some(9)
                 } else {
-                    info!("{who}: its process ended while the agent was down");
+                    info!("{who}: its process ended with no end on record");
                     let (attempt, grace, poll) = (key.attempt_id.as_str(), self.cfg.stop_grace, self.cfg.group_poll);
                     match exec::stop_leftovers(attempt, spawn.pgid, grace, poll).await {
                         Ok(true) => info!("{who}: stopped what its process left running"),

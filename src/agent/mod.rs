@@ -493,9 +493,12 @@ impl Agent {
         let ending = match result {
             Ok(exit) => ending_of(&exit, finished_at),
             Err(e) => {
-                warn!("{who}: lost track of the process ({e}); reporting it without an exit status");
-                let (log_len, truncated) = self.spool_facts(&key, job);
-                Ending { exit_code: None, signal: None, finished_at, log_len, truncated }
+                // Nobody knows how it ended (its supervisor was killed, say): not the job's
+                // failure. With no exit on record the job's next step is the recovery a
+                // restarted agent makes of it (`core::Step::Recover`), which reports it
+                // lost and lets its run go again within its retries.
+                warn!("{who}: lost track of the process ({e}); it will be reported lost");
+                return Ok(());
             }
         };
         info!(
