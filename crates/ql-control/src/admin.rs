@@ -185,8 +185,12 @@ impl Store for Authority {
     async fn workers(&self, limit: usize) -> Result<Vec<crate::model::Worker>, StoreError> {
         either!(self, s => s.workers(limit))
     }
-    async fn log_chunks(&self, attempt: &ql_wire::ids::AttemptId) -> Result<Vec<crate::model::LogChunk>, StoreError> {
-        either!(self, s => s.log_chunks(attempt))
+    async fn log_chunks(
+        &self,
+        attempt: &ql_wire::ids::AttemptId,
+        within: std::ops::Range<u64>,
+    ) -> Result<Vec<crate::model::LogChunk>, StoreError> {
+        either!(self, s => s.log_chunks(attempt, within))
     }
     async fn snapshot(&self) -> Result<Snapshot, StoreError> {
         either!(self, s => s.snapshot())

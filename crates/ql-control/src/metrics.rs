@@ -422,8 +422,12 @@ impl<S: Store> Store for Measured<S> {
     async fn run_detail(&self, run: &ql_wire::ids::RunId) -> Result<Option<crate::store::RunDetail>, StoreError> {
         self.inner.run_detail(run).await
     }
-    async fn log_chunks(&self, attempt: &ql_wire::ids::AttemptId) -> Result<Vec<crate::model::LogChunk>, StoreError> {
-        self.inner.log_chunks(attempt).await
+    async fn log_chunks(
+        &self,
+        attempt: &ql_wire::ids::AttemptId,
+        within: std::ops::Range<u64>,
+    ) -> Result<Vec<crate::model::LogChunk>, StoreError> {
+        self.inner.log_chunks(attempt, within).await
     }
     async fn workers(&self, limit: usize) -> Result<Vec<crate::model::Worker>, StoreError> {
         self.inner.workers(limit).await

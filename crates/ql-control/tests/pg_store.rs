@@ -838,6 +838,42 @@ async fn a_polls_queue_probe_reads_by_label_set_after_statistics_of_an_empty_que
     assert!(read <= 8.0, "the probe read {read} queued runs: {plan}");
 }
 
+/// A window of a long live log reads the chunk rows that hold its bytes, and one more
+/// probe, not every row: what a repeated chunk and an operator's reader of a window ask
+/// for, however small the chunks a worker sent.
+#[tokio::test]
+async fn a_live_log_window_reads_only_the_chunks_that_hold_its_bytes() {
+    let b = Pg::new().await;
+    let store = b.store();
+    let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
+    let owner = connect(&b.db().url("ql_owner")).await;
+    let attempt = h.attempt().as_str();
+    owner
+        .batch_execute(&format!(
+            "INSERT INTO log_chunks (attempt_id, byte_offset, length, sha256) \
+             SELECT '{attempt}', g, 1, repeat('0', 64) FROM generate_series(0, 99999) g; ANALYZE log_chunks"
+        ))
+        .await
+        .unwrap();
+    let sql = ql_control::store::log_chunks_sql('$');
+    owner
+        .batch_execute(&format!(
+            "PREPARE log_window (text, bigint, bigint) AS {sql}; SET plan_cache_mode = force_generic_plan"
+        ))
+        .await
+        .unwrap();
+    // (the window, the chunks that hold its bytes)
+    for (within, held) in [(50_000..50_003, 3.0), (0..1, 1.0), (99_999..200_000, 1.0), (100_000..100_001, 0.0)] {
+        let [from, to] = ql_control::store::log_chunk_bounds(&within);
+        let plan = &analysed(&owner, &format!("EXECUTE log_window('{attempt}', {from}, {to})")).await;
+        assert_eq!(plan["Actual Rows"].as_f64(), Some(held), "{within:?}: {plan}");
+        let read = rows_read(plan, "log_chunks");
+        assert!(read <= held + 2.0, "{within:?}: the window read {read} chunk rows: {plan}");
+    }
+    let all = store.log_chunks(h.attempt(), ql_control::store::ALL_CHUNKS).await.unwrap();
+    assert_eq!(all.len(), 100_000, "all of them, when asked for all");
+}
+
 /// A session declaring more labels than placement probes subsets for: its probe walks the
 /// label sets queued, one index step each, and reads the runs of only those within its
 /// labels, up to its room, however many runs wait for other label sets.

@@ -38,7 +38,7 @@ use crate::blob::{ArtifactKey, BlobStore, PutOutcome, Upload as _};
 use crate::core::{same_bytes, ChunkPlan, Command, Reply};
 use crate::fault::Fault;
 use crate::model::LogChunk;
-use crate::store::Store;
+use crate::store::{Store, ALL_CHUNKS};
 
 /// `log:append`. See the module doc.
 pub(super) async fn append<S: Store, B: BlobStore>(
@@ -137,9 +137,9 @@ async fn acknowledged_equals<S: Store, B: BlobStore>(
     header: &LogChunkHeader,
     content: &[u8],
 ) -> Result<bool, ()> {
-    let chunks = shared.store.log_chunks(&key.attempt).await.map_err(|_| ())?;
+    let chunks = shared.store.log_chunks(&key.attempt, header.offset..header.end()).await.map_err(|_| ())?;
     let mut stored = Vec::new();
-    for chunk in chunks.into_iter().filter(|c| c.offset < header.end() && c.offset + c.length > header.offset) {
+    for chunk in chunks {
         let bytes = shared.blobs.read_chunk(key, chunk.offset, chunk.length, &chunk.sha256).await.map_err(|_| ())?;
         stored.push((chunk, bytes));
     }
@@ -205,7 +205,7 @@ async fn composed<S: Store, B: BlobStore>(
                 sealing.insert(key.clone(), rx.clone());
                 let shared = shared.clone();
                 tokio::spawn(async move {
-                    let outcome = match shared.store.log_chunks(&key.attempt).await {
+                    let outcome = match shared.store.log_chunks(&key.attempt, ALL_CHUNKS).await {
                         Ok(chunks) => compose(&shared.blobs, &key, &chunks, length, truncated).await,
                         Err(_) => Err(()),
                     };
@@ -235,7 +235,7 @@ pub(super) fn remove_chunks<S: Store, B: BlobStore>(shared: &Arc<Shared<S, B>>, 
     let shared = shared.clone();
     tokio::spawn(async move {
         let removed = async {
-            for chunk in shared.store.log_chunks(&key.attempt).await.map_err(|e| e.to_string())? {
+            for chunk in shared.store.log_chunks(&key.attempt, ALL_CHUNKS).await.map_err(|e| e.to_string())? {
                 shared.blobs.remove_chunk(&key, chunk.offset, &chunk.sha256).await.map_err(|e| e.to_string())?;
             }
             Ok::<_, String>(())

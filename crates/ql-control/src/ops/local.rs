@@ -436,7 +436,7 @@ impl<S: Store, B: BlobStore> Local<S, B> {
     /// up to `limit` bytes.
     async fn live(&self, window: &mut LogWindow, key: &ArtifactKey, limit: u64) -> Result<(), OpError> {
         let offset = window.offset;
-        for chunk in self.store.log_chunks(&key.attempt).await? {
+        for chunk in self.store.log_chunks(&key.attempt, offset..offset.saturating_add(limit)).await? {
             let end = chunk.offset + chunk.length;
             let have = offset + window.bytes.len() as u64;
             if end <= have {

@@ -18,6 +18,7 @@ pub mod sqlite;
 pub mod wakes;
 
 use std::future::Future;
+use std::ops::Range;
 
 use ql_wire::ids::{AttemptId, RunId};
 use ql_wire::ErrorCode;
@@ -125,6 +126,31 @@ pub struct Stat {
     pub label: String,
     /// The count, age or sum.
     pub value: i64,
+}
+
+/// Every byte of a live log: [`Store::log_chunks`] of all its chunks.
+pub const ALL_CHUNKS: Range<u64> = 0..u64::MAX;
+
+/// The statement of [`Store::log_chunks`], its placeholders numbered after `mark` (`?`
+/// or `$`): an attempt's (`1`) chunks that hold bytes from `2` up to `3`, by offset.
+/// Chunks tile the log from 0, so the first that may is the last to start at or before
+/// the window: both bounds are on the primary key (attempt, offset), and the window's
+/// rows are all that is read, however small a log's chunks are.
+#[doc(hidden)]
+pub fn log_chunks_sql(mark: char) -> String {
+    format!(
+        "SELECT {} FROM log_chunks WHERE attempt_id = {mark}1 AND byte_offset >= coalesce((SELECT byte_offset \
+         FROM log_chunks WHERE attempt_id = {mark}1 AND byte_offset <= {mark}2 ORDER BY byte_offset DESC LIMIT 1), 0) \
+         AND byte_offset < {mark}3 AND byte_offset + length > {mark}2 AND {mark}3 > {mark}2 ORDER BY byte_offset",
+        records::LOG_CHUNK_COLS
+    )
+}
+
+/// The window's bounds as [`log_chunks_sql`] takes them.
+#[doc(hidden)]
+pub fn log_chunk_bounds(within: &Range<u64>) -> [i64; 2] {
+    let at = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    [at(within.start), at(within.end)]
 }
 
 /// The statement of [`Store::stats`], less its dialect: `{NOW}` is DB time and `{LENGTH}`
@@ -235,8 +261,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// One run with its attempts, leases and events.
     fn run_detail(&self, run: &RunId) -> impl Future<Output = Result<Option<RunDetail>, StoreError>> + Send;
 
-    /// The acknowledged live-log chunks of an attempt, by offset.
-    fn log_chunks(&self, attempt: &AttemptId) -> impl Future<Output = Result<Vec<LogChunk>, StoreError>> + Send;
+    /// The acknowledged live-log chunks of an attempt that hold bytes of `within`, by
+    /// offset ([`ALL_CHUNKS`] for all of them): a reader of a window, or a repeated chunk,
+    /// reads the rows of that window, not every row of a long log.
+    fn log_chunks(
+        &self,
+        attempt: &AttemptId,
+        within: Range<u64>,
+    ) -> impl Future<Output = Result<Vec<LogChunk>, StoreError>> + Send;
 
     /// Workers' records (their trusted labels), by id, at most `limit`.
     fn workers(&self, limit: usize) -> impl Future<Output = Result<Vec<Worker>, StoreError>> + Send;

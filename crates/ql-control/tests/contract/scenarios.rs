@@ -214,9 +214,22 @@ pub async fn the_live_log_appends_at_the_acknowledged_offset_then_seals<B: Backe
     assert_eq!(exec(&store, append(&h, 0, 5, b"hello")).await, Ok(first));
     let second = Reply::LogAppended(LogAppendReply { result: Outcome::Appended, acked: 11 });
     assert_eq!(exec(&store, append(&h, 5, 6, b" world")).await, Ok(second));
-    let chunks = store.log_chunks(h.attempt()).await.unwrap();
+    let chunks = store.log_chunks(h.attempt(), ql_control::store::ALL_CHUNKS).await.unwrap();
     assert_eq!(chunks.iter().map(|c| (c.offset, c.length)).collect::<Vec<_>>(), [(0, 5), (5, 6)]);
     assert_eq!(chunks[1].sha256, Digest::of(b" world"));
+    // A window's chunks: those that hold any of its bytes, and no other.
+    for (within, expected) in [
+        (0..5, vec![(0, 5)]),
+        (4..5, vec![(0, 5)]),
+        (4..6, vec![(0, 5), (5, 6)]),
+        (5..6, vec![(5, 6)]),
+        (10..1_000, vec![(5, 6)]),
+        (11..1_000, vec![]),
+        (3..3, vec![]),
+    ] {
+        let chunks = store.log_chunks(h.attempt(), within.clone()).await.unwrap();
+        assert_eq!(chunks.iter().map(|c| (c.offset, c.length)).collect::<Vec<_>>(), expected, "{within:?}");
+    }
     assert_eq!(detail(&store, h.run()).await.attempts[0].log_acked, 11);
 
     // A repeat lies within what is acknowledged: its bytes are compared by the caller.

@@ -181,7 +181,11 @@ fn a_completion_that_records_the_log_removes_its_chunks_and_readers_read_the_art
         assert_eq!((followed.bytes.as_slice(), followed.sealed.as_ref()), (whole.as_slice(), Some(&sealed.receipt)));
     });
     assert_eq!(server.inspect(&job.key(&log_id())), Some(sealed.receipt.clone()), "the artifact stays");
-    assert_eq!(server.rt.block_on(server.store.log_chunks(&job.path.attempt)).unwrap().len(), 2, "so do the rows");
+    assert_eq!(
+        server.rt.block_on(server.store.log_chunks(&job.path.attempt, ql_control::store::ALL_CHUNKS)).unwrap().len(),
+        2,
+        "so do the rows"
+    );
     let looked = look(false);
     assert_eq!((looked.bytes, looked.sealed), (whole, Some(sealed.receipt.clone())));
     // Its replay, as often as a worker likes, starts no removal again.

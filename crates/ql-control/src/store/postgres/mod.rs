@@ -92,6 +92,7 @@ mod schema;
 mod wave;
 
 use std::future::Future;
+use std::ops::Range;
 use std::pin::Pin;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -1078,10 +1079,12 @@ impl Store for PgStore {
         Ok(Some(RunDetail { run, attempts, leases, events, delivery }))
     }
 
-    async fn log_chunks(&self, attempt: &AttemptId) -> Result<Vec<LogChunk>, StoreError> {
-        let sql = format!("SELECT {LOG_CHUNK_COLS} FROM log_chunks WHERE attempt_id = $1 ORDER BY byte_offset");
+    async fn log_chunks(&self, attempt: &AttemptId, within: Range<u64>) -> Result<Vec<LogChunk>, StoreError> {
+        let sql = crate::store::log_chunks_sql('$');
+        let [from, to] = crate::store::log_chunk_bounds(&within);
         let mut conn = self.reading().await?;
-        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&attempt.as_str()]).await?, rows::read)?;
+        let params: [&(dyn ToSql + Sync); 3] = [&attempt.as_str(), &from, &to];
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &params).await?, rows::read)?;
         Self::done(conn).await?;
         Ok(found)
     }

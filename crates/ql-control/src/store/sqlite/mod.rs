@@ -72,6 +72,7 @@ mod rows;
 mod schema;
 
 use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::MetadataExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -971,11 +972,12 @@ impl Store for SqliteStore {
         self.call(move |w| run_detail(&w.conn, &run).map_err(sql)).await
     }
 
-    async fn log_chunks(&self, attempt: &AttemptId) -> Result<Vec<LogChunk>, StoreError> {
+    async fn log_chunks(&self, attempt: &AttemptId, within: Range<u64>) -> Result<Vec<LogChunk>, StoreError> {
         let attempt = attempt.clone();
+        let [from, to] = super::log_chunk_bounds(&within);
         self.call(move |w| {
-            let q = format!("SELECT {LOG_CHUNK_COLS} FROM log_chunks WHERE attempt_id = ?1 ORDER BY byte_offset");
-            all(&w.conn, &q, [attempt.as_str()], rows::read).map_err(sql)
+            let q = super::log_chunks_sql('?');
+            all(&w.conn, &q, rusqlite::params![attempt.as_str(), from, to], rows::read).map_err(sql)
         })
         .await
     }
