@@ -838,6 +838,51 @@ async fn a_polls_queue_probe_reads_by_label_set_after_statistics_of_an_empty_que
     assert!(read <= 8.0, "the probe read {read} queued runs: {plan}");
 }
 
+/// A renewal and the revocation of its certificate's line with its renewals, sent
+/// together: both take the worker's lock, so whichever commits first, the other sees it.
+/// Either the renewal is refused (the certificate it presents is revoked) or the
+/// certificate it recorded is revoked with the line: a renewed certificate never serves
+/// on from a revoked line.
+#[tokio::test]
+async fn a_renewal_racing_the_revocation_of_its_line_never_outlives_it() {
+    use ql_control::core::Issuer;
+    use ql_control::model::Certificate;
+    let b = Pg::new().await;
+    let (store, replica) = (b.store(), b.other_process());
+    let cert = |serial: &str| Certificate {
+        serial: serial.into(),
+        worker: worker("router-1"),
+        issued_at: 0,
+        not_after: i64::MAX / 2,
+        revoked_at: None,
+        renewed_from: None,
+    };
+    let mut outcomes = (0, 0);
+    for round in 0..40 {
+        let (old, new) = (format!("{round:02x}00"), format!("{round:02x}01"));
+        exec(&store, Command::RecordCertificate(cert(&old), Issuer::Operator)).await.unwrap();
+        let renewal = exec(&store, Command::RecordCertificate(cert(&new), Issuer::Worker(old.clone())));
+        let revocation = exec(&replica, Command::RevokeCertificate(worker("router-1"), old.clone(), true));
+        let (renewed, revoked) = tokio::join!(renewal, revocation);
+        assert!(matches!(revoked, Ok(Reply::CertificateRevoked(..))), "round {round}: {revoked:?}");
+        let all = store.certificates(1_000).await.unwrap();
+        let recorded = all.iter().find(|c| c.serial == new);
+        match renewed {
+            Ok(Reply::CertificateRecorded(_)) => {
+                let recorded = recorded.expect("a recorded renewal is on record");
+                assert!(recorded.revoked_at.is_some(), "round {round}: the renewal outlived its line: {recorded:?}");
+                outcomes.0 += 1;
+            }
+            Err(ErrorCode::CertificateRevoked) => {
+                assert!(recorded.is_none(), "round {round}: a refused renewal recorded nothing");
+                outcomes.1 += 1;
+            }
+            other => panic!("round {round}: {other:?}"),
+        }
+    }
+    assert_eq!(outcomes.0 + outcomes.1, 40, "{outcomes:?}");
+}
+
 /// A window of a long live log reads the chunk rows that hold its bytes, and one more
 /// probe, not every row: what a repeated chunk and an operator's reader of a window ask
 /// for, however small the chunks a worker sent.
