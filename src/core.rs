@@ -31,8 +31,10 @@
 //!   `StartFailure`;
 //! - the process exited before the `running` ACK: complete from `starting` (the protocol
 //!   allows it), skipping `Running`;
-//! - the agent restarted while the process ran: `Recover` (find it by its handle, stop it,
-//!   record how it ended), then `Upload` and `Complete`;
+//! - the agent restarted while the process ran, or lost track of it (its supervisor
+//!   killed): `Recover` (take it back while its supervisor runs; else the exit its
+//!   supervisor kept, then the log and `Complete` as usual; else stop what is left and
+//!   `Abandon`: nobody knows how it ended);
 //! - the agent restarted after it set out to start the process (`spawning`) but before it
 //!   recorded the start: `Adopt` (find the process by the attempt id in its environment and
 //!   record it, so `Recover` follows; or learn that it never started, and `Spawn`; or, when
@@ -76,8 +78,9 @@ pub(crate) const SHUT_DOWN_BEFORE_START: &str = "agent shut down before start";
 /// The start-failure reason when the agent died while starting the process and cannot tell
 /// whether it ran: reported rather than run a second time.
 pub(crate) const START_INTERRUPTED: &str = "the agent stopped while starting the process; not started again";
-/// The abandon reason when a restarted agent finds a job's process and its supervisor
-/// gone with no recorded end: lost through no fault of the job.
+/// The abandon reason when an agent (restarted, or watching the job when its supervisor
+/// was killed) finds a job's process and its supervisor gone with no recorded end: lost
+/// through no fault of the job.
 pub(crate) const JOB_LOST: &str = "the job's process and its supervisor were gone, with no recorded end";
 
 /// Whether this agent holds the job's process.

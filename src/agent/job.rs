@@ -297,7 +297,7 @@ impl Agent {
                 }
                 let signal = if exec::is_alive(&spawn.executor_handle) {
                     match exec::stop_orphan(&spawn.executor_handle, self.cfg.stop_grace, self.cfg.group_poll).await {
-                        Ok(_) => info!("{who}: its process outlived the previous agent; stopped it"),
+                        Ok(_) => info!("{who}: its process ran on unwatched; stopped it"),
                         Err(e) => warn!("{who}: could not stop the orphaned process: {e}"),
                     }
                     Some(9)
@@ -499,7 +499,16 @@ impl Agent {
                         let _ = process.stop(grace).await;
                         Err(e)
                     }
-                    Some(Ok(_)) | None => process.stop(grace).await,
+                    // The exit seen stands: a stop that fails after it (no `/proc`, say)
+                    // must not turn a finished job into a lost one, which runs again.
+                    Some(Ok(exit)) => match process.stop(grace).await {
+                        Ok(stopped) => Ok(stopped),
+                        Err(e) => {
+                            warn!("attempt {}: could not stop what its job left running: {e}", task_key.attempt_id);
+                            Ok(exit)
+                        }
+                    },
+                    None => process.stop(grace).await,
                 };
                 let _ = ended.send(Ended { key: task_key, result, finished_at: wall_now() }).await;
             })
@@ -564,7 +573,7 @@ impl Agent {
     /// no agent watched it).
     fn exit_kept(&mut self, key: &JobKey, who: &str, run_dir: &RunDir) -> Result<bool, Fatal> {
         let Ok(Some(exit)) = exec::supervise::exit_recorded(run_dir) else { return Ok(false) };
-        info!("{who}: its process ended while the agent was down; its supervisor kept the exit");
+        info!("{who}: its process ended unwatched; its supervisor kept the exit");
         let finished_at = core::evidence_time(wall_now(), self.server_clock(), Instant::now());
         self.commit(&core::exited(key, ending_of(&exit, finished_at)))?;
         Ok(true)

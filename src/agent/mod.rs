@@ -46,10 +46,11 @@
 //! second signal stops the jobs at once.
 //!
 //! **Restart.** Jobs in the journal continue from their step. A process that was running
-//! when the agent died is found by its executor handle: still alive, it is stopped (its
-//! output pipe died with the old agent) and recorded as killed; gone, it is recorded with
-//! no exit status (and members it left behind are stopped). Either way its log is uploaded
-//! and it is completed. A process the old agent set out to start (`spawning`) but did not
+//! when the agent died is taken back while its supervisor runs (its log streams on, its
+//! true exit is reported); one that ended meanwhile is reported with the exit its
+//! supervisor kept. With neither (the machine went down, or the supervisor alone was
+//! killed, also under a running agent) what is left is stopped and the attempt given up
+//! as lost (`abandon`): its log is what was acknowledged before. A process the old agent set out to start (`spawning`) but did not
 //! record is looked for by the attempt id in its environment and recovered the same way;
 //! if none is found and its run directory was never made, it is started; otherwise it is
 //! reported as a start failure, never started twice. A renewal may have been in flight when

@@ -226,6 +226,7 @@ pub async fn the_live_log_appends_at_the_acknowledged_offset_then_seals<B: Backe
         (10..1_000, vec![(5, 6)]),
         (11..1_000, vec![]),
         (3..3, vec![]),
+        (u64::MAX - 1..u64::MAX, vec![]),
     ] {
         let chunks = store.log_chunks(h.attempt(), within.clone()).await.unwrap();
         assert_eq!(chunks.iter().map(|c| (c.offset, c.length)).collect::<Vec<_>>(), expected, "{within:?}");

@@ -225,19 +225,30 @@ pub(super) const GENERIC_PLANS: &str = concat!("SELECT ", generic_plans!());
 /// whole queue.
 pub static QUEUE_PROBE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT c.* FROM unnest($2::text[]) AS s (fit) CROSS JOIN LATERAL (SELECT {} FROM runs r \
-         WHERE r.status = 'queued' AND r.agent_labels = ANY (ARRAY[s.fit::jsonb]) AND $1::text::jsonb @> r.labels \
-         ORDER BY r.agent_labels, r.created_at, r.id LIMIT $3 FOR UPDATE SKIP LOCKED) c \
-         ORDER BY c.created_at, c.id LIMIT $3",
-        *RUN_COLS
+        "SELECT c.* FROM unnest($2::text[]) AS s (fit) CROSS JOIN LATERAL {} c ORDER BY c.created_at, c.id LIMIT $3",
+        probe_of_set("s.fit::jsonb", "$1::text::jsonb", "$3")
     )
 });
+
+/// The probe of one label set, as [`QUEUE_PROBE`] explains it: the oldest queued runs,
+/// at most `limit`, whose `agent_labels` are `fit` and whose `labels` the worker's
+/// `trusted` ones cover, each locked unless another transaction holds it (SQL
+/// expressions, all three).
+fn probe_of_set(fit: &str, trusted: &str, limit: &str) -> String {
+    format!(
+        "(SELECT {} FROM runs r WHERE r.status = 'queued' AND r.agent_labels = ANY (ARRAY[{fit}]) \
+         AND {trusted} @> r.labels ORDER BY r.agent_labels, r.created_at, r.id LIMIT {limit} FOR UPDATE SKIP LOCKED)",
+        *RUN_COLS
+    )
+}
 
 /// The queue probe of a session declaring more labels than it probes subsets for: `$1`
 /// the worker's trusted labels, `$2` the declared labels, `$3` the room. It walks the
 /// label sets queued (one step along `runs_queue_fit` per set, from each set to the next),
 /// keeps those within the declared labels, and probes each as [`QUEUE_PROBE`] probes one:
-/// its cost follows how many label sets are queued, not how many runs.
+/// its cost follows how many label sets are queued (as many as runs only when every run
+/// has a set of its own), not how many runs. As the probe by subsets does, it locks up to
+/// the room's runs of each set within the declared labels until COMMIT.
 #[doc(hidden)]
 pub static QUEUE_WALK: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -245,11 +256,9 @@ pub static QUEUE_WALK: LazyLock<String> = LazyLock::new(|| {
          (SELECT r.agent_labels FROM runs r WHERE r.status = 'queued' ORDER BY r.agent_labels LIMIT 1) \
          UNION ALL SELECT (SELECT r.agent_labels FROM runs r WHERE r.status = 'queued' AND r.agent_labels > s.fit \
          ORDER BY r.agent_labels LIMIT 1) FROM sets s WHERE s.fit IS NOT NULL) \
-         SELECT c.* FROM (SELECT fit FROM sets WHERE $2::text::jsonb @> fit) s CROSS JOIN LATERAL (SELECT {} \
-         FROM runs r WHERE r.status = 'queued' AND r.agent_labels = ANY (ARRAY[s.fit]) AND $1::text::jsonb @> r.labels \
-         ORDER BY r.agent_labels, r.created_at, r.id LIMIT $3 FOR UPDATE SKIP LOCKED) c \
+         SELECT c.* FROM (SELECT fit FROM sets WHERE $2::text::jsonb @> fit) s CROSS JOIN LATERAL {} c \
          ORDER BY c.created_at, c.id LIMIT $3",
-        *RUN_COLS
+        probe_of_set("s.fit", "$1::text::jsonb", "$3")
     )
 });
 
@@ -265,11 +274,8 @@ pub static QUEUE_PROBES_OF: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT q.* FROM (SELECT c.*, p.n AS probe \
          FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bigint[]) AS p (n, trusted, fit, lim) \
-         CROSS JOIN LATERAL (SELECT {} FROM runs r WHERE r.status = 'queued' \
-         AND r.agent_labels = ANY (ARRAY[p.fit::jsonb]) AND p.trusted::jsonb @> r.labels \
-         ORDER BY r.agent_labels, r.created_at, r.id LIMIT p.lim FOR UPDATE SKIP LOCKED) c) q \
-         ORDER BY q.probe, q.created_at, q.id",
-        *RUN_COLS
+         CROSS JOIN LATERAL {} c) q ORDER BY q.probe, q.created_at, q.id",
+        probe_of_set("p.fit::jsonb", "p.trusted::jsonb", "p.lim")
     )
 });
 

@@ -155,7 +155,7 @@ enum Found {
     Nothing,
     /// In the one probe of every poll by label sets ([`load::probes`]).
     Fits,
-    /// In the answer at this index (a scan).
+    /// In the answer at this index (a walk of the label sets queued).
     At(usize),
 }
 

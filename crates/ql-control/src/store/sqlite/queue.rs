@@ -12,7 +12,9 @@
 //! ([`Fit::declared_subsets`]), so a poll looks those subsets up and walks only their
 //! runs, in placement order, instead of every queued run. When the subsets would
 //! outnumber the label sets queued (a session declaring many labels), the poll walks the
-//! queued sets within its labels instead: either way, never every queued run.
+//! label sets queued instead, and the runs of those within its labels: a set at a time,
+//! as many as the queue holds (as many as its runs only when every run has a set of its
+//! own).
 //!
 //! The index follows every run the writer writes ([`Queue::note`]). A job whose savepoint
 //! rolls back after it noted a run, or a failed batch, drops the index; so does a commit

@@ -972,3 +972,22 @@ fn answers_wait_for_the_sync_that_covers_them_and_one_sync_covers_the_batches_he
     assert_eq!(rx.try_iter().count(), 1);
     assert!(w.held.is_empty() && w.unsynced.is_some());
 }
+
+/// A live log's window is found on the chunks' primary key, for both its bounds: SQLite's
+/// own plan of the statement the store runs searches the key twice and scans nothing.
+#[test]
+fn a_live_log_window_is_searched_on_the_chunks_key() {
+    let dir = TempDir::new("log-window");
+    let c = conn(&dir);
+    let sql = format!("EXPLAIN QUERY PLAN {}", crate::store::log_chunks_sql('?'));
+    let mut stmt = c.prepare(&sql).unwrap();
+    let steps: Vec<String> = stmt
+        .query_map(rusqlite::params!["att_x", 5, 10], |r| r.get::<_, String>(3))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let searches = steps.iter().filter(|s| s.starts_with("SEARCH log_chunks USING")).count();
+    assert_eq!(searches, 2, "{steps:?}");
+    assert!(steps.iter().all(|s| !s.starts_with("SCAN")), "{steps:?}");
+    assert!(steps.iter().all(|s| !s.contains("TEMP B-TREE")), "no sort of its own: {steps:?}");
+}
