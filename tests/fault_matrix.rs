@@ -1032,6 +1032,46 @@ fn a_clock_ten_minutes_ahead_still_completes_its_runs() {
     assert!(agent.terminate().success(), "{}", agent.log());
 }
 
+/// A server that answers the live log's chunks with `log_offset_conflict` at the very
+/// offset the agent holds, four times in a row: nothing the agent can send mends that, so
+/// it holds that job's log back for a wait that doubles (each at least 0.5, 1, 1 and 1 s
+/// here) rather than repeating at once, and renews the lease meanwhile: the holds outlast
+/// the 3 s lease, and the run still succeeds on its first attempt with its whole log.
+#[test]
+fn a_live_log_refused_at_the_offset_it_holds_waits_and_renews_meanwhile() {
+    let root = TempDir::new("log-conflict");
+    let dir = root.0.join("control");
+    let bin = build_control(&["faults"]);
+    init_control(&bin, &dir, &root.0.join("creds"), common::SHORT_TIMINGS);
+    let env = [("QL_CONTROL_FAULT", "conflict:log.append@4")];
+    let control = Control::serve(&bin, &dir, "127.0.0.1:0", &root.0.join("control.err"), &env);
+    let backoff = [("backoff_initial_ms", "1000"), ("backoff_max_ms", "2000")];
+    let mut agent = Agent::start(&root.0, &control, &backoff);
+    let run = control.submit(&["--", "echo", "held back"]);
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    let shown = common::wait_for("the run to end", context, || {
+        let shown = control.show(&run);
+        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
+    });
+    assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
+    assert_eq!(shown["attempts"].as_array().map(Vec::len), Some(1), "the lease held: {shown}");
+    assert!(control.log().contains("fault conflict:log.append@4 fired (request 4)"), "{}", context());
+    // Each hold as the agent logged it: its wait, doubling from 1 s to the 2 s cap, half of
+    // it fixed and half drawn.
+    let log = agent.log();
+    let waits: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("refused it as a log offset conflict at 0 bytes, where the log stands"))
+        .map(|l| l.rsplit_once("repeating in ").and_then(|(_, w)| w.trim_end_matches(" ms").parse().ok()).unwrap())
+        .collect();
+    assert_eq!(waits.len(), 4, "one hold for each conflict\n{}", context());
+    for (wait, full) in waits.iter().zip([1_000, 2_000, 2_000, 2_000]) {
+        assert!((full / 2..=full).contains(wait), "{waits:?}\n{}", context());
+    }
+    assert_eq!(control.logs(&run), b"held back\n");
+    assert!(agent.terminate().success(), "{}", agent.log());
+}
+
 /// A job's supervisor dies after it started the job and before it said which process it
 /// is (killed on a router short of memory, say). The job may already run, so the agent
 /// neither runs it again itself nor leaves it running unwatched: it stops it and reports

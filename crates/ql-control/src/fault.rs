@@ -16,7 +16,10 @@
 //!   them;
 //! - `reset`: reset the connection in the middle of the request: for a JSON route after its
 //!   body was read and before the command runs; for `artifact.put`, after 64 KiB of content
-//!   went into the artifact store (the upload is discarded).
+//!   went into the artifact store (the upload is discarded);
+//! - `conflict`: answer the route's first `n` live-log chunks (`log.append`) with `409
+//!   log_offset_conflict` at the offset each names, the length the agent holds already,
+//!   without running them: a server that misbehaves in a way no agent can mend.
 //!
 //! Every fault that fires prints `ql-control: fault <kind>:<route>@<n> fired` on stderr, so
 //! a test knows when it happened. Without the feature every function here does nothing,
@@ -46,6 +49,8 @@ pub enum Fault {
     Refuse,
     /// Reset the connection in the middle of the request.
     Reset,
+    /// Refuse a live-log chunk as a conflict at the offset it names.
+    Conflict,
 }
 
 /// Counts a request of `route` and returns the fault to inject into it, if any.
@@ -104,7 +109,7 @@ mod armed {
                     let (kind, route) =
                         head.split_once(':').unwrap_or_else(|| panic!("{VAR}: {one} is not kind:route"));
                     assert!(
-                        ["drop", "delay", "crash", "503", "reset"].contains(&kind),
+                        ["drop", "delay", "crash", "503", "reset", "conflict"].contains(&kind),
                         "{VAR}: unknown fault kind in {one}"
                     );
                     eprintln!("ql-control: fault armed: {one}");
@@ -128,7 +133,7 @@ mod armed {
             *hit
         };
         let entry = a.entries.iter().filter(|e| e.route == route).find(|e| match e.kind.as_str() {
-            "503" => hit <= e.n,
+            "503" | "conflict" => hit <= e.n,
             _ => hit == e.n,
         })?;
         eprintln!("ql-control: fault {}:{}@{} fired (request {hit})", entry.kind, entry.route, entry.n);
@@ -137,6 +142,7 @@ mod armed {
             "delay" => Fault::Delay(a.delay),
             "crash" => Fault::Crash,
             "503" => Fault::Refuse,
+            "conflict" => Fault::Conflict,
             _ => Fault::Reset,
         })
     }

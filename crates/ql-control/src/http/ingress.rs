@@ -319,7 +319,7 @@ pub(super) async fn after_commit((fault, reset): Injected<'_>) {
         Some(Fault::Drop) => reset.fire().await,
         Some(Fault::Crash) => fault::crash(),
         Some(Fault::Delay(delay)) => tokio::time::sleep(delay).await,
-        Some(Fault::Refuse | Fault::Reset) | None => {}
+        Some(Fault::Refuse | Fault::Reset | Fault::Conflict) | None => {}
     }
 }
 

@@ -57,6 +57,9 @@ pub(super) async fn append<S: Store, B: BlobStore>(
         Ok(opened) => opened,
         Err(answer) => return answer,
     };
+    if injected.0 == Some(Fault::Conflict) {
+        return Answer::log_conflict(header.offset).closing();
+    }
     let admitted = trail.execute(Command::AdmitLogChunk(path.clone(), header.clone())).await;
     let admitted = match admitted {
         Ok(Ok(Reply::ChunkAdmitted(admitted))) => admitted,
