@@ -14,6 +14,8 @@
 //! (the run is queued again without spending its budget). The events name why
 //! ([`WORKER_REVOKED`], [`WORKER_DISABLED`]).
 
+use std::collections::{HashMap, HashSet};
+
 use ql_wire::capability::Digest;
 use ql_wire::ids::WorkerId;
 use ql_wire::ErrorCode;
@@ -163,14 +165,23 @@ pub(super) fn revoke_certificate(
         return Decision::refuse(ErrorCode::NotFound);
     };
     let revoke = |c: &Certificate| Certificate { revoked_at: c.revoked_at.or(Some(now)), ..c.clone() };
-    let mut line: Vec<&str> = vec![&c.serial];
     let mut writes: Vec<Write> = c.revoked_at.is_none().then(|| Write::Certificate(revoke(c))).into_iter().collect();
+    // Each certificate's renewals, looked up rather than searched for: a worker may have
+    // renewed many times (a thief's copy in a loop), and revoking must stay linear in them.
+    let mut renewed: HashMap<&str, Vec<&Certificate>> = HashMap::new();
+    for d in rows.certificates.iter().filter(|d| renewals && &d.worker == worker) {
+        if let Some(parent) = d.renewed_from.as_deref() {
+            renewed.entry(parent).or_default().push(d);
+        }
+    }
+    let mut line: Vec<&str> = vec![&c.serial];
+    let mut seen: HashSet<&str> = HashSet::from([c.serial.as_str()]);
     let mut descendants = 0;
     let mut next = 0;
-    while let Some(&parent) = line.get(next).filter(|_| renewals) {
+    while let Some(&parent) = line.get(next) {
         next += 1;
-        for d in rows.certificates.iter().filter(|d| &d.worker == worker && d.renewed_from.as_deref() == Some(parent)) {
-            if line.contains(&d.serial.as_str()) {
+        for d in renewed.get(parent).into_iter().flatten() {
+            if !seen.insert(&d.serial) {
                 continue;
             }
             line.push(&d.serial);
@@ -435,6 +446,27 @@ mod tests {
         let again =
             Rows { certificate: Some(Certificate { revoked_at: Some(NOW - 1), ..cert("0a") }), ..Rows::default() };
         assert!(revoke_certificate(&worker(), "0a", false, &again, NOW).writes.is_empty());
+    }
+
+    /// A long line of renewals (a copy renewing in a loop) and a wide one: revoking with
+    /// renewals reaches every certificate of both, each once.
+    #[test]
+    fn revoking_a_long_or_wide_line_of_renewals_reaches_every_one_once() {
+        let renewed = |serial: String, from: String| Certificate { renewed_from: Some(from), ..cert(&serial) };
+        let chain = (0..3_000).map(|i| match i {
+            0 => cert("c0"),
+            _ => renewed(format!("c{i}"), format!("c{}", i - 1)),
+        });
+        let wide: Vec<Certificate> = (0..3_000).map(|i| renewed(format!("w{i}"), "c0".into())).collect();
+        let certificates: Vec<Certificate> = chain.chain(wide).collect();
+        let rows = Rows { certificate: Some(cert("c0")), certificates, ..Rows::default() };
+        let d = revoke_certificate(&worker(), "c0", true, &rows, NOW);
+        assert!(matches!(d.reply, Ok(Reply::CertificateRevoked(_, 5_999))), "{:?}", d.reply);
+        let certs = written(&d, |w| if let Write::Certificate(c) = w { Some(c) } else { None });
+        let mut serials: Vec<&str> = certs.iter().map(|c| c.serial.as_str()).collect();
+        serials.sort_unstable();
+        serials.dedup();
+        assert_eq!(serials.len(), 6_000, "each once, the first included");
     }
 
     fn enrolment(expires_at: Millis) -> Enrolment {

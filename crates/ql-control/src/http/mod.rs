@@ -342,9 +342,11 @@ impl Occupancy {
     }
 
     /// Records a connection of `worker` on the certificate `serial`. Beyond the limit it
-    /// evicts the worker's oldest on the same certificate or not yet admitted, else its
-    /// oldest: a connection no request of which succeeded (a revoked certificate's) never
-    /// evicts one that did on another certificate.
+    /// evicts the worker's oldest on the same certificate, else its oldest not yet
+    /// admitted, else its oldest: a copy of a revoked certificate, whose requests never
+    /// succeed, closes its own connections, never one on another certificate that has
+    /// succeeded, nor the agent's fresh one whose first request (a 25 s long-poll, say)
+    /// has not been answered yet.
     fn hold(
         &self,
         worker: ql_wire::ids::WorkerId,
@@ -357,9 +359,11 @@ impl Occupancy {
         let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
         let held = workers.entry(worker.clone()).or_default();
         while held.len() >= cfg.max_connections_per_worker.max(1) {
-            let evictable =
-                |(_, s, _, a): &(u64, String, Arc<Notify>, Arc<AtomicBool>)| s == serial || !a.load(Ordering::Relaxed);
-            let oldest = held.iter().position(evictable).unwrap_or(0);
+            let oldest = held
+                .iter()
+                .position(|(_, s, ..)| s == serial)
+                .or_else(|| held.iter().position(|(.., admitted)| !admitted.load(Ordering::Relaxed)))
+                .unwrap_or(0);
             if let Some((_, _, oldest, _)) = held.remove(oldest) {
                 oldest.notify_one();
                 stats.evicted.fetch_add(1, Ordering::Relaxed);

@@ -258,6 +258,39 @@ fn a_connection_never_served_cannot_crowd_out_a_served_one_of_its_worker() {
     answered(copies.last_mut().unwrap());
 }
 
+/// The agent's fresh connection whose first request has not been answered yet (its first
+/// long-poll lasts 25 s) is never served as far as the ingress knows: a copy of a revoked
+/// certificate connecting again and again meanwhile closes its own connections, not it.
+#[test]
+fn a_copy_of_a_revoked_certificate_cannot_close_the_agents_connection_before_its_first_answer() {
+    let cfg = IngressConfig { max_connections: 8, max_connections_per_worker: 2, ..test_config() };
+    let server = Server::start_with("share-fresh", cfg);
+    let connect = |creds: &Creds| {
+        let config = client_config(&server.ca_pem(), Some(creds), &[&rustls::version::TLS13]);
+        Raw::connect(server.addr, config).unwrap()
+    };
+    let answered = |raw: &mut Raw| {
+        raw.head("GET", "/v1/ca", &[]).unwrap();
+        assert_eq!(raw.response().unwrap().status, 200, "answered");
+    };
+    let agent = server.enroll("router-1");
+    let copy = server.second_certificate("router-1", "copy");
+    // The agent's connection, held by the server (a request that is no worker route was
+    // answered on it), none of its worker requests answered yet.
+    let mut live = connect(&agent);
+    answered(&mut live);
+    let mut copies = Vec::new();
+    for _ in 0..4 {
+        let mut raw = connect(&copy);
+        answered(&mut raw);
+        copies.push(raw);
+    }
+    server.wait_for("the copy's older connections to be closed", |st| st.evicted() == 3);
+    assert!(copies[..3].iter_mut().all(Raw::ended), "the copy's older connections are closed");
+    // The agent's connection stays: answered again.
+    answered(&mut live);
+}
+
 #[test]
 fn fence_drift_refuses_the_upload_without_reading_content() {
     let mut case = UploadCase::new("artifact-fence");
