@@ -152,6 +152,12 @@ pub(crate) struct Runtime {
     pub(crate) log_held_until: Option<Instant>,
     /// Such refusals in a row, for the back-off.
     pub(crate) log_conflicts: u32,
+    /// No `Recover` of this job before this instant: the last one could not stop what
+    /// runs of it, and giving the attempt up meanwhile would run it twice. Its renewals go
+    /// on.
+    pub(crate) recover_held_until: Option<Instant>,
+    /// Such failed recoveries in a row, for the back-off.
+    pub(crate) recover_failures: u32,
 }
 
 impl Default for Runtime {
@@ -172,6 +178,8 @@ impl Default for Runtime {
             chunk_cap: 0,
             log_held_until: None,
             log_conflicts: 0,
+            recover_held_until: None,
+            recover_failures: 0,
         }
     }
 }
@@ -299,7 +307,10 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
         return match (rt.process, &job.spawn, &job.exit) {
             (Process::Running, ..) => Step::Stop(StopCause::Ended),
             (Process::Stopping, ..) => Step::Wait(None),
-            (Process::Absent, Some(_), None) => Step::Recover,
+            (Process::Absent, Some(_), None) => match recover_held(rt, now) {
+                Some(until) => Step::Wait(Some(until)),
+                None => Step::Recover,
+            },
             (Process::Absent, None, _) if unsettled_spawn(job, rt) => Step::Adopt,
             _ => Step::Drop,
         };
@@ -391,7 +402,11 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
         return Step::MintCallback;
     };
     match rt.process {
-        Process::Absent => Step::Recover,
+        Process::Absent => match recover_held(rt, now) {
+            Some(_) if renew_due => renew(),
+            Some(until) => Step::Wait(earliest([renew_at, Some(until)])),
+            None => Step::Recover,
+        },
         Process::Running => {
             if let Some(cause) = stop_cause(job, rt, now) {
                 return Step::Stop(cause);
@@ -439,6 +454,12 @@ fn live_chunk(job: &Job, rt: &Runtime, now: Now, fence: &Fence) -> (Option<LogCh
         return (Some(header), None);
     }
     (None, flush_at)
+}
+
+/// Until when the job's recovery is held back ([`Runtime::recover_held_until`]), if it
+/// still is.
+pub(crate) fn recover_held(rt: &Runtime, now: Now) -> Option<Instant> {
+    rt.recover_held_until.filter(|t| now.at < *t)
 }
 
 /// Until when the job's log is held back ([`Runtime::log_held_until`]), if it still is.

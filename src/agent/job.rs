@@ -298,7 +298,7 @@ impl Agent {
                 let signal = if exec::is_alive(&spawn.executor_handle) {
                     match exec::stop_orphan(&spawn.executor_handle, self.cfg.stop_grace, self.cfg.group_poll).await {
                         Ok(_) => info!("{who}: its process ran on unwatched; stopped it"),
-                        Err(e) => warn!("{who}: could not stop the orphaned process: {e}"),
+                        Err(e) => return Ok(self.recover_later(key, &who, &format!("its process ({e})"))),
                     }
                     Some(9)
                 } else {
@@ -307,7 +307,9 @@ impl Agent {
                     match exec::stop_leftovers(attempt, spawn.pgid, grace, poll).await {
                         Ok(true) => info!("{who}: stopped what its process left running"),
                         Ok(false) => {}
-                        Err(e) => warn!("{who}: could not stop what its process left running: {e}"),
+                        Err(e) => {
+                            return Ok(self.recover_later(key, &who, &format!("what its process left running ({e})")))
+                        }
                     }
                     None
                 };
@@ -508,7 +510,19 @@ impl Agent {
                             Ok(exit)
                         }
                     },
-                    None => process.stop(grace).await,
+                    // A stop that fails (its group could not be signalled) leaves the job
+                    // running: its end is still its own to record, so wait for it rather
+                    // than take the job for lost, which would run it again meanwhile.
+                    None => match process.stop(grace).await {
+                        Ok(stopped) => Ok(stopped),
+                        Err(e) => {
+                            warn!(
+                                "attempt {}: could not stop its job ({e}); waiting for it to end",
+                                task_key.attempt_id
+                            );
+                            process.wait().await
+                        }
+                    },
                 };
                 let _ = ended.send(Ended { key: task_key, result, finished_at: wall_now() }).await;
             })
@@ -567,6 +581,24 @@ impl Agent {
         );
         self.rt(key).finished = true;
         Turn::Moved
+    }
+
+    /// The recovery could not stop what runs of the job: giving the attempt up now would
+    /// queue its run again while it still runs, so the recovery waits a back-off that
+    /// doubles and tries again; the job's renewals go on meanwhile.
+    fn recover_later(&mut self, key: &JobKey, who: &str, what: &str) -> Turn {
+        let random = self.draw();
+        let (initial, max) = (self.cfg.backoff_initial, self.cfg.backoff_max);
+        let rt = self.rt(key);
+        rt.recover_failures = rt.recover_failures.saturating_add(1);
+        let wait = core::backoff(initial, max, rt.recover_failures, random, None);
+        let until = Instant::now() + wait;
+        rt.recover_held_until = Some(until);
+        warn!(
+            "{who}: could not stop {what}; the attempt is given up only once it is stopped: again in {} ms",
+            wait.as_millis()
+        );
+        Turn::Idle(Some(until))
     }
 
     /// Records the exit the job's supervisor kept, if it kept one (the process ended while

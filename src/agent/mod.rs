@@ -50,7 +50,9 @@
 //! true exit is reported); one that ended meanwhile is reported with the exit its
 //! supervisor kept. With neither (the machine went down, or the supervisor alone was
 //! killed, also under a running agent) what is left is stopped and the attempt given up
-//! as lost (`abandon`): its log is what was acknowledged before. A process the old agent set out to start (`spawning`) but did not
+//! as lost (`abandon`): its log is what was acknowledged before. What cannot be stopped
+//! keeps the attempt: the recovery is tried again after a back-off, the lease renewed
+//! meanwhile, since a run given up while its job still runs would run twice. A process the old agent set out to start (`spawning`) but did not
 //! record is looked for by the attempt id in its environment and recovered the same way;
 //! if none is found and its run directory was never made, it is started; otherwise it is
 //! reported as a start failure, never started twice. A renewal may have been in flight when

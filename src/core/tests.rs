@@ -392,6 +392,31 @@ fn a_spawned_process_this_agent_does_not_hold_is_recovered() {
     }
 }
 
+/// A recovery that could not stop what runs of the job waits its back-off before the next
+/// one, renewing meanwhile when a renewal falls due: giving the attempt up while the job
+/// still runs would run it twice.
+#[test]
+fn a_recovery_that_could_not_stop_the_job_waits_and_renews_meanwhile() {
+    let base = t0();
+    let (_, job) = after(6);
+    let renewal = renew_at(job.lease.as_ref().unwrap(), &fresh(base)).unwrap();
+    let when = |t: Instant| Now { at: t, ..at(base, 0) };
+    let held = |until: Instant| Runtime { recover_held_until: Some(until), recover_failures: 1, ..fresh(base) };
+    // Held until before the renewal is due: wait, then recover.
+    let soon = base + Duration::from_millis(1);
+    assert!(soon < renewal);
+    assert_eq!(next(&k(), &job, &held(soon), when(base)), Step::Wait(Some(soon)));
+    assert_eq!(next(&k(), &job, &held(soon), when(soon)), Step::Recover);
+    // Held past it: the renewal goes first.
+    let late = renewal + Duration::from_secs(3_600);
+    assert_eq!(next(&k(), &job, &held(late), when(base)), Step::Wait(Some(renewal)));
+    assert!(matches!(next(&k(), &job, &held(late), when(renewal)), Step::Renew(_)));
+    // A job the server ended: no renewals, the same wait.
+    let finished = Runtime { finished: true, ..held(late) };
+    assert_eq!(next(&k(), &job, &finished, when(renewal)), Step::Wait(Some(late)));
+    assert_eq!(next(&k(), &job, &finished, when(late)), Step::Recover);
+}
+
 #[test]
 fn a_finished_job_stops_what_runs_and_is_dropped() {
     let base = t0();

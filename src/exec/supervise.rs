@@ -400,11 +400,13 @@ pub(crate) fn main(args: &[String]) -> i32 {
             // (Until then, its presence tells a restarted agent a start is under way.)
             let _ = fs::remove_file(run_dir.spec_file());
             // The leader's end, then whatever it left running in its group.
-            let _ = job.wait().await;
-            let exit = match job.stop(grace).await {
-                Ok(exit) => exit,
+            let waited = job.wait().await;
+            let exit = match (job.stop(grace).await, waited) {
+                (Ok(exit), _) => exit,
+                // Its leftovers could not be stopped: the leader's end still stands.
+                (Err(_), Ok(exit)) => exit,
                 // The end is not known: the agent reports the run without an exit status.
-                Err(_) => {
+                (Err(_), Err(_)) => {
                     let log_len = fs::metadata(&run_dir.spool).map_or(0, |m| m.len());
                     Exit { code: None, signal: None, truncated: log_len >= spec.log_limit_bytes, log_len }
                 }
