@@ -246,6 +246,10 @@ impl Reports {
     }
 }
 
+/// An address's handshakes in progress, oldest first: each one's id and what tells it to
+/// close.
+type Handshakes = VecDeque<(u64, Arc<Notify>)>;
+
 /// A worker's connections, oldest first: each one's id, its certificate's serial, what
 /// tells it to close, and whether a request of it succeeded (it was admitted).
 type Connections = VecDeque<(u64, String, Arc<Notify>, Arc<AtomicBool>)>;
@@ -254,24 +258,32 @@ type Connections = VecDeque<(u64, String, Arc<Notify>, Arc<AtomicBool>)>;
 #[derive(Default)]
 pub(crate) struct Occupancy {
     /// Handshakes in progress: in all, and by address.
-    handshakes: Mutex<(usize, HashMap<IpAddr, usize>)>,
+    handshakes: Mutex<(usize, HashMap<IpAddr, Handshakes>)>,
     /// Connections without a certificate, by address.
     anonymous: Mutex<HashMap<IpAddr, usize>>,
     workers: Mutex<HashMap<ql_wire::ids::WorkerId, Connections>>,
     next: AtomicUsize,
 }
 
-/// A handshake's place, given back when dropped.
-struct Handshaking<'a>(&'a Occupancy, IpAddr);
+/// A handshake's place, given back when dropped (unless a newer one took it: its
+/// `Notify` fired).
+struct Handshaking<'a> {
+    occupancy: &'a Occupancy,
+    ip: IpAddr,
+    id: u64,
+    evicted: Arc<Notify>,
+}
 
 impl Drop for Handshaking<'_> {
     fn drop(&mut self) {
-        let mut h = self.0.handshakes.lock().unwrap_or_else(|e| e.into_inner());
-        h.0 -= 1;
-        if let Some(n) = h.1.get_mut(&self.1) {
-            *n -= 1;
-            if *n == 0 {
-                h.1.remove(&self.1);
+        let mut h = self.occupancy.handshakes.lock().unwrap_or_else(|e| e.into_inner());
+        let (total, by_ip) = &mut *h;
+        if let Some(held) = by_ip.get_mut(&self.ip) {
+            let before = held.len();
+            held.retain(|(id, _)| *id != self.id);
+            *total -= before - held.len();
+            if held.is_empty() {
+                by_ip.remove(&self.ip);
             }
         }
     }
@@ -315,17 +327,34 @@ impl Drop for Held<'_> {
 }
 
 impl Occupancy {
-    /// A place for a handshake from `ip`, if the limits leave one.
+    /// A place for a handshake from `ip`, if the limits leave one. With every place
+    /// taken, an address holding fewer than the one holding most takes that one's oldest
+    /// (its handshake closes): a few addresses that open connections and never finish
+    /// them cannot keep everyone else out, only share the places with them.
     fn handshake(&self, ip: IpAddr, cfg: &IngressConfig) -> Option<Handshaking<'_>> {
         let ip = address_of(ip);
         let mut h = self.handshakes.lock().unwrap_or_else(|e| e.into_inner());
-        let from_ip = h.1.get(&ip).copied().unwrap_or(0);
-        if h.0 >= cfg.max_handshakes.max(1) || from_ip >= cfg.max_handshakes_per_ip.max(1) {
+        let (total, by_ip) = &mut *h;
+        let from_ip = by_ip.get(&ip).map_or(0, Handshakes::len);
+        if from_ip >= cfg.max_handshakes_per_ip.max(1) {
             return None;
         }
-        h.0 += 1;
-        *h.1.entry(ip).or_default() += 1;
-        Some(Handshaking(self, ip))
+        if *total >= cfg.max_handshakes.max(1) {
+            // The address holding most, the one with the oldest handshake among equals.
+            let oldest_first = |held: &Handshakes| held.front().map(|(id, _)| std::cmp::Reverse(*id));
+            let (&heaviest, _) = by_ip.iter().max_by_key(|(_, held)| (held.len(), oldest_first(held)))?;
+            let held = by_ip.get_mut(&heaviest)?;
+            if held.len() <= from_ip + 1 {
+                return None;
+            }
+            let (_, oldest) = held.pop_front()?;
+            oldest.notify_one();
+            *total -= 1;
+        }
+        let (id, evicted) = (self.next.fetch_add(1, Ordering::Relaxed) as u64, Arc::new(Notify::new()));
+        *total += 1;
+        by_ip.entry(ip).or_default().push_back((id, evicted.clone()));
+        Some(Handshaking { occupancy: self, ip, id, evicted })
     }
 
     /// A place for a connection without a certificate from `ip`, if its address holds
@@ -565,7 +594,22 @@ async fn connection<S: Store, B: BlobStore>(
     // The handshake and the close below are boxed: a connection's future is as large as
     // its largest state, and holding these passing ones inline cost every idle connection
     // about 10 KiB (the close's read buffer among them).
-    let stream = match Box::pin(timeout(cfg.handshake_timeout, acceptor.accept(tcp))).await {
+    let accepted = Box::pin(async {
+        tokio::select! {
+            accepted = timeout(cfg.handshake_timeout, acceptor.accept(tcp)) => Some(accepted),
+            () = handshaking.evicted.notified() => None,
+        }
+    })
+    .await;
+    let Some(accepted) = accepted else {
+        turn_away(
+            shared,
+            "handshakes",
+            &format!("from {ip}: its handshake closed for one from an address holding fewer"),
+        );
+        return;
+    };
+    let stream = match accepted {
         Ok(Ok(stream)) => stream,
         failed => {
             shared.stats.handshake_failures.fetch_add(1, Ordering::Relaxed);

@@ -189,6 +189,34 @@ fn connections_from_one_address_without_a_certificate_cannot_crowd_out_workers()
     drop(crowd);
 }
 
+/// Every handshake place taken by connections from one address that never finish
+/// theirs: a worker from another address still gets in, its handshake closing that
+/// address's oldest, and is served.
+#[test]
+fn an_address_that_takes_every_handshake_place_cannot_keep_a_worker_out() {
+    let cfg = IngressConfig { max_connections: 8, max_handshakes: 4, max_handshakes_per_ip: 4, ..test_config() };
+    let server = Server::start_with("handshake-share", cfg);
+    let addr = server.addr;
+    // Five from 127.0.0.2, holding their handshakes open: four take every place, the
+    // fifth is turned away at the address's own cap, which shows the four are held.
+    let crowd: Vec<tokio::net::TcpStream> = server.rt.block_on(async {
+        let mut all = Vec::new();
+        for _ in 0..5 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            all.push(socket.connect(addr).await.unwrap());
+        }
+        all
+    });
+    server.wait_for("the fifth to be turned away", |st| st.turned_away() == 1);
+    // A worker from 127.0.0.1 gets in, and is served.
+    let client = server.client("router-1");
+    let (_, generation) = client.open(1);
+    assert_eq!(generation, Counter::ONE);
+    server.wait_for("the crowd's oldest handshake to have been closed for it", |st| st.turned_away() == 2);
+    drop(crowd);
+}
+
 #[test]
 fn one_worker_cannot_hold_more_than_its_share_of_connections() {
     let cfg = IngressConfig { max_connections: 6, max_connections_per_worker: 2, ..test_config() };
