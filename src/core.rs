@@ -34,7 +34,8 @@
 //! - the agent restarted while the process ran, or lost track of it (its supervisor
 //!   killed): `Recover` (take it back while its supervisor runs; else the exit its
 //!   supervisor kept, then the log and `Complete` as usual; else stop what is left and
-//!   `Abandon`: nobody knows how it ended);
+//!   `Abandon`: nobody knows how it ended; what cannot be stopped holds the recovery back,
+//!   `Runtime::recover_held_until`);
 //! - the agent restarted after it set out to start the process (`spawning`) but before it
 //!   recorded the start: `Adopt` (find the process by the attempt id in its environment and
 //!   record it, so `Recover` follows; or learn that it never started, and `Spawn`; or, when

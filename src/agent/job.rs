@@ -295,28 +295,39 @@ impl Agent {
                 if self.exit_kept(key, &who, &run_dir)? {
                     return Ok(Turn::Moved);
                 }
-                let signal = if exec::is_alive(&spawn.executor_handle) {
-                    match exec::stop_orphan(&spawn.executor_handle, self.cfg.stop_grace, self.cfg.group_poll).await {
-                        Ok(_) => info!("{who}: its process ran on unwatched; stopped it"),
-                        Err(e) => return Ok(self.recover_later(key, &who, &format!("its process ({e})"))),
+                let (signal, stopped) = if exec::is_alive(&spawn.executor_handle) {
+                    let stopped =
+                        exec::stop_orphan(&spawn.executor_handle, self.cfg.stop_grace, self.cfg.group_poll).await;
+                    if stopped.is_ok() {
+                        info!("{who}: its process ran on unwatched; stopped it");
                     }
-                    Some(9)
+                    (Some(9), stopped.map(drop).map_err(|e| format!("its process ({e})")))
                 } else {
                     info!("{who}: its process ended with no end on record");
                     let (attempt, grace, poll) = (key.attempt_id.as_str(), self.cfg.stop_grace, self.cfg.group_poll);
-                    match exec::stop_leftovers(attempt, spawn.pgid, grace, poll).await {
-                        Ok(true) => info!("{who}: stopped what its process left running"),
-                        Ok(false) => {}
-                        Err(e) => {
-                            return Ok(self.recover_later(key, &who, &format!("what its process left running ({e})")))
-                        }
+                    let stopped = exec::stop_leftovers(attempt, spawn.pgid, grace, poll).await;
+                    if stopped.as_ref().is_ok_and(|some| *some) {
+                        info!("{who}: stopped what its process left running");
                     }
-                    None
+                    (None, stopped.map(drop).map_err(|e| format!("what its process left running ({e})")))
                 };
+                // What could not be stopped may still run: giving the attempt up would run
+                // it twice. The recovery is tried again while the back-off grows; once it
+                // reaches its cap the job is reported without an exit status, which ends
+                // its run as the server decides, never running it again. A job the server
+                // ended already has nothing to give up.
+                let mut unstoppable = false;
+                if let (Err(what), false) = (&stopped, self.rt(key).finished) {
+                    match self.recover_later(key, &who, what) {
+                        Some(turn) => return Ok(turn),
+                        None => unstoppable = true,
+                    }
+                }
                 // Nobody knows how it ended: not the job's failure. Unless the server ended
                 // the job already, it is given up, and its run goes back to the queue
                 // within its retries (the events say WORKER_LOST).
-                let mut abandon = if self.rt(key).finished { None } else { core::abandon(&job, self.rt(key)) };
+                let giving_up = !self.rt(key).finished && !unstoppable;
+                let mut abandon = if giving_up { core::abandon(&job, self.rt(key)) } else { None };
                 while let Some(body) = abandon.take() {
                     let route = attempt_route(&self.cfg, key, &job, AttemptCommand::Abandon);
                     let doubt = self.rt(key).renew_doubt;
@@ -510,19 +521,7 @@ impl Agent {
                             Ok(exit)
                         }
                     },
-                    // A stop that fails (its group could not be signalled) leaves the job
-                    // running: its end is still its own to record, so wait for it rather
-                    // than take the job for lost, which would run it again meanwhile.
-                    None => match process.stop(grace).await {
-                        Ok(stopped) => Ok(stopped),
-                        Err(e) => {
-                            warn!(
-                                "attempt {}: could not stop its job ({e}); waiting for it to end",
-                                task_key.attempt_id
-                            );
-                            process.wait().await
-                        }
-                    },
+                    None => process.stop(grace).await,
                 };
                 let _ = ended.send(Ended { key: task_key, result, finished_at: wall_now() }).await;
             })
@@ -585,12 +584,22 @@ impl Agent {
 
     /// The recovery could not stop what runs of the job: giving the attempt up now would
     /// queue its run again while it still runs, so the recovery waits a back-off that
-    /// doubles and tries again; the job's renewals go on meanwhile.
-    fn recover_later(&mut self, key: &JobKey, who: &str, what: &str) -> Turn {
+    /// doubles and tries again, the job's renewals going on meanwhile. `None` once the
+    /// back-off has reached its cap (`backoff_max_ms`): the recovery stops trying.
+    fn recover_later(&mut self, key: &JobKey, who: &str, what: &str) -> Option<Turn> {
         let random = self.draw();
         let (initial, max) = (self.cfg.backoff_initial, self.cfg.backoff_max);
         let rt = self.rt(key);
-        rt.recover_failures = rt.recover_failures.saturating_add(1);
+        let doublings = rt.recover_failures.min(30);
+        if initial.saturating_mul(1u32 << doublings) > max {
+            error!(
+                "{who}: could not stop {what} after {} tries; reporting the job without an exit status, since \
+                 giving it up while it may still run would run it twice",
+                rt.recover_failures + 1
+            );
+            return None;
+        }
+        rt.recover_failures += 1;
         let wait = core::backoff(initial, max, rt.recover_failures, random, None);
         let until = Instant::now() + wait;
         rt.recover_held_until = Some(until);
@@ -598,7 +607,7 @@ impl Agent {
             "{who}: could not stop {what}; the attempt is given up only once it is stopped: again in {} ms",
             wait.as_millis()
         );
-        Turn::Idle(Some(until))
+        Some(Turn::Idle(Some(until)))
     }
 
     /// Records the exit the job's supervisor kept, if it kept one (the process ended while

@@ -52,7 +52,9 @@
 //! killed, also under a running agent) what is left is stopped and the attempt given up
 //! as lost (`abandon`): its log is what was acknowledged before. What cannot be stopped
 //! keeps the attempt: the recovery is tried again after a back-off, the lease renewed
-//! meanwhile, since a run given up while its job still runs would run twice. A process the old agent set out to start (`spawning`) but did not
+//! meanwhile, since a run given up while its job still runs would run twice; once the
+//! back-off reaches `backoff_max_ms` the job is reported without an exit status. So is a
+//! job whose stop the agent asked for and could not make. A process the old agent set out to start (`spawning`) but did not
 //! record is looked for by the attempt id in its environment and recovered the same way;
 //! if none is found and its run directory was never made, it is started; otherwise it is
 //! reported as a start failure, never started twice. A renewal may have been in flight when
@@ -485,6 +487,7 @@ impl Agent {
         let Ended { key, result, finished_at } = ended;
         let finished_at = core::evidence_time(finished_at, self.server_clock(), Instant::now());
         self.stops.remove(&key);
+        let stopping = self.rts.get(&key).is_some_and(|rt| rt.process == Process::Stopping);
         if let Some(rt) = self.rts.get_mut(&key) {
             rt.process = Process::Absent;
         }
@@ -495,6 +498,14 @@ impl Agent {
         let who = who(&key, job);
         let ending = match result {
             Ok(exit) => ending_of(&exit, finished_at),
+            // A stop the agent asked for (a timeout, the server's intent, a drain) failed:
+            // its end is reported without a status, which the server settles from why it
+            // was stopped; giving it up would run it again while it may still run.
+            Err(e) if stopping => {
+                warn!("{who}: could not stop the process ({e}); reporting it without an exit status");
+                let (log_len, truncated) = self.spool_facts(&key, job);
+                Ending { exit_code: None, signal: None, finished_at, log_len, truncated }
+            }
             Err(e) => {
                 // Nobody knows how it ended (its supervisor was killed, say): not the job's
                 // failure. With no exit on record the job's next step is the recovery a

@@ -147,7 +147,7 @@ pub struct Config {
     /// TLS handshakes in progress at once from one IP address (an IPv6 peer's /64).
     pub max_handshakes_per_ip: u64,
     /// Connections one worker may hold; a further one closes its oldest on the same
-    /// certificate or never admitted, else its oldest.
+    /// certificate, else its oldest never admitted, else its oldest.
     pub max_connections_per_worker: u64,
     /// The largest request head, in bytes (at least 1024).
     pub max_header_bytes: u64,

@@ -449,7 +449,8 @@ mod tests {
     }
 
     /// A long line of renewals (a copy renewing in a loop) and a wide one: revoking with
-    /// renewals reaches every certificate of both, each once.
+    /// renewals reaches every certificate of both, each once (a correctness check; the
+    /// walk's cost is its map's, read in the code).
     #[test]
     fn revoking_a_long_or_wide_line_of_renewals_reaches_every_one_once() {
         let renewed = |serial: String, from: String| Certificate { renewed_from: Some(from), ..cert(&serial) };

@@ -16,12 +16,14 @@
 //! connection slot, and there are at most [`IngressConfig::max_handshakes`] of them, at
 //! most [`IngressConfig::max_handshakes_per_ip`] from one address (an IPv6 peer's /64,
 //! `address_of`): anyone who can reach
-//! the port, certificate or not, can hold only a few. A connection takes one of
+//! the port, certificate or not, can hold only a few, and with every place taken a
+//! handshake from an address holding at least two fewer takes the oldest place of the
+//! address holding most. A connection takes one of
 //! [`IngressConfig::max_connections`] slots only once its handshake succeeded (beyond
 //! that it is closed, and the agent comes back after its backoff), and one worker holds
 //! at most [`IngressConfig::max_connections_per_worker`]: a further one closes that
-//! worker's oldest on the same certificate or not yet admitted (no request of it
-//! succeeded), else its oldest, so a worker's newest connection — the live one, after a
+//! worker's oldest on the same certificate, else its oldest not yet admitted (no request
+//! of it succeeded), else its oldest, so a worker's newest connection — the live one, after a
 //! reconnect — always gets through, and one certificate can never lock out another; a
 //! copy of a revoked certificate, never admitted, closes only its own connections. When a connection ends after an
 //! answer that left request bytes unread (a refusal before or inside the body), the
@@ -99,7 +101,8 @@ pub struct IngressConfig {
     pub max_handshakes: usize,
     /// TLS handshakes in progress at once from one IP address.
     pub max_handshakes_per_ip: usize,
-    /// Connections one worker may hold; a further one closes its oldest.
+    /// Connections one worker may hold; a further one closes its oldest on the same
+    /// certificate, else its oldest never admitted, else its oldest.
     pub max_connections_per_worker: usize,
     /// The largest request head (request line and headers); a larger one is `431`.
     pub max_header_bytes: usize,
@@ -328,9 +331,10 @@ impl Drop for Held<'_> {
 
 impl Occupancy {
     /// A place for a handshake from `ip`, if the limits leave one. With every place
-    /// taken, an address holding fewer than the one holding most takes that one's oldest
-    /// (its handshake closes): a few addresses that open connections and never finish
-    /// them cannot keep everyone else out, only share the places with them.
+    /// taken, an address holding at least two fewer than the one holding most takes that
+    /// one's oldest (its handshake closes): fewer addresses than there are places, opening
+    /// connections and never finishing them, cannot keep everyone else out, only share
+    /// the places with them.
     fn handshake(&self, ip: IpAddr, cfg: &IngressConfig) -> Option<Handshaking<'_>> {
         let ip = address_of(ip);
         let mut h = self.handshakes.lock().unwrap_or_else(|e| e.into_inner());

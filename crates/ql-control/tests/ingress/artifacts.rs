@@ -194,7 +194,14 @@ fn connections_from_one_address_without_a_certificate_cannot_crowd_out_workers()
 /// address's oldest, and is served.
 #[test]
 fn an_address_that_takes_every_handshake_place_cannot_keep_a_worker_out() {
-    let cfg = IngressConfig { max_connections: 8, max_handshakes: 4, max_handshakes_per_ip: 4, ..test_config() };
+    let cfg = IngressConfig {
+        max_connections: 8,
+        max_handshakes: 4,
+        max_handshakes_per_ip: 4,
+        // The crowd's handshakes must not time out and free their places meanwhile.
+        handshake_timeout: Duration::from_secs(600),
+        ..test_config()
+    };
     let server = Server::start_with("handshake-share", cfg);
     let addr = server.addr;
     // Five from 127.0.0.2, holding their handshakes open: four take every place, the
