@@ -308,10 +308,8 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
         return match (rt.process, &job.spawn, &job.exit) {
             (Process::Running, ..) => Step::Stop(StopCause::Ended),
             (Process::Stopping, ..) => Step::Wait(None),
-            (Process::Absent, Some(_), None) => match recover_held(rt, now) {
-                Some(until) => Step::Wait(Some(until)),
-                None => Step::Recover,
-            },
+            // Ended by the server, it has nothing to give up: no hold (see `Step::Recover`).
+            (Process::Absent, Some(_), None) => Step::Recover,
             (Process::Absent, None, _) if unsettled_spawn(job, rt) => Step::Adopt,
             _ => Step::Drop,
         };

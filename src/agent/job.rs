@@ -301,7 +301,8 @@ impl Agent {
                     if stopped.is_ok() {
                         info!("{who}: its process ran on unwatched; stopped it");
                     }
-                    (Some(9), stopped.map(drop).map_err(|e| format!("its process ({e})")))
+                    // Killed only if the stop went through.
+                    (stopped.is_ok().then_some(9), stopped.map(drop).map_err(|e| format!("its process ({e})")))
                 } else {
                     info!("{who}: its process ended with no end on record");
                     let (attempt, grace, poll) = (key.attempt_id.as_str(), self.cfg.stop_grace, self.cfg.group_poll);
@@ -313,7 +314,7 @@ impl Agent {
                 };
                 // What could not be stopped may still run: giving the attempt up would run
                 // it twice. The recovery is tried again while the back-off grows; once it
-                // reaches its cap the job is reported without an exit status, which ends
+                // would pass its cap the job is reported without an exit status, which ends
                 // its run as the server decides, never running it again. A job the server
                 // ended already has nothing to give up.
                 let mut unstoppable = false;
@@ -585,7 +586,7 @@ impl Agent {
     /// The recovery could not stop what runs of the job: giving the attempt up now would
     /// queue its run again while it still runs, so the recovery waits a back-off that
     /// doubles and tries again, the job's renewals going on meanwhile. `None` once the
-    /// back-off has reached its cap (`backoff_max_ms`): the recovery stops trying.
+    /// next doubling would pass its cap (`backoff_max_ms`): the recovery stops trying.
     fn recover_later(&mut self, key: &JobKey, who: &str, what: &str) -> Option<Turn> {
         let random = self.draw();
         let (initial, max) = (self.cfg.backoff_initial, self.cfg.backoff_max);

@@ -53,8 +53,9 @@
 //! as lost (`abandon`): its log is what was acknowledged before. What cannot be stopped
 //! keeps the attempt: the recovery is tried again after a back-off, the lease renewed
 //! meanwhile, since a run given up while its job still runs would run twice; once the
-//! back-off reaches `backoff_max_ms` the job is reported without an exit status. So is a
-//! job whose stop the agent asked for and could not make. A process the old agent set out to start (`spawning`) but did not
+//! back-off would pass `backoff_max_ms` the job is reported without an exit status. So
+//! is a job whose stop the agent asked for and could not make, or whose supervisor was
+//! lost while the agent was stopping it. A process the old agent set out to start (`spawning`) but did not
 //! record is looked for by the attempt id in its environment and recovered the same way;
 //! if none is found and its run directory was never made, it is started; otherwise it is
 //! reported as a start failure, never started twice. A renewal may have been in flight when
