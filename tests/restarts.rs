@@ -165,9 +165,10 @@ fn a_job_outlives_its_agent_and_the_restarted_agent_reports_its_whole_log_and_ex
     assert!(w.agent.log().contains("its supervisor kept the exit"), "{}", w.context());
 }
 
-#[test]
-fn a_job_lost_with_its_supervisor_is_given_up_and_its_run_runs_again_within_its_retries() {
-    let mut w = World::new("lost", &[]);
+/// A job whose first run sleeps and whose second says `second`, submitted with one
+/// retry and running: its run, its process id and its run directory's `job` file (the
+/// job's and its supervisor's handles).
+fn running_once_then_second(w: &World) -> (String, u32, std::path::PathBuf) {
     let dir = w.path("gates");
     std::fs::create_dir_all(&dir).unwrap();
     let (marker, pids) = (dir.join("first"), dir.join("pids"));
@@ -179,12 +180,35 @@ fn a_job_lost_with_its_supervisor_is_given_up_and_its_run_runs_again_within_its_
     let run = w.control.submit(&["--retries", "1", "--", "sh", "-c", &body]);
     let shown = w.wait_status(&run, "running");
     common::wait_for("the job's pid", || w.context(), || (!common::read_pids(&pids).is_empty()).then_some(()));
+    let job = common::read_pids(&pids)[0];
+    let attempt_id = attempt(&shown)["attemptId"].as_str().unwrap().to_owned();
+    let job_file = w.path("agent-state").join("runs").join(attempt_id).join("job");
+    (run, job, job_file)
+}
+
+/// The run of [`running_once_then_second`] succeeded on its second attempt, its first
+/// given up as lost (not failed), and its log is the second's.
+fn lost_then_ran_again(w: &World, run: &str) {
+    let shown = w.wait_status(run, "succeeded");
+    let attempts = shown["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{shown}");
+    assert_eq!(
+        (attempts[0]["status"].as_str(), attempts[0]["errorCode"].as_str()),
+        (Some("lost"), Some("WORKER_LOST")),
+        "{shown}"
+    );
+    assert_eq!(w.control.logs(run), b"second\n");
+    assert!(w.agent.log().contains("reported lost, not failed"), "{}", w.context());
+}
+
+#[test]
+fn a_job_lost_with_its_supervisor_is_given_up_and_its_run_runs_again_within_its_retries() {
+    let mut w = World::new("lost", &[]);
+    let (run, _, job_file) = running_once_then_second(&w);
     // What a machine that went down leaves behind (with the journal on disk): neither the
     // agent, nor the supervisor, nor the job.
     common::signal(&w.agent.proc.0, rustix::process::Signal::KILL);
     let _ = w.agent.proc.0.wait();
-    let attempt_id = attempt(&shown)["attemptId"].as_str().unwrap().to_owned();
-    let job_file = w.path("agent-state").join("runs").join(&attempt_id).join("job");
     let handles = std::fs::read_to_string(&job_file).unwrap();
     let pid_of = |line: &str| -> i32 { line.split_whitespace().next().unwrap()[4..].parse().unwrap() };
     let (job, supervisor) = {
@@ -202,15 +226,7 @@ fn a_job_lost_with_its_supervisor_is_given_up_and_its_run_runs_again_within_its_
     );
 
     w.agent = common::Agent::spawn(&w.root.0, w.agent.config.clone());
-    let shown = w.wait_status(&run, "succeeded");
-    let attempts = shown["attempts"].as_array().unwrap();
-    assert_eq!(attempts.len(), 2, "{shown}");
-    assert_eq!(
-        (attempts[0]["status"].as_str(), attempts[0]["errorCode"].as_str()),
-        (Some("lost"), Some("WORKER_LOST"))
-    );
-    assert_eq!(w.control.logs(&run), b"second\n");
-    assert!(w.agent.log().contains("reported lost, not failed"), "{}", w.context());
+    lost_then_ran_again(&w, &run);
 }
 
 /// A supervisor killed while the agent watches its job (the kernel's OOM killer on a
@@ -220,20 +236,7 @@ fn a_job_lost_with_its_supervisor_is_given_up_and_its_run_runs_again_within_its_
 #[test]
 fn a_job_whose_supervisor_is_killed_under_a_running_agent_is_reported_lost() {
     let w = World::new("supervisor-killed", &[]);
-    let dir = w.path("gates");
-    std::fs::create_dir_all(&dir).unwrap();
-    let (marker, pids) = (dir.join("first"), dir.join("pids"));
-    let body = format!(
-        "if [ -e {m} ]; then echo second; else touch {m}; echo $$ >> {p}; echo first; sleep 600; fi",
-        m = marker.display(),
-        p = pids.display()
-    );
-    let run = w.control.submit(&["--retries", "1", "--", "sh", "-c", &body]);
-    let shown = w.wait_status(&run, "running");
-    common::wait_for("the job's pid", || w.context(), || (!common::read_pids(&pids).is_empty()).then_some(()));
-    let job = common::read_pids(&pids)[0];
-    let attempt_id = attempt(&shown)["attemptId"].as_str().unwrap().to_owned();
-    let job_file = w.path("agent-state").join("runs").join(&attempt_id).join("job");
+    let (run, job, job_file) = running_once_then_second(&w);
     let supervisor: i32 = common::wait_for(
         "the supervisor's pid",
         || w.context(),
@@ -245,18 +248,8 @@ fn a_job_whose_supervisor_is_killed_under_a_running_agent_is_reported_lost() {
     );
     rustix::process::kill_process(rustix::process::Pid::from_raw(supervisor).unwrap(), rustix::process::Signal::KILL)
         .unwrap();
-
-    let shown = w.wait_status(&run, "succeeded");
-    let attempts = shown["attempts"].as_array().unwrap();
-    assert_eq!(attempts.len(), 2, "{shown}");
-    assert_eq!(
-        (attempts[0]["status"].as_str(), attempts[0]["errorCode"].as_str()),
-        (Some("lost"), Some("WORKER_LOST")),
-        "{shown}"
-    );
-    assert_eq!(w.control.logs(&run), b"second\n");
+    lost_then_ran_again(&w, &run);
     common::wait_for("the job stopped", || w.context(), || (!common::alive(job)).then_some(()));
-    assert!(w.agent.log().contains("reported lost, not failed"), "{}", w.context());
 }
 
 /// A reload hands the jobs over instead of draining them: a SIGTERM that finds the
