@@ -52,6 +52,11 @@ pub(crate) const SETTINGS: &[(&str, Option<&str>, &str)] = &[
     ("drain_timeout_ms", Some("30000"), "on SIGTERM: how long running jobs may finish before they are stopped"),
     ("stop_grace_ms", Some("5000"), "between TERM and KILL when a job's process group is stopped"),
     ("group_poll_ms", Some("50"), "how often a stopping process group is looked at"),
+    (
+        "handoff_timeout_ms",
+        Some("10000"),
+        "how long a job's new supervisor may take to say the job runs (longer, it is stopped)",
+    ),
     ("poll_wait_ms", Some("25000"), "long-poll wait for offers while no job runs, 0..=30000"),
     ("busy_poll_wait_ms", Some("1000"), "long-poll wait while jobs run (the agent is single-threaded), 0..=30000"),
     ("connect_timeout_ms", Some("10000"), "TCP connect plus TLS handshake"),
@@ -107,6 +112,8 @@ pub(crate) struct Config {
     pub(crate) stop_grace: Duration,
     /// How often a stopping group is looked at.
     pub(crate) group_poll: Duration,
+    /// How long a new supervisor may take to hand its job over.
+    pub(crate) handoff_timeout: Duration,
     /// Long-poll wait with no job running.
     pub(crate) poll_wait: Duration,
     /// Long-poll wait while jobs run.
@@ -308,6 +315,7 @@ impl Sources {
             drain_timeout: ms("drain_timeout_ms", 0, 24 * HOUR)?,
             stop_grace: ms("stop_grace_ms", 0, HOUR)?,
             group_poll: ms("group_poll_ms", 1, 60_000)?,
+            handoff_timeout: ms("handoff_timeout_ms", 1, HOUR)?,
             poll_wait: ms("poll_wait_ms", 0, POLL_WAIT_MAX_MS)?,
             busy_poll_wait: ms("busy_poll_wait_ms", 0, POLL_WAIT_MAX_MS)?,
             connect_timeout: ms("connect_timeout_ms", 1, HOUR)?,

@@ -4,7 +4,10 @@
 //! With the `faults` cargo feature (off by default, refused in optimised builds), the agent
 //! reads `QL_AGENT_FAULT=point[@n]` once and, at the `n`-th hit of `point` (default 1),
 //! sends itself SIGKILL, as the OOM killer would: no destructor, no flush, no unwinding,
-//! nothing written after the point. Without the feature every function here is empty, the
+//! nothing written after the point. `hang:point[@n]` makes it stop there instead, asleep
+//! until it is killed, as a process the scheduler or a thrashing disk leaves unrun. (Not
+//! SIGSTOP: a stopped process whose group is orphaned when its parent dies is sent SIGHUP,
+//! which ends it.) Without the feature every function here is empty, the
 //! variable is never read, and not one byte of this machinery is in the binary.
 //!
 //! Points:
@@ -15,6 +18,7 @@
 //!   handled yet; `<route>` is the protocol route's name (`offer.claim`, `attempt.starting`,
 //!   `attempt.running`, `lease.renew`, `artifact.put`, `attempt.completion`, ...);
 //! - `spawned`: the job's process runs but its `spawned` record is not written yet;
+//! - `supervise`: a job's supervisor has started and has not read the job's spec yet;
 //! - `handoff`: in a job's supervisor, the job runs but the supervisor has not yet told
 //!   the agent which process it is;
 //! - `upload-body`: counts the log bytes read for an upload, so `upload-body@65536` dies in
@@ -102,6 +106,8 @@ mod armed {
         point: String,
         at: u64,
         seen: AtomicU64,
+        /// Sleep for ever rather than SIGKILL (`hang:`).
+        hang: bool,
     }
 
     fn armed() -> Option<&'static Armed> {
@@ -109,12 +115,16 @@ mod armed {
         ARMED
             .get_or_init(|| {
                 let spec = std::env::var(VAR).ok().filter(|s| !s.is_empty())?;
-                let (point, at) = match spec.rsplit_once('@') {
+                let (hang, point) = match spec.strip_prefix("hang:") {
+                    Some(point) => (true, point),
+                    None => (false, spec.as_str()),
+                };
+                let (point, at) = match point.rsplit_once('@') {
                     Some((point, n)) => (point, n.parse().unwrap_or_else(|_| panic!("{VAR}={spec}: bad count"))),
-                    None => (spec.as_str(), 1),
+                    None => (point, 1),
                 };
                 eprintln!("ql-agent: fault point armed: {point} at hit {at}");
-                Some(Armed { point: point.to_owned(), at, seen: AtomicU64::new(0) })
+                Some(Armed { point: point.to_owned(), at, seen: AtomicU64::new(0), hang })
             })
             .as_ref()
     }
@@ -130,6 +140,12 @@ mod armed {
         }
         let before = a.seen.fetch_add(amount, Ordering::Relaxed);
         if before < a.at && before + amount >= a.at {
+            if a.hang {
+                eprintln!("ql-agent: fault point {point} reached: hanging");
+                loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                }
+            }
             eprintln!("ql-agent: fault point {point} reached: SIGKILL");
             let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
             // SIGKILL cannot be caught; it is delivered before kill returns to a

@@ -1097,6 +1097,47 @@ fn a_supervisor_that_dies_after_starting_the_job_never_makes_it_run_twice() {
     assert!(agent.terminate().success(), "{}", agent.log());
 }
 
+/// The agent dies while a job's supervisor, slower than `handoff_timeout_ms`, has not yet
+/// started the job (a router thrashing its flash, say). The restarted agent must not start
+/// the job beside it: it kills that supervisor first, then starts the job once. (It once
+/// left the old supervisor to start the job a second time whenever it got to run.)
+#[test]
+fn a_supervisor_slower_than_the_handoff_timeout_is_stopped_before_the_job_starts_again() {
+    let root = TempDir::new("supervisor-slow");
+    let control = Control::start(&root.0);
+    // The first agent would wait an hour for the hand-over: it dies long before.
+    let patient = [("handoff_timeout_ms", "3600000")];
+    let mut agent = Agent::start_with_env(&root.0, &control, &patient, &[("QL_AGENT_FAULT", "hang:supervise")]);
+    let ran = root.0.join("ran");
+    let run = control.submit(&["--retries", "0", "--", "sh", "-c", &format!("echo once >> '{}'", ran.display())]);
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    let attempt: String = common::wait_for("the run's attempt", context, || {
+        control.show(&run)["attempts"][0]["attemptId"].as_str().map(str::to_owned)
+    });
+    // Found, it hangs before it reads the spec, or soon will: it never gets past that.
+    let supervisor = common::wait_for("its supervisor", context, || {
+        tagged_processes("QL_SUPERVISOR_OF", &attempt).into_iter().next()
+    });
+    common::signal(&agent.proc.0, rustix::process::Signal::KILL);
+    let _ = agent.proc.0.wait();
+
+    let config =
+        fs::read_to_string(&agent.config).unwrap().replace("handoff_timeout_ms = 3600000", "handoff_timeout_ms = 200");
+    fs::write(&agent.config, config).unwrap();
+    agent = Agent::spawn(&root.0, agent.config.clone());
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    let shown = common::wait_for("the run to end", context, || {
+        let shown = control.show(&run);
+        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
+    });
+    assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
+    assert_eq!(shown["attempts"].as_array().unwrap().len(), 1, "{shown}");
+    assert!(!common::alive(supervisor), "the slow supervisor is gone\n{}", context());
+    assert!(agent.log().contains("stopped the supervisor the previous agent started"), "{}", context());
+    assert_eq!(fs::read_to_string(&ran).unwrap(), "once\n", "{}", context());
+    assert!(agent.terminate().success(), "{}", agent.log());
+}
+
 /// The same clock, and the agent dies right after the running ACK; its job ends while it
 /// is down. Restarted, it records the exit before any lease answer: the `Date` of the
 /// server's first answer (the session's resumption) caps `finishedAt`, so the completion is

@@ -153,7 +153,7 @@ impl Agent {
                 }
                 let spec = &job.lease.as_ref().expect("a claimed job").spec;
                 let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
-                let supervise = self.supervise_jobs;
+                let supervise = self.supervise_jobs.then_some(self.cfg.handoff_timeout);
                 match exec::Running::spawn(spec, run_dir, self.cfg.group_poll, self.cfg.stop_grace, supervise) {
                     Ok((mut process, unsupervised)) => {
                         if let Some(why) = unsupervised {
@@ -230,7 +230,7 @@ impl Agent {
             }
             Step::Adopt => {
                 let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
-                match exec::supervise::handed_off(&run_dir) {
+                match exec::supervise::handed_off(&run_dir, self.cfg.handoff_timeout) {
                     Ok(Some(Ok((handle, pid)))) => {
                         info!("{who}: found the job the previous agent's supervisor started ({handle})");
                         self.commit(&Record::Spawned { job: key.clone(), executor_handle: handle, pid, pgid: pid })?;
@@ -244,8 +244,19 @@ impl Agent {
                     Ok(None) => {}
                     Err(e) => warn!("{who}: could not read what its supervisor left: {e}"),
                 }
+                // A supervisor that has not handed the job over by now could still start it,
+                // beside the one this agent would start: it is stopped first.
+                let stalled = exec::supervise::stop_stalled(&key.attempt_id, self.cfg.group_poll).await;
                 let attempt = key.attempt_id.as_str();
-                let found = exec::find_unrecorded(attempt, self.cfg.stop_grace, self.cfg.group_poll).await;
+                let found = match stalled {
+                    Ok(stopped) => {
+                        if stopped {
+                            info!("{who}: stopped the supervisor the previous agent started, which had not said the job runs");
+                        }
+                        exec::find_unrecorded(attempt, self.cfg.stop_grace, self.cfg.group_poll).await
+                    }
+                    Err(e) => Err(e),
+                };
                 match found {
                     Ok(exec::Found::Leader { handle, pid }) => {
                         info!("{who}: found the process the previous agent started but did not record ({handle})");

@@ -152,11 +152,16 @@ pub(crate) async fn stop_orphan(handle: &ExecutorHandle, grace: Duration, poll: 
 /// The environment variable that carries a job's attempt id into every process of it.
 pub(crate) const ATTEMPT_VAR: &str = "QL_ATTEMPT_ID";
 
-/// Live processes whose environment carries `ATTEMPT_VAR=<attempt>`, with their stat. A
-/// process's environment is read from `/proc/<pid>/environ` (as it was at exec), which only
-/// its own user (or root) can read: the agent's jobs run as the agent's user.
+/// Live processes whose environment carries `ATTEMPT_VAR=<attempt>`, with their stat.
 pub(crate) fn marked(attempt: &str) -> io::Result<Vec<(u32, Stat)>> {
-    let needle = format!("{ATTEMPT_VAR}={attempt}");
+    marked_by(ATTEMPT_VAR, attempt)
+}
+
+/// Live processes whose environment carries `var=value`, with their stat. A process's
+/// environment is read from `/proc/<pid>/environ` (as it was at exec), which only its own
+/// user (or root) can read: the agent's jobs and supervisors run as the agent's user.
+pub(crate) fn marked_by(var: &str, value: &str) -> io::Result<Vec<(u32, Stat)>> {
+    let needle = format!("{var}={value}");
     let mut found = Vec::new();
     for entry in fs::read_dir("/proc")? {
         let entry = entry?;

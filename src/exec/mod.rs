@@ -485,17 +485,18 @@ pub(crate) enum Running {
 }
 
 impl Running {
-    /// Starts `spec` under a supervisor, or in the agent when none can be started (`Ok`
-    /// with the reason why not, to be said once).
+    /// Starts `spec` under a supervisor given `supervise` (how long it may take to hand the
+    /// job over), or in the agent when none can be started (`Ok` with the reason why not,
+    /// to be said once).
     pub(crate) fn spawn(
         spec: &ExecutionSpec,
         run_dir: RunDir,
         poll: Duration,
         grace: Duration,
-        supervise: bool,
+        supervise: Option<Duration>,
     ) -> Result<(Running, Option<String>), SpawnError> {
-        if supervise {
-            match Supervised::spawn(spec, run_dir.clone(), poll, grace) {
+        if let Some(handoff) = supervise {
+            match Supervised::spawn(spec, run_dir.clone(), poll, grace, handoff) {
                 Ok(job) => return Ok((Self::Supervised(job), None)),
                 Err(SpawnError::NoSupervisor(why)) => {
                     return Job::spawn(spec, run_dir, poll).map(|job| (Self::Direct(job), Some(why)))

@@ -22,7 +22,11 @@
 //! through the journal: [`Supervised::attach`] when the supervisor still runs (the agent
 //! streams the log on from where the server acknowledged it and reports the true exit),
 //! [`exit_recorded`] when the job ended meanwhile. Only when the machine itself went down
-//! are both gone, and the exit is unknown.
+//! are both gone, and the exit is unknown. When the agent died while its supervisor was
+//! still starting the job, the restarted agent waits `handoff_timeout_ms` for the hand-over
+//! ([`handed_off`]); a supervisor slower than that is killed ([`stop_stalled`], found by the
+//! attempt it carries in [`SUPERVISOR_VAR`]) before the agent looks for the job, or starts
+//! it, itself: else the two could both start it.
 //!
 //! [`Supervised`] has the shape of [`Job`] for the agent: the spool's length for the live
 //! log ([`Supervised::spooled`], read from the file every `poll`), [`Supervised::wait`]
@@ -51,8 +55,10 @@ use super::{sync_dir, Exit, Job, RunDir, SpawnError};
 
 /// The subcommand that runs a supervisor.
 pub(crate) const SUPERVISE: &str = "supervise";
-/// How long the agent waits for a new supervisor to say its job runs.
-const HANDOFF_TIMEOUT: Duration = Duration::from_secs(10);
+/// The variable that marks a supervisor with its attempt (its job's environment is its
+/// own, without it): an agent restarted while a start was under way finds the supervisor
+/// by it ([`stop_stalled`]).
+pub(crate) const SUPERVISOR_VAR: &str = "QL_SUPERVISOR_OF";
 
 /// `status`: how the job ended, or why it never started. One line of text, written whole:
 /// `exited <code|-> <signal|-> <truncated 0|1> <log length>`, or `not-started <why>`.
@@ -159,9 +165,14 @@ pub(crate) fn supervisor_alive(run_dir: &RunDir) -> bool {
 
 /// What a supervisor started for a previous agent that died before journaling it: the
 /// job's handle and pid once it runs, or why it could not start. A start under way (the
-/// spec is still there) is waited for; `None` when no supervisor got this far.
-pub(crate) fn handed_off(run_dir: &RunDir) -> io::Result<Option<Result<(ExecutorHandle, u32), String>>> {
-    let gave_up = Instant::now() + HANDOFF_TIMEOUT;
+/// spec is still there) is waited for, up to `handoff`; `None` when no supervisor got this
+/// far in that time. A supervisor still starting then must be stopped ([`stop_stalled`])
+/// before anything else is concluded: it could start the job later.
+pub(crate) fn handed_off(
+    run_dir: &RunDir,
+    handoff: Duration,
+) -> io::Result<Option<Result<(ExecutorHandle, u32), String>>> {
+    let gave_up = Instant::now() + handoff;
     loop {
         if let Some(Status::NotStarted(error)) = read_status(run_dir)? {
             return Ok(Some(Err(error)));
@@ -192,13 +203,15 @@ pub(crate) struct Supervised {
 
 impl Supervised {
     /// Starts `spec`'s job under a new supervisor and returns once the job runs (or could
-    /// not be started). `poll` is how often the supervisor's files and the job's group are
-    /// looked at, `grace` what the supervisor gives members the job left behind.
+    /// not be started), waiting up to `handoff` for it to say so. `poll` is how often the
+    /// supervisor's files and the job's group are looked at, `grace` what the supervisor
+    /// gives members the job left behind.
     pub(crate) fn spawn(
         spec: &ExecutionSpec,
         run_dir: RunDir,
         poll: Duration,
         grace: Duration,
+        handoff: Duration,
     ) -> Result<Supervised, SpawnError> {
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&run_dir.root).map_err(SpawnError::RunDir)?;
         for stale in [run_dir.job_file(), run_dir.status_file()] {
@@ -214,12 +227,13 @@ impl Supervised {
             .arg(&run_dir.root)
             .arg(poll.as_millis().to_string())
             .arg(grace.as_millis().to_string())
+            .env(SUPERVISOR_VAR, run_dir.attempt.as_str())
             // Its own group: what is sent to the agent's group does not reach it.
             .process_group(0);
         let mut cmd = Command::from(cmd);
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
         let mut child = cmd.spawn().map_err(|e| SpawnError::NoSupervisor(e.to_string()))?;
-        let gave_up = Instant::now() + HANDOFF_TIMEOUT;
+        let gave_up = Instant::now() + handoff;
         loop {
             // Whether it ended, before its files are read: one that handed the job over
             // and then ended is found handing it over, never taken for one that failed.
@@ -352,6 +366,25 @@ fn stop_marked(attempt: &AttemptId) {
     }
 }
 
+/// Kills the supervisors of `attempt` that still run (marked with [`SUPERVISOR_VAR`]),
+/// and anything they forked that carries the mark still, and waits until they are gone.
+/// A previous agent started them and died before they handed the job over: one this slow
+/// may yet start the job, after the agent started it again. Returns whether there were
+/// any.
+pub(crate) async fn stop_stalled(attempt: &AttemptId, poll: Duration) -> io::Result<bool> {
+    let found = group::marked_by(SUPERVISOR_VAR, attempt.as_str())?;
+    // A supervisor leads its own group; a child it forked joins the job's group before it
+    // runs the job (and drops the mark): killing each group reaches both.
+    let groups: Vec<u32> = group::groups_of(&found).into_iter().filter_map(|g| u32::try_from(g).ok()).collect();
+    for &pgid in &groups {
+        group::signal_group(pgid, rustix::process::Signal::KILL)?;
+    }
+    for &pgid in &groups {
+        group::group_gone(pgid, poll).await?;
+    }
+    Ok(!groups.is_empty())
+}
+
 /// Writes the job's `status` whole.
 fn record(run_dir: &RunDir, status: &Status) -> io::Result<()> {
     write_whole(&run_dir.status_file(), status.to_line().as_bytes())
@@ -372,6 +405,7 @@ pub(crate) fn main(args: &[String]) -> i32 {
             return 2;
         }
     };
+    crate::fault::hit("supervise");
     let spec: Result<ExecutionSpec, String> = fs::read(run_dir.spec_file())
         .map_err(|e| e.to_string())
         .and_then(|bytes| serde_json::from_slice(&bytes).map_err(|e| e.to_string()));
