@@ -35,7 +35,7 @@
 //!   killed): `Recover` (take it back while its supervisor runs; else the exit its
 //!   supervisor kept, then the log and `Complete` as usual; else stop what is left and
 //!   `Abandon`: nobody knows how it ended; what cannot be stopped holds the recovery back,
-//!   `Runtime::recover_held_until`);
+//!   `Runtime::recover_hold`);
 //! - the agent restarted after it set out to start the process (`spawning`) but before it
 //!   recorded the start: `Adopt` (find the process by the attempt id in its environment and
 //!   record it, so `Recover` follows; or learn that it never started, and `Spawn`; or, when
@@ -147,18 +147,43 @@ pub(crate) struct Runtime {
     pub(crate) log_sent_at: Option<Instant>,
     /// The largest chunk to send next (`0`: the policy's largest); see [`adapt_chunk`].
     pub(crate) chunk_cap: u64,
-    /// No log chunk or seal of this job before this instant: the server refused the last
-    /// one as a conflict at the offset the journal holds ([`conflict_moves`]). The job's
-    /// renewals, and the other jobs, go on meanwhile.
-    pub(crate) log_held_until: Option<Instant>,
-    /// Such refusals in a row, for the back-off.
-    pub(crate) log_conflicts: u32,
-    /// No `Recover` of this job before this instant: the last one could not stop what
-    /// runs of it, and giving the attempt up meanwhile would run it twice. Its renewals go
-    /// on.
-    pub(crate) recover_held_until: Option<Instant>,
-    /// Such failed recoveries in a row, for the back-off.
-    pub(crate) recover_failures: u32,
+    /// No log chunk or seal of this job while held: the server refused the last one as a
+    /// conflict at the offset the journal holds ([`conflict_moves`]). The job's renewals,
+    /// and the other jobs, go on meanwhile.
+    pub(crate) log_hold: Hold,
+    /// No `Recover` of this job while held: the last one could not stop what runs of it,
+    /// and giving the attempt up meanwhile would run it twice. Its renewals go on.
+    pub(crate) recover_hold: Hold,
+}
+
+/// One step of one job held back after failures in a row, for a back-off that doubles
+/// with each ([`backoff`]); nothing else of the agent waits for it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Hold {
+    /// Not before this instant.
+    pub(crate) until: Option<Instant>,
+    /// The failures in a row so far.
+    pub(crate) failures: u32,
+}
+
+impl Hold {
+    /// Until when the step is held back, if it still is.
+    pub(crate) fn holds(&self, now: Instant) -> Option<Instant> {
+        self.until.filter(|t| now < *t)
+    }
+
+    /// One more failure: the step waits the next back-off from `now`, which is returned.
+    pub(crate) fn fail(&mut self, initial: Duration, max: Duration, random: u64, now: Instant) -> Duration {
+        self.failures = self.failures.saturating_add(1);
+        let wait = backoff(initial, max, self.failures, random, None);
+        self.until = Some(now + wait);
+        wait
+    }
+
+    /// Whether one more failure's back-off would pass `max` (the doubling is spent).
+    pub(crate) fn spent(&self, initial: Duration, max: Duration) -> bool {
+        doubled(initial, self.failures.saturating_add(1)) > max
+    }
 }
 
 impl Default for Runtime {
@@ -177,10 +202,8 @@ impl Default for Runtime {
             renewals_refused: false,
             log_sent_at: None,
             chunk_cap: 0,
-            log_held_until: None,
-            log_conflicts: 0,
-            recover_held_until: None,
-            recover_failures: 0,
+            log_hold: Hold::default(),
+            recover_hold: Hold::default(),
         }
     }
 }
@@ -351,7 +374,7 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
             if !job.running_acked {
                 return Step::Upload(ArtifactHeader::new(fence, ArtifactSchema, exit.log_len, exit.truncated));
             }
-            if let Some(until) = log_held(rt, now) {
+            if let Some(until) = rt.log_hold.holds(now.at) {
                 return Step::Wait(earliest([renew_at.filter(|_| !rt.renewals_refused), Some(until)]));
             }
             if job.log_acked < exit.log_len {
@@ -401,7 +424,7 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
         return Step::MintCallback;
     };
     match rt.process {
-        Process::Absent => match recover_held(rt, now) {
+        Process::Absent => match rt.recover_hold.holds(now.at) {
             Some(_) if renew_due => renew(),
             Some(until) => Step::Wait(earliest([renew_at, Some(until)])),
             None => Step::Recover,
@@ -438,7 +461,7 @@ fn live_chunk(job: &Job, rt: &Runtime, now: Now, fence: &Fence) -> (Option<LogCh
     let Some(artifact) = job.callback.as_ref().and_then(|c| c.log_artifact_id.as_ref()).filter(|_| !rt.log_lost) else {
         return (None, None);
     };
-    if let Some(until) = log_held(rt, now) {
+    if let Some(until) = rt.log_hold.holds(now.at) {
         return (None, Some(until));
     }
     let waiting = rt.spooled.saturating_sub(job.log_acked);
@@ -455,17 +478,6 @@ fn live_chunk(job: &Job, rt: &Runtime, now: Now, fence: &Fence) -> (Option<LogCh
     (None, flush_at)
 }
 
-/// Until when the job's recovery is held back ([`Runtime::recover_held_until`]), if it
-/// still is.
-pub(crate) fn recover_held(rt: &Runtime, now: Now) -> Option<Instant> {
-    rt.recover_held_until.filter(|t| now.at < *t)
-}
-
-/// Until when the job's log is held back ([`Runtime::log_held_until`]), if it still is.
-fn log_held(rt: &Runtime, now: Now) -> Option<Instant> {
-    rt.log_held_until.filter(|t| now.at < *t)
-}
-
 /// The largest chunk to send now.
 fn chunk_cap(rt: &Runtime, log: LogPolicy) -> u64 {
     if rt.chunk_cap == 0 {
@@ -479,7 +491,7 @@ fn chunk_cap(rt: &Runtime, log: LogPolicy) -> u64 {
 /// moves the job on from `held`, what its journal holds acknowledged. One that names
 /// exactly that contradicts its own refusal (a server or proxy misbehaving): repeating the
 /// chunk or the seal at once would loop, so the job's log is held back for a back-off
-/// ([`Runtime::log_held_until`]) while its renewals and the other jobs go on.
+/// ([`Runtime::log_hold`]) while its renewals and the other jobs go on.
 pub(crate) fn conflict_moves(held: u64, acked: u64) -> bool {
     acked != held
 }
@@ -756,12 +768,16 @@ pub(crate) fn backoff(
     random: u64,
     retry_after: Option<Duration>,
 ) -> Duration {
-    let doublings = failures.saturating_sub(1).min(30);
-    let full = initial.saturating_mul(1u32 << doublings).min(max);
+    let full = doubled(initial, failures).min(max);
     let half = full / 2;
     let span = u64::try_from(half.as_millis()).unwrap_or(u64::MAX).saturating_add(1);
     let wait = half + Duration::from_millis(random % span);
     retry_after.map_or(wait, |r| wait.max(r))
+}
+
+/// `initial` doubled for each failure in a row after the first, uncapped.
+fn doubled(initial: Duration, failures: u32) -> Duration {
+    initial.saturating_mul(1u32 << failures.saturating_sub(1).min(30))
 }
 
 #[cfg(test)]

@@ -601,20 +601,18 @@ impl Agent {
     fn recover_later(&mut self, key: &JobKey, who: &str, what: &str) -> Option<Turn> {
         let random = self.draw();
         let (initial, max) = (self.cfg.backoff_initial, self.cfg.backoff_max);
-        let rt = self.rt(key);
-        let doublings = rt.recover_failures.min(30);
-        if initial.saturating_mul(1u32 << doublings) > max {
+        let hold = &mut self.rt(key).recover_hold;
+        if hold.spent(initial, max) {
             error!(
                 "{who}: could not stop {what} after {} tries; reporting the job without an exit status, since \
                  giving it up while it may still run would run it twice",
-                rt.recover_failures + 1
+                hold.failures + 1
             );
             return None;
         }
-        rt.recover_failures += 1;
-        let wait = core::backoff(initial, max, rt.recover_failures, random, None);
-        let until = Instant::now() + wait;
-        rt.recover_held_until = Some(until);
+        let now = Instant::now();
+        let wait = hold.fail(initial, max, random, now);
+        let until = now + wait;
         warn!(
             "{who}: could not stop {what}; the attempt is given up only once it is stopped: again in {} ms",
             wait.as_millis()

@@ -89,11 +89,9 @@ impl Agent {
         self.call_ok();
         let random = self.draw();
         let (initial, max) = (self.cfg.backoff_initial, self.cfg.backoff_max);
-        let rt = self.rt(key);
-        rt.log_conflicts = rt.log_conflicts.saturating_add(1);
-        let wait = core::backoff(initial, max, rt.log_conflicts, random, None);
-        let until = Instant::now() + wait;
-        rt.log_held_until = Some(until);
+        let now = Instant::now();
+        let wait = self.rt(key).log_hold.fail(initial, max, random, now);
+        let until = now + wait;
         warn!(
             "{who}: {what}: the server refused it as a log offset conflict at {acked} bytes, where the log \
              stands; repeating in {} ms",
@@ -125,7 +123,7 @@ impl Agent {
         if acked > job.log_acked {
             self.commit(&Record::LogAcked { job: key.clone(), acked })?;
         }
-        self.rt(key).log_conflicts = 0;
+        self.rt(key).log_hold.failures = 0;
         self.rt(key).log_sent_at = Some(now);
         let spool = RunDir::new(&self.cfg.state_dir, &key.attempt_id).spool;
         match exec::release_spool(&spool, acked) {

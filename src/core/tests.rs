@@ -401,7 +401,7 @@ fn a_recovery_that_could_not_stop_the_job_waits_and_renews_meanwhile() {
     let (_, job) = after(6);
     let renewal = renew_at(job.lease.as_ref().unwrap(), &fresh(base)).unwrap();
     let when = |t: Instant| Now { at: t, ..at(base, 0) };
-    let held = |until: Instant| Runtime { recover_held_until: Some(until), recover_failures: 1, ..fresh(base) };
+    let held = |until: Instant| Runtime { recover_hold: Hold { until: Some(until), failures: 1 }, ..fresh(base) };
     // Held until before the renewal is due: wait, then recover.
     let soon = base + Duration::from_millis(1);
     assert!(soon < renewal);
@@ -654,6 +654,27 @@ fn backoff_doubles_to_its_cap_with_half_jitter_and_honours_retry_after() {
     }
     assert_eq!(backoff(initial, max, 1, 0, Some(ms(7_000))), ms(7_000));
     assert_eq!(backoff(initial, max, 5, 0, Some(ms(10))), ms(500));
+}
+
+#[test]
+fn a_hold_doubles_from_now_and_is_spent_once_the_next_doubling_passes_the_cap() {
+    let ms = Duration::from_millis;
+    let (initial, max) = (ms(100), ms(400));
+    let base = Instant::now();
+    let mut hold = Hold::default();
+    assert_eq!(hold.holds(base), None, "a fresh hold holds nothing");
+    // Full waits of 100, 200, 400 ms (random 0 draws the fixed half); the fourth would be 800.
+    for (n, half) in [(1, 50), (2, 100), (3, 200)] {
+        assert!(!hold.spent(initial, max), "failure {n} still fits");
+        let at = base + ms(10 * n);
+        assert_eq!(hold.fail(initial, max, 0, at), ms(half));
+        assert_eq!(hold.failures, n as u32);
+        assert_eq!(hold.holds(at), Some(at + ms(half)));
+        assert_eq!(hold.holds(at + ms(half)), None, "it ends at its instant");
+    }
+    assert!(hold.spent(initial, max), "the next doubling (800 ms) passes the cap");
+    hold.failures = 0;
+    assert!(!hold.spent(initial, max), "a success in between starts it over");
 }
 
 #[test]
@@ -1105,15 +1126,15 @@ fn a_held_log_waits_while_its_renewals_go_on() {
     let base = t0();
     let until = base + Duration::from_millis(500);
     // Running, bytes waiting: no chunk before `until`, one after.
-    let rt = Runtime { spooled: 1_000, log_held_until: Some(until), ..running(base) };
+    let rt = Runtime { spooled: 1_000, log_hold: Hold { until: Some(until), failures: 1 }, ..running(base) };
     assert_eq!(next(&k(), &job, &rt, at(base, 100)), Step::Wait(Some(until)));
     assert!(matches!(next(&k(), &job, &rt, at(base, 500)), Step::Append(_)));
     // A renewal that is due goes first.
-    let long = Runtime { log_held_until: Some(base + Duration::from_millis(TTL_MS)), ..rt };
+    let long = Runtime { log_hold: Hold { until: Some(base + Duration::from_millis(TTL_MS)), failures: 1 }, ..rt };
     assert!(matches!(next(&k(), &job, &long, at(base, TTL_MS / 3)), Step::Renew(_)));
     // Ended: neither the rest of the log nor the seal before `until`.
     let ended = with(&job, &[Record::LogAcked { job: k(), acked: 5 }, exited_record(Some(0), None)]);
-    let held = Runtime { log_held_until: Some(until), ..fresh(base) };
+    let held = Runtime { log_hold: Hold { until: Some(until), failures: 1 }, ..fresh(base) };
     assert_eq!(next(&k(), &ended, &held, at(base, 100)), Step::Wait(Some(until)));
     let all = with(&ended, &[Record::LogAcked { job: k(), acked: 12 }]);
     assert_eq!(next(&k(), &all, &held, at(base, 100)), Step::Wait(Some(until)));
