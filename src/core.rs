@@ -156,8 +156,9 @@ pub(crate) struct Runtime {
     pub(crate) recover_hold: Hold,
 }
 
-/// One step of one job held back after failures in a row, for a back-off that doubles
-/// with each ([`backoff`]); nothing else of the agent waits for it.
+/// One step held back after failures in a row, for a back-off that doubles with each
+/// ([`backoff`]): a job's log or recovery, the certificate's renewal. Nothing else of the
+/// agent waits for it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Hold {
     /// Not before this instant.

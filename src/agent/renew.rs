@@ -7,7 +7,7 @@
 //! certificate serves meanwhile. Time is the server's, as its answers' `Date` showed it,
 //! so a router whose clock is far off still renews in time.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use ql_wire::enrol::{CertificateRequest, IdentityRoute, Issued, Renew};
 
@@ -21,9 +21,8 @@ use crate::identity;
 pub(super) struct Renewal {
     /// Due at this time (milliseconds since the epoch); `None`: unknown, never renewed.
     due_ms: Option<i64>,
-    /// Not again before this, after a failure.
-    retry_at: Option<Instant>,
-    failures: u32,
+    /// Not again while held, after failures.
+    hold: core::Hold,
 }
 
 impl Renewal {
@@ -45,9 +44,7 @@ impl Agent {
     /// Whether a renewal should go out now.
     pub(super) fn renewal_due(&self, now: Instant) -> bool {
         let r = &self.renewal;
-        self.drain_by.is_none()
-            && r.retry_at.is_none_or(|at| now >= at)
-            && r.due_ms.is_some_and(|due| self.now_ms(now) >= due)
+        self.drain_by.is_none() && r.hold.holds(now).is_none() && r.due_ms.is_some_and(|due| self.now_ms(now) >= due)
     }
 
     /// Renews the certificate (see the module doc).
@@ -55,18 +52,12 @@ impl Agent {
         match self.try_renew() {
             Ok(issued) => {
                 info!("certificate renewed over the connection: valid until {}", issued.not_after);
-                self.renewal.failures = 0;
-                self.renewal.retry_at = None;
             }
             Err(e) => {
-                self.renewal.failures = self.renewal.failures.saturating_add(1);
-                self.random ^= self.random << 13;
-                self.random ^= self.random >> 7;
-                self.random ^= self.random << 17;
+                let random = self.draw();
                 let (initial, max) = (self.cfg.backoff_initial, self.cfg.backoff_max);
-                let wait = core::backoff(initial, max, self.renewal.failures, self.random, None);
+                let wait = self.renewal.hold.fail(initial, max, random, now);
                 warn!("renewing the certificate: {e}; the current one serves on, next try in {} ms", wait.as_millis());
-                self.renewal.retry_at = Some(now + wait.max(Duration::from_millis(1)));
             }
         }
     }
