@@ -180,6 +180,9 @@ pub struct Config {
     /// How long a worker certificate is valid; its agent renews it when about two thirds
     /// of that has passed.
     pub worker_cert_lifetime_ms: u64,
+    /// A worker renews its certificate at most once in this long, or in a sixth of the
+    /// lifetime if that is shorter (0: no limit).
+    pub worker_renew_interval_ms: u64,
     /// How long a one-time enrolment token (`enroll --token`) can be used.
     pub enrolment_token_ttl_ms: u64,
     /// Concurrent connections without a client certificate (agents enrolling with a
@@ -260,6 +263,7 @@ impl Default for Config {
             artifact_leftover_age_ms: 24 * 3_600_000,
             artifact_collect_remember: 100_000,
             worker_cert_lifetime_ms: crate::pki::WORKER_VALIDITY.as_millis() as u64,
+            worker_renew_interval_ms: t.renew_interval_ms,
             enrolment_token_ttl_ms: 3_600_000,
             max_anonymous_connections: 16,
             max_anonymous_connections_per_ip: 4,
@@ -344,6 +348,7 @@ impl Config {
             outage_after_ms: self.outage_grace_after_ms,
             takeover_after_ms: self.session_takeover_after_ms,
             missed_after_ms: self.schedule_missed_after_ms,
+            renew_interval_ms: self.worker_renew_interval_ms,
         }
     }
 

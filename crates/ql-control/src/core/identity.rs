@@ -198,12 +198,29 @@ pub(super) fn revoke_certificate(
 /// its own is admitted again here, in the transaction that records the new one (and, on
 /// PostgreSQL, under the worker's lock that revoking takes too): its request was admitted
 /// before its body arrived, and a revocation meanwhile must win.
-pub(super) fn record_certificate(cert: &Certificate, issuer: &Issuer, rows: &Rows, now: Millis) -> Decision {
+///
+/// A worker renews at most once per `interval_ms` ([`renew_interval`]): each renewal is a
+/// row kept for as long as its line may be revoked, and a worker renewing in a loop, or
+/// one certificate over and over, would add them without end. The agent renews two thirds
+/// of the way through a lifetime, so only one that lost the answer to a renewal it sent
+/// ever meets this, and it retries with its old certificate, which serves meanwhile.
+pub(super) fn record_certificate(
+    cert: &Certificate,
+    issuer: &Issuer,
+    rows: &Rows,
+    now: Millis,
+    interval_ms: u64,
+) -> Decision {
     if let Issuer::Worker(_) = issuer {
         let worker = rows.worker.as_ref().filter(|w| w.id == cert.worker);
         let presented = rows.presented.as_ref();
         if let Err(code) = admission(&cert.worker, worker, presented, now) {
             return Decision::refuse(code);
+        }
+        let lifetime = cert.not_after.saturating_sub(now).max(0).unsigned_abs();
+        let interval = renew_interval(interval_ms, lifetime);
+        if rows.last_renewal.is_some_and(|at| now < at.saturating_add(i64::try_from(interval).unwrap_or(i64::MAX))) {
+            return Decision::refuse(ErrorCode::StateConflict);
         }
     }
     if rows.certificate.is_some() {
@@ -216,6 +233,14 @@ pub(super) fn record_certificate(cert: &Certificate, issuer: &Issuer, rows: &Row
     };
     let recorded = Certificate { issued_at: now, revoked_at: None, renewed_from, ..cert.clone() };
     Decision::apply(Reply::CertificateRecorded(Box::new(recorded.clone())), vec![Write::Certificate(recorded)])
+}
+
+/// The least time between two renewals of one worker: `interval_ms`, or a sixth of a
+/// certificate's lifetime if that is shorter, so that an agent whose renewal was refused
+/// two thirds of the way through its certificate's life still renews well before it
+/// expires.
+pub(crate) fn renew_interval(interval_ms: u64, lifetime_ms: u64) -> u64 {
+    interval_ms.min(lifetime_ms / 6)
 }
 
 /// Records a one-time enrolment token (its digest) for `worker`, valid for `ttl_ms`.
@@ -508,13 +533,13 @@ mod tests {
         let rows = Rows { worker: Some(Worker { disabled_at: Some(NOW - 1), ..record() }), ..Rows::default() };
         let renewing = Issuer::Worker("01".into());
         let refused = |rows: &Rows, code| {
-            assert_eq!(record_certificate(&cert("0e"), &renewing, rows, NOW), Decision::refuse(code))
+            assert_eq!(record_certificate(&cert("0e"), &renewing, rows, NOW, HOUR), Decision::refuse(code))
         };
         refused(&rows, ErrorCode::WorkerDisabled);
-        assert!(record_certificate(&cert("0e"), &Issuer::Operator, &rows, NOW).reply.is_ok());
+        assert!(record_certificate(&cert("0e"), &Issuer::Operator, &rows, NOW, HOUR).reply.is_ok());
         let known = Rows { certificate: Some(cert("0e")), ..Rows::default() };
         assert_eq!(
-            record_certificate(&cert("0e"), &Issuer::Operator, &known, NOW),
+            record_certificate(&cert("0e"), &Issuer::Operator, &known, NOW, HOUR),
             Decision::refuse(ErrorCode::StateConflict)
         );
         // Revoked while the renewal's body was on its way: the new one is not recorded.
@@ -522,5 +547,33 @@ mod tests {
         refused(&Rows { presented: Some(revoked), ..Rows::default() }, ErrorCode::CertificateRevoked);
         let whole = Rows { worker: Some(Worker { revoked_at: Some(NOW - 1), ..record() }), ..Rows::default() };
         refused(&whole, ErrorCode::CertificateRevoked);
+    }
+
+    const HOUR: u64 = 3_600_000;
+
+    #[test]
+    fn a_worker_renews_at_most_once_an_interval_and_its_operator_is_never_held_back() {
+        let renewing = Issuer::Worker("01".into());
+        // The new certificate lives 60 hours: a sixth of it (10 h) is longer than the hour.
+        let new = Certificate { not_after: NOW + 60 * HOUR as i64, ..cert("0f") };
+        let decide = |last: Option<Millis>, issuer: &Issuer| {
+            record_certificate(&new, issuer, &Rows { last_renewal: last, ..Rows::default() }, NOW, HOUR)
+        };
+        assert!(decide(None, &renewing).reply.is_ok(), "never renewed before");
+        let hour_ago = NOW - HOUR as i64;
+        assert!(decide(Some(hour_ago), &renewing).reply.is_ok(), "renewed an interval ago");
+        let refused = decide(Some(hour_ago + 1), &renewing);
+        assert_eq!(refused, Decision::refuse(ErrorCode::StateConflict), "renewed less than an interval ago");
+        assert!(refused.writes.is_empty());
+        assert!(decide(Some(NOW), &Issuer::Operator).reply.is_ok(), "the operator issues whenever asked");
+
+        // A certificate of 6 hours: the interval is a sixth of it, an hour at most.
+        assert_eq!(renew_interval(HOUR, 6 * HOUR), HOUR);
+        assert_eq!(renew_interval(HOUR, 3 * HOUR), HOUR / 2);
+        let short = Certificate { not_after: NOW + 3 * HOUR as i64, ..cert("10") };
+        let rows = |last| Rows { last_renewal: Some(last), ..Rows::default() };
+        let at = |last| record_certificate(&short, &renewing, &rows(last), NOW, HOUR).reply.is_ok();
+        assert!(at(NOW - (HOUR / 2) as i64), "half an hour ago is a sixth of its life ago");
+        assert!(!at(NOW - (HOUR / 2) as i64 + 1));
     }
 }

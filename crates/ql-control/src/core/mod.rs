@@ -83,6 +83,8 @@ pub struct Timings {
     /// A schedule's fire found later than this after its time was missed (no replica
     /// ran): it follows the schedule's `catch_up`.
     pub missed_after_ms: u64,
+    /// A worker's certificate is renewed at most once in this long ([`identity`]).
+    pub renew_interval_ms: u64,
 }
 
 impl Default for Timings {
@@ -95,6 +97,7 @@ impl Default for Timings {
             outage_after_ms: 5_000,
             takeover_after_ms: 20_000,
             missed_after_ms: 60_000,
+            renew_interval_ms: 3_600_000,
         }
     }
 }
@@ -199,6 +202,8 @@ pub struct Keys {
     pub certificate: Option<String>,
     /// Load the certificate a request presented, by serial.
     pub presented: Option<String>,
+    /// Load when this worker's certificate was last renewed.
+    pub last_renewal: Option<WorkerId>,
     /// Load this enrolment by token digest.
     pub enrolment: Option<Digest>,
     /// Load this schedule by name (and lock it).
@@ -252,6 +257,8 @@ pub struct Rows {
     pub certificate: Option<Certificate>,
     /// The certificate the request presented.
     pub presented: Option<Certificate>,
+    /// When the worker's newest renewed certificate was issued, when asked for.
+    pub last_renewal: Option<Millis>,
     /// The enrolment named by digest.
     pub enrolment: Option<Enrolment>,
     /// The schedule named.
@@ -624,6 +631,7 @@ impl Command {
                     Issuer::Worker(serial) => Some(serial.clone()),
                     Issuer::Operator => None,
                 },
+                last_renewal: matches!(issuer, Issuer::Worker(_)).then(|| c.worker.clone()),
                 ..Keys::default()
             },
             Self::CreateEnrolment(_, digest, _) => Keys { enrolment: Some(digest.clone()), ..Keys::default() },
@@ -724,7 +732,9 @@ pub fn decide(cmd: &Command, rows: &Rows, now: Millis, timings: &Timings, ids: &
         Command::RevokeCertificate(w, serial, renewals) => {
             identity::revoke_certificate(w, serial, *renewals, rows, now)
         }
-        Command::RecordCertificate(cert, issuer) => identity::record_certificate(cert, issuer, rows, now),
+        Command::RecordCertificate(cert, issuer) => {
+            identity::record_certificate(cert, issuer, rows, now, timings.renew_interval_ms)
+        }
         Command::CreateEnrolment(w, digest, ttl_ms) => identity::create_enrolment(w, digest, *ttl_ms, rows, now),
         Command::Enrol(digest, cert) => identity::enrol(digest, cert, rows, now),
         Command::AddSchedule(spec) => schedule::add(spec, rows, now, ids),

@@ -28,6 +28,7 @@ pub(crate) fn timings() -> Timings {
         outage_after_ms: 5_000,
         takeover_after_ms: 2_000,
         missed_after_ms: 60_000,
+        renew_interval_ms: 10_000,
     }
 }
 

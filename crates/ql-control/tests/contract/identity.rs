@@ -104,6 +104,7 @@ pub async fn revoking_a_certificate_revokes_what_was_renewed_from_it<B: Backend>
     exec(&store, Command::RecordCertificate(cert("router-2", "20"), Issuer::Operator)).await.unwrap();
     for (serial, from) in [("11", "10"), ("12", "11"), ("13", "10")] {
         exec(&store, renewal(serial, from)).await.unwrap();
+        b.advance(RENEW_INTERVAL_MS as i64);
     }
     let lineage = |all: &[Certificate]| -> Vec<(String, Option<String>, bool)> {
         all.iter().map(|c| (c.serial.clone(), c.renewed_from.clone(), c.revoked_at.is_some())).collect()
@@ -149,6 +150,36 @@ pub async fn revoking_a_certificate_revokes_what_was_renewed_from_it<B: Backend>
     let reply = exec(&store, Command::RevokeCertificate(worker("router-1"), "10".into(), true)).await.unwrap();
     assert!(matches!(&reply, Reply::CertificateRevoked(c, 0) if c.serial == "10"), "{reply:?}");
     assert_eq!(store.certificates(100).await.unwrap(), after, "a repeat changes nothing");
+}
+
+/// A worker renews at most once an interval, whichever of its certificates asks: a second
+/// renewal within it, down the line or beside it, is refused and records nothing (the
+/// agent's old certificate serves on). Other workers, and the operator, are not held back.
+pub async fn a_worker_renews_at_most_once_an_interval<B: Backend>(b: B) {
+    let store = b.store();
+    let renewal =
+        |w: &str, serial: &str, from: &str| Command::RecordCertificate(cert(w, serial), Issuer::Worker(from.into()));
+    exec(&store, Command::RecordCertificate(cert("router-1", "30"), Issuer::Operator)).await.unwrap();
+    exec(&store, Command::RecordCertificate(cert("router-2", "40"), Issuer::Operator)).await.unwrap();
+    exec(&store, renewal("router-1", "31", "30")).await.unwrap();
+    refused(&store, renewal("router-1", "32", "31"), ErrorCode::StateConflict, "the renewed one, at once").await;
+    refused(&store, renewal("router-1", "32", "30"), ErrorCode::StateConflict, "the old one again, at once").await;
+    exec(&store, renewal("router-2", "41", "40")).await.expect("another worker renews meanwhile");
+    exec(&store, Command::RecordCertificate(cert("router-1", "33"), Issuer::Operator))
+        .await
+        .expect("the operator issues whenever asked");
+
+    // DB time is the clock's: half an interval on, the test's own time cannot reach it.
+    b.advance(RENEW_INTERVAL_MS as i64 / 2);
+    refused(&store, renewal("router-1", "32", "31"), ErrorCode::StateConflict, "half an interval on").await;
+    b.advance(RENEW_INTERVAL_MS as i64 / 2);
+    exec(&store, renewal("router-1", "32", "31")).await.expect("an interval later");
+    let mut lines: Vec<(String, Option<String>)> =
+        store.certificates(100).await.unwrap().into_iter().map(|c| (c.serial, c.renewed_from)).collect();
+    lines.sort();
+    let from = |s: &str| Some(s.to_owned());
+    let want = [("30", None), ("31", from("30")), ("32", from("31")), ("33", None), ("40", None), ("41", from("40"))];
+    assert_eq!(lines, want.map(|(s, f)| (s.to_owned(), f)));
 }
 
 /// Revoking a worker closes its sessions, loses its running attempt and its open offer at

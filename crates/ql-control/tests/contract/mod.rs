@@ -82,8 +82,12 @@ pub fn test_timings() -> Timings {
         outage_after_ms: OUTAGE_AFTER_MS,
         takeover_after_ms: TAKEOVER_AFTER_MS,
         missed_after_ms: 60_000,
+        renew_interval_ms: RENEW_INTERVAL_MS,
     }
 }
+
+/// A worker renews at most once in this long (see `test_timings`).
+pub const RENEW_INTERVAL_MS: u64 = 60_000;
 
 /// A session seen within this is not taken over (see `test_timings`).
 pub const TAKEOVER_AFTER_MS: u64 = 2_000;

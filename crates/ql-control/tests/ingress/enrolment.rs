@@ -107,6 +107,15 @@ fn a_worker_renews_over_its_own_certificate_and_the_old_one_can_then_be_revoked(
     assert_eq!(response.status().as_u16(), 201);
     let second: ql_wire::enrol::Issued = ql_wire::decode(&response.body_mut().read_to_vec().unwrap()).unwrap();
     assert_eq!(server.snapshot().certificates.len(), 2);
+    // Renewed, the worker is not renewed again within the interval, by either certificate.
+    let renewed = issued_client(&server, "router-1", &second, &new_key);
+    for client in [&renewed, &old] {
+        let url = format!("{}/v1/workers/router-1/certificate:renew", client.base);
+        let response =
+            client.agent.post(&url).header("content-type", JSON_MEDIA_TYPE).send(&ql_wire::encode(&body)[..]);
+        assert_eq!(response.unwrap().status().as_u16(), 409, "a second renewal at once: state_conflict");
+    }
+    assert_eq!(server.snapshot().certificates.len(), 2, "nothing recorded for them");
 
     let old_serial = {
         let (_, pem) = x509_parser::pem::parse_x509_pem(first.certificate.as_str().as_bytes()).unwrap();

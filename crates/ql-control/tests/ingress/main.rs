@@ -135,6 +135,7 @@ impl Server {
             outage_after_ms: 600_000,
             takeover_after_ms: 0,
             missed_after_ms: 60_000,
+            ..Timings::default()
         };
         let options = SqliteOptions { timings, ..SqliteOptions::default() };
         let store = SqliteStore::open_with_options(dir.path().join("authority.db"), options).unwrap();

@@ -69,6 +69,9 @@ pub(super) const SWEEP_BATCH: i64 = 256;
 const FENCE: &str = "SELECT pg_advisory_xact_lock(hashtextextended('attempt:' || $1, 0))";
 /// The non-blocking fence of an attempt (sweeper).
 const TRY_FENCE: &str = "SELECT pg_try_advisory_xact_lock(hashtextextended('attempt:' || $1, 0))";
+/// When the worker's newest renewed certificate was issued (a renewal's rate: see
+/// `core::identity::record_certificate`). Under the worker's lock, as every renewal.
+const LAST_RENEWAL: &str = "SELECT max(issued_at) FROM certificates WHERE worker = $1 AND renewed_from IS NOT NULL";
 /// The lock that serialises opening sessions of one worker.
 const WORKER_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextextended('worker:' || $1, 0))";
 
@@ -790,6 +793,10 @@ async fn load_in_order(tx: &mut Tx<'_>, keys: &Keys, offset: i64, timings: &Timi
     }
     if let Some(serial) = &keys.presented {
         out.presented = one_by(tx, "certificates", CERTIFICATE_COLS, "serial", serial, "", rows::read).await?;
+    }
+    if let Some(w) = &keys.last_renewal {
+        let row = tx.one(LAST_RENEWAL, &[&w.as_str()]).await?;
+        out.last_renewal = row.and_then(|r| r.get::<_, Option<i64>>(0));
     }
     if let Some(digest) = &keys.enrolment {
         out.enrolment =

@@ -25,6 +25,10 @@ pub(super) const PLACEMENT_BATCH: usize = 256;
 /// Most lapsed rows of each kind one sweep handles, and most schedules it fires.
 pub(super) const SWEEP_BATCH: usize = 256;
 
+/// When the worker's newest renewed certificate was issued (a renewal's rate: see
+/// `core::identity::record_certificate`).
+const LAST_RENEWAL: &str = "SELECT max(issued_at) FROM certificates WHERE worker = ?1 AND renewed_from IS NOT NULL";
+
 pub(super) fn schedule(conn: &Connection, name: &str) -> rusqlite::Result<Option<Schedule>> {
     one(conn, &format!("SELECT {SCHEDULE_COLS} FROM schedules WHERE name = ?1"), name, rows::read)
 }
@@ -310,6 +314,9 @@ pub(super) fn load(
     }
     if let Some(serial) = &keys.presented {
         rows.presented = certificate(conn, serial)?;
+    }
+    if let Some(w) = &keys.last_renewal {
+        rows.last_renewal = conn.prepare_cached(LAST_RENEWAL)?.query_row([w.as_str()], |r| r.get(0))?;
     }
     if let Some(digest) = &keys.enrolment {
         rows.enrolment = enrolment(conn, digest.as_str())?;
