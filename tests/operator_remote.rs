@@ -14,15 +14,19 @@ use common::{text, World};
 /// `ql-control --server URL --ca CA <args>` with `token` in `$QL_CONTROL_TOKEN`, from a
 /// directory that is not the state directory.
 fn remote(w: &World, token: &str, args: &[&str]) -> Output {
-    Command::new(&w.control.bin)
-        .args(["--server", &w.control.operator_url, "--ca"])
+    remote_command(w, token, args).output().expect("ql-control runs")
+}
+
+/// The command [`remote`] runs, to start it and read its output as it comes.
+fn remote_command(w: &World, token: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(&w.control.bin);
+    cmd.args(["--server", &w.control.operator_url, "--ca"])
         .arg(w.control.dir.join("pki").join("ca.crt"))
         .args(args)
         .env("QL_CONTROL_TOKEN", token)
         .env("QL_CONTROL_DIR", "/nonexistent/ql-control")
-        .current_dir(w.path(""))
-        .output()
-        .expect("ql-control runs")
+        .current_dir(w.path(""));
+    cmd
 }
 
 /// `text` parsed by the `prometheus_client` Python package's OpenMetrics parser: for
@@ -80,9 +84,14 @@ fn the_quickstart_runs_remotely_through_the_operator_api() {
     let admin = w.control.operator("ops", "admin");
     let viewer = w.control.operator("viewer", "read");
 
-    // The quickstart's job, with a pause so the log is followed while it grows.
-    let script = w.path("job.sh");
-    std::fs::write(&script, "echo \"hello from QingLong Edge\"\nsleep 1\nseq 1 20000\necho done\n").unwrap();
+    // The quickstart's job, held after its first line until the follower has shown it:
+    // the log is followed while the run is live, not read once it ended.
+    let (script, gate) = (w.path("job.sh"), w.path("gate"));
+    let job = format!(
+        "echo \"hello from QingLong Edge\"\nwhile [ ! -e '{}' ]; do sleep 0.05; done\nseq 1 20000\necho done\n",
+        gate.display()
+    );
+    std::fs::write(&script, job).unwrap();
     let run = ok(remote(
         &w,
         &admin,
@@ -90,8 +99,21 @@ fn the_quickstart_runs_remotely_through_the_operator_api() {
     ))
     .trim()
     .to_owned();
-    let followed = remote(&w, &admin, &["logs", &run, "--follow", "--poll-ms", "200"]);
-    let log = ok(followed.clone());
+    let mut follower = remote_command(&w, &admin, &["logs", &run, "--follow", "--poll-ms", "200"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("ql-control runs");
+    let mut stdout = std::io::BufReader::new(follower.stdout.take().unwrap());
+    let mut log = String::new();
+    use std::io::{BufRead as _, Read as _};
+    stdout.read_line(&mut log).unwrap();
+    assert_eq!(log, "hello from QingLong Edge\n");
+    assert_eq!(w.status(&run), "running", "the first line was followed while the job ran");
+    std::fs::write(&gate, b"").unwrap();
+    stdout.read_to_string(&mut log).unwrap();
+    let followed = follower.wait_with_output().unwrap();
+    assert!(followed.status.success(), "{}", String::from_utf8_lossy(&followed.stderr));
     let expected: String = std::iter::once("hello from QingLong Edge".to_owned())
         .chain((1..=20000).map(|i| i.to_string()))
         .chain(["done".to_owned()])
