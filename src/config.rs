@@ -55,7 +55,7 @@ pub(crate) const SETTINGS: &[(&str, Option<&str>, &str)] = &[
     (
         "handoff_timeout_ms",
         Some("10000"),
-        "how long a job's new supervisor may take to say the job runs (longer, it is stopped)",
+        "how long a job's new supervisor may take to say the job runs (longer, it is stopped), 1..=60000",
     ),
     ("poll_wait_ms", Some("25000"), "long-poll wait for offers while no job runs, 0..=30000"),
     ("busy_poll_wait_ms", Some("1000"), "long-poll wait while jobs run (the agent is single-threaded), 0..=30000"),
@@ -315,7 +315,8 @@ impl Sources {
             drain_timeout: ms("drain_timeout_ms", 0, 24 * HOUR)?,
             stop_grace: ms("stop_grace_ms", 0, HOUR)?,
             group_poll: ms("group_poll_ms", 1, 60_000)?,
-            handoff_timeout: ms("handoff_timeout_ms", 1, HOUR)?,
+            // The agent does nothing else while it waits: a minute at most.
+            handoff_timeout: ms("handoff_timeout_ms", 1, 60_000)?,
             poll_wait: ms("poll_wait_ms", 0, POLL_WAIT_MAX_MS)?,
             busy_poll_wait: ms("busy_poll_wait_ms", 0, POLL_WAIT_MAX_MS)?,
             connect_timeout: ms("connect_timeout_ms", 1, HOUR)?,

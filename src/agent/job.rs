@@ -156,11 +156,17 @@ impl Agent {
                 let supervise = self.supervise_jobs.then_some(self.cfg.handoff_timeout);
                 match exec::Running::spawn(spec, run_dir, self.cfg.group_poll, self.cfg.stop_grace, supervise) {
                     Ok((mut process, unsupervised)) => {
-                        if let Some(why) = unsupervised {
-                            warn!(
-                                "jobs run in the agent itself, without a supervisor ({why}): they end with the agent"
-                            );
-                            self.supervise_jobs = false;
+                        match unsupervised {
+                            Some(exec::Unsupervised::ForGood(why)) => {
+                                warn!(
+                                    "jobs run in the agent itself, without a supervisor ({why}): they end with the agent"
+                                );
+                                self.supervise_jobs = false;
+                            }
+                            Some(exec::Unsupervised::ThisOnce(why)) => {
+                                warn!("{who}: runs in the agent itself ({why}): it ends with the agent");
+                            }
+                            None => {}
                         }
                         crate::fault::hit("spawned");
                         let record = Record::Spawned {
@@ -246,7 +252,8 @@ impl Agent {
                 }
                 // A supervisor that has not handed the job over by now could still start it,
                 // beside the one this agent would start: it is stopped first.
-                let stalled = exec::supervise::stop_stalled(&key.attempt_id, self.cfg.group_poll).await;
+                let (poll, grace) = (self.cfg.group_poll, self.cfg.stop_grace);
+                let stalled = exec::supervise::stop_stalled(&run_dir, poll, grace).await;
                 let attempt = key.attempt_id.as_str();
                 let found = match stalled {
                     Ok(stopped) => {

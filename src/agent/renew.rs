@@ -3,8 +3,9 @@
 //! ([`crate::identity`]) go to `POST .../certificate:renew` between two of the loop's
 //! calls; the answer is installed in place of the old pair and the client is rebuilt on
 //! it, so the next call opens a new connection with the new certificate (the session and
-//! every lease carry on). A failure is retried with the doubling backoff; the old
-//! certificate serves meanwhile. Time is the server's, as its answers' `Date` showed it,
+//! every lease carry on). A failure is retried with the doubling backoff, as is a
+//! refusal (a second renewal within the server's `worker_renew_interval_ms`, after an
+//! answer that was lost); the old certificate serves meanwhile. Time is the server's, as its answers' `Date` showed it,
 //! so a router whose clock is far off still renews in time.
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};

@@ -174,6 +174,9 @@ pub(crate) enum SpawnError {
     /// No supervisor could be started (say, under an emulator that cannot execute the
     /// agent's own binary again): the job was not started.
     NoSupervisor(String),
+    /// The supervisor was started but did not say the job runs within the hand-off's
+    /// timeout, before it made the job's spool: it was stopped, and the job not started.
+    SupervisorSlow,
 }
 
 impl fmt::Display for SpawnError {
@@ -186,6 +189,7 @@ impl fmt::Display for SpawnError {
             Self::Handle(e) => write!(f, "cannot read the started process's /proc entry: {e}"),
             Self::Supervised(why) => f.write_str(why),
             Self::NoSupervisor(why) => write!(f, "cannot start a supervisor for the job: {why}"),
+            Self::SupervisorSlow => f.write_str("its supervisor did not hand the job over in time"),
         }
     }
 }
@@ -193,7 +197,7 @@ impl fmt::Display for SpawnError {
 impl std::error::Error for SpawnError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::NothingToRun | Self::Supervised(_) | Self::NoSupervisor(_) => None,
+            Self::NothingToRun | Self::Supervised(_) | Self::NoSupervisor(_) | Self::SupervisorSlow => None,
             Self::RunDir(e) | Self::Pipe(e) | Self::Handle(e) | Self::Program { error: e, .. } => Some(e),
         }
     }
@@ -475,6 +479,15 @@ impl Job {
     }
 }
 
+/// Why a job runs in the agent itself, though supervisors were asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Unsupervised {
+    /// No supervisor can start here: later jobs run in the agent too.
+    ForGood(String),
+    /// This one was too slow (a busy machine): the next job tries a supervisor again.
+    ThisOnce(String),
+}
+
 /// A job the agent watches: under its supervisor (the rule), or, where no supervisor can
 /// be started, run by the agent itself as [`Job`] (it then dies with the agent).
 pub(crate) enum Running {
@@ -486,23 +499,22 @@ pub(crate) enum Running {
 
 impl Running {
     /// Starts `spec` under a supervisor given `supervise` (how long it may take to hand the
-    /// job over), or in the agent when none can be started (`Ok` with the reason why not,
-    /// to be said once).
+    /// job over), or in the agent when none could (`Ok` with why not, to be said once).
     pub(crate) fn spawn(
         spec: &ExecutionSpec,
         run_dir: RunDir,
         poll: Duration,
         grace: Duration,
         supervise: Option<Duration>,
-    ) -> Result<(Running, Option<String>), SpawnError> {
+    ) -> Result<(Running, Option<Unsupervised>), SpawnError> {
         if let Some(handoff) = supervise {
-            match Supervised::spawn(spec, run_dir.clone(), poll, grace, handoff) {
+            let why = match Supervised::spawn(spec, run_dir.clone(), poll, grace, handoff) {
                 Ok(job) => return Ok((Self::Supervised(job), None)),
-                Err(SpawnError::NoSupervisor(why)) => {
-                    return Job::spawn(spec, run_dir, poll).map(|job| (Self::Direct(job), Some(why)))
-                }
+                Err(SpawnError::NoSupervisor(why)) => Unsupervised::ForGood(why),
+                Err(e @ SpawnError::SupervisorSlow) => Unsupervised::ThisOnce(e.to_string()),
                 Err(e) => return Err(e),
-            }
+            };
+            return Job::spawn(spec, run_dir, poll).map(|job| (Self::Direct(job), Some(why)));
         }
         Job::spawn(spec, run_dir, poll).map(|job| (Self::Direct(job), None))
     }

@@ -174,6 +174,9 @@ pub(crate) fn handed_off(
 ) -> io::Result<Option<Result<(ExecutorHandle, u32), String>>> {
     let gave_up = Instant::now() + handoff;
     loop {
+        // Looked at first: the supervisor writes `job`, then deletes the spec, so a spec
+        // gone by now means a `job` file, if any, is there to be read next.
+        let starting = run_dir.spec_file().exists();
         if let Some(Status::NotStarted(error)) = read_status(run_dir)? {
             return Ok(Some(Err(error)));
         }
@@ -181,7 +184,7 @@ pub(crate) fn handed_off(
             let (pid, _) = parse_handle(&handle).ok_or_else(|| io::Error::other("a bad job file"))?;
             return Ok(Some(Ok((handle, pid))));
         }
-        if !run_dir.spec_file().exists() || Instant::now() > gave_up {
+        if !starting || Instant::now() > gave_up {
             return Ok(None);
         }
         std::thread::sleep(Duration::from_millis(5));
@@ -258,20 +261,24 @@ impl Supervised {
             }
             if ended || Instant::now() > gave_up {
                 let _ = child.kill();
-                let why = if ended { "it ended" } else { "it did not hand the job over in time" };
+                // And a child it forked that has not become the job yet (it carries the
+                // supervisor's mark, not the job's).
+                let _ = kill_marked(&run_dir.attempt);
                 // The spec (its environment may hold secrets) is not left behind.
                 let _ = fs::remove_file(run_dir.spec_file());
                 // The spool is made, and synced, before the job's fork: with none, nothing
                 // was started and the agent may run the job itself. With one, the job may
                 // run unwatched: it is stopped, and its start reported failed, so that it
                 // never runs twice.
+                let why = if ended { "it ended" } else { "it did not hand the job over in time" };
                 if run_dir.spool.exists() {
                     stop_marked(&run_dir.attempt);
                     return Err(SpawnError::Supervised(format!(
                         "its supervisor failed after starting the job ({why})"
                     )));
                 }
-                return Err(SpawnError::NoSupervisor(why.into()));
+                // One that ended cannot run here; one that was slow may run the next job.
+                return Err(if ended { SpawnError::NoSupervisor(why.into()) } else { SpawnError::SupervisorSlow });
             }
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -366,23 +373,46 @@ fn stop_marked(attempt: &AttemptId) {
     }
 }
 
-/// Kills the supervisors of `attempt` that still run (marked with [`SUPERVISOR_VAR`]),
-/// and anything they forked that carries the mark still, and waits until they are gone.
-/// A previous agent started them and died before they handed the job over: one this slow
-/// may yet start the job, after the agent started it again. Returns whether there were
-/// any.
-pub(crate) async fn stop_stalled(attempt: &AttemptId, poll: Duration) -> io::Result<bool> {
+/// Sends SIGKILL to every process group holding a live process marked as a supervisor of
+/// `attempt` ([`SUPERVISOR_VAR`]). A supervisor leads its own group; a child it forked
+/// joins the job's group before it becomes the job (and drops the mark): each group
+/// reaches both. Returns how many groups there were; an error if one could not be
+/// signalled (the others still are).
+fn kill_marked(attempt: &AttemptId) -> io::Result<usize> {
     let found = group::marked_by(SUPERVISOR_VAR, attempt.as_str())?;
-    // A supervisor leads its own group; a child it forked joins the job's group before it
-    // runs the job (and drops the mark): killing each group reaches both.
-    let groups: Vec<u32> = group::groups_of(&found).into_iter().filter_map(|g| u32::try_from(g).ok()).collect();
+    let groups = group::groups_of(&found);
+    let mut failed = None;
     for &pgid in &groups {
-        group::signal_group(pgid, rustix::process::Signal::KILL)?;
+        let pgid = u32::try_from(pgid).unwrap_or(0);
+        if let Err(e) = group::signal_group(pgid, rustix::process::Signal::KILL) {
+            failed.get_or_insert(e);
+        }
     }
-    for &pgid in &groups {
-        group::group_gone(pgid, poll).await?;
+    failed.map_or(Ok(groups.len()), Err)
+}
+
+/// Kills the supervisors of the attempt of `run_dir` that still run, and anything they
+/// forked that carries their mark, until none is left, for up to `grace` (an error past
+/// it). A previous agent started them and died before they handed the job over: one
+/// this slow may yet start the job, after the agent started it again. The spec they
+/// were to read goes too (its environment may hold secrets). Returns whether there were
+/// any.
+pub(crate) async fn stop_stalled(run_dir: &RunDir, poll: Duration, grace: Duration) -> io::Result<bool> {
+    let deadline = Instant::now() + grace;
+    let mut any = false;
+    // Looked for again after each kill: one forked before it died is found next time,
+    // and one that is dead forks nothing more.
+    while kill_marked(&run_dir.attempt)? > 0 {
+        any = true;
+        if Instant::now() >= deadline {
+            return Err(io::Error::other("a supervisor of the job outlived SIGKILL"));
+        }
+        Timer::after(poll).await;
     }
-    Ok(!groups.is_empty())
+    if any {
+        let _ = fs::remove_file(run_dir.spec_file());
+    }
+    Ok(any)
 }
 
 /// Writes the job's `status` whole.
