@@ -104,16 +104,27 @@ fn the_quickstart_runs_remotely_through_the_operator_api() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("ql-control runs");
-    let mut stdout = std::io::BufReader::new(follower.stdout.take().unwrap());
-    let mut log = String::new();
-    use std::io::{BufRead as _, Read as _};
-    stdout.read_line(&mut log).unwrap();
+    // Its lines as they come, so that a follower that stalls fails the test, not hangs it.
+    let stdout = follower.stdout.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line + "\n").is_err() {
+                break;
+            }
+        }
+    });
+    let mut log = lines.recv_timeout(common::DEADLINE).expect("the follower's first line");
     assert_eq!(log, "hello from QingLong Edge\n");
     assert_eq!(w.status(&run), "running", "the first line was followed while the job ran");
     std::fs::write(&gate, b"").unwrap();
-    stdout.read_to_string(&mut log).unwrap();
-    let followed = follower.wait_with_output().unwrap();
-    assert!(followed.status.success(), "{}", String::from_utf8_lossy(&followed.stderr));
+    let status = common::wait_for("the follower to end", || w.context(), || follower.try_wait().unwrap());
+    // Ended, it closed its output: the reader has every line, and ends.
+    log.extend(lines.iter());
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut follower.stderr.take().unwrap(), &mut said).unwrap();
+    assert!(status.success(), "{said}");
     let expected: String = std::iter::once("hello from QingLong Edge".to_owned())
         .chain((1..=20000).map(|i| i.to_string()))
         .chain(["done".to_owned()])
@@ -127,7 +138,6 @@ fn the_quickstart_runs_remotely_through_the_operator_api() {
         expected.len(),
         differs.map(|at| &log[at.saturating_sub(20)..(at + 20).min(log.len())]),
     );
-    let said = String::from_utf8_lossy(&followed.stderr);
     assert!(said.contains("SHA-256") && said.contains("checked"), "{said}");
     assert_eq!(w.wait_status(&run, "succeeded")["status"], "succeeded");
     assert!(ok(remote(&w, &viewer, &["logs", &run])) == expected, "the stored log, read by a viewer");

@@ -202,8 +202,9 @@ pub(super) fn revoke_certificate(
 /// A worker renews at most once per `interval_ms` ([`renew_interval`]): each renewal is a
 /// row kept for as long as its line may be revoked, and a worker renewing in a loop, or
 /// one certificate over and over, would add them without end. The agent renews two thirds
-/// of the way through a lifetime, so only one that lost the answer to a renewal it sent
-/// ever meets this, and it retries with its old certificate, which serves meanwhile.
+/// of the way through a lifetime, so it meets this only when it did not install what it
+/// renewed (a lost answer, a crash, a backup restored) or another holds its identity; it
+/// retries with its old certificate, which serves meanwhile.
 pub(super) fn record_certificate(
     cert: &Certificate,
     issuer: &Issuer,
@@ -217,9 +218,17 @@ pub(super) fn record_certificate(
         if let Err(code) = admission(&cert.worker, worker, presented, now) {
             return Decision::refuse(code);
         }
-        let lifetime = cert.not_after.saturating_sub(now).max(0).unsigned_abs();
-        let interval = renew_interval(interval_ms, lifetime);
-        if rows.last_renewal.is_some_and(|at| now < at.saturating_add(i64::try_from(interval).unwrap_or(i64::MAX))) {
+        let life = |c: &Certificate| c.not_after.saturating_sub(now).max(0).unsigned_abs();
+        let mut interval = renew_interval(interval_ms, life(cert));
+        // A certificate presented with less life left than a lifetime's third (the
+        // lifetime was raised since it was issued) still renews before it expires.
+        if let Some(presented) = &rows.presented {
+            interval = interval.min(life(presented) / 2);
+        }
+        // Since the last renewal by DB time: one recorded in the future (the clock went
+        // back) holds nothing back.
+        let since = rows.last_renewal.map(|at| now.saturating_sub(at));
+        if since.is_some_and(|since| (0..i64::try_from(interval).unwrap_or(i64::MAX)).contains(&since)) {
             return Decision::refuse(ErrorCode::StateConflict);
         }
     }
@@ -566,6 +575,17 @@ mod tests {
         assert_eq!(refused, Decision::refuse(ErrorCode::StateConflict), "renewed less than an interval ago");
         assert!(refused.writes.is_empty());
         assert!(decide(Some(NOW), &Issuer::Operator).reply.is_ok(), "the operator issues whenever asked");
+        assert!(decide(Some(NOW + 1), &renewing).reply.is_ok(), "a renewal in the future: the clock went back");
+        // The certificate presented has an hour left: a renewal half an hour after the
+        // last one goes through, since its holder must renew within it.
+        let short_lived = |left: i64| Rows {
+            last_renewal: Some(NOW - (HOUR / 2) as i64),
+            presented: Some(Certificate { not_after: NOW + left, ..cert("01") }),
+            ..Rows::default()
+        };
+        let with = |rows: &Rows| record_certificate(&new, &renewing, rows, NOW, HOUR).reply.is_ok();
+        assert!(with(&short_lived(HOUR as i64)), "half an interval, with an hour left");
+        assert!(!with(&short_lived(3 * HOUR as i64)), "with three hours left, the hour stands");
 
         // A certificate of 6 hours: the interval is a sixth of it, an hour at most.
         assert_eq!(renew_interval(HOUR, 6 * HOUR), HOUR);

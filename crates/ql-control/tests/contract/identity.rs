@@ -169,7 +169,8 @@ pub async fn a_worker_renews_at_most_once_an_interval<B: Backend>(b: B) {
         .await
         .expect("the operator issues whenever asked");
 
-    // DB time is the clock's: half an interval on, the test's own time cannot reach it.
+    // The test moves DB time on by half an interval: the real time the test takes is far
+    // less than the other half.
     b.advance(RENEW_INTERVAL_MS as i64 / 2);
     refused(&store, renewal("router-1", "32", "31"), ErrorCode::StateConflict, "half an interval on").await;
     b.advance(RENEW_INTERVAL_MS as i64 / 2);
