@@ -241,11 +241,25 @@ impl Supervised {
             // Whether it ended, before its files are read: one that handed the job over
             // and then ended is found handing it over, never taken for one that failed.
             let ended = child.try_status().map_or(true, |s| s.is_some());
-            if let Some(Status::NotStarted(error)) = read_status(&run_dir).map_err(SpawnError::RunDir)? {
-                return Err(SpawnError::Supervised(error));
+            // Its files unreadable, the supervisor is not left to run the job unwatched.
+            let unread = |child: &mut Child, e: io::Error| {
+                let why = format!("reading its files: {e}");
+                abandon_start(child, &run_dir, &why).unwrap_or(SpawnError::RunDir(e))
+            };
+            match read_status(&run_dir) {
+                Ok(Some(Status::NotStarted(error))) => return Err(SpawnError::Supervised(error)),
+                Ok(_) => {}
+                Err(e) => return Err(unread(&mut child, e)),
             }
-            if let Some((handle, supervisor)) = read_handoff(&run_dir).map_err(SpawnError::RunDir)? {
-                let (pid, _) = parse_handle(&handle).ok_or_else(|| SpawnError::Supervised("a bad job file".into()))?;
+            let handed = match read_handoff(&run_dir) {
+                Ok(handed) => handed,
+                Err(e) => return Err(unread(&mut child, e)),
+            };
+            if let Some((handle, supervisor)) = handed {
+                let Some((pid, _)) = parse_handle(&handle) else {
+                    let bad = "a bad job file";
+                    return Err(abandon_start(&mut child, &run_dir, bad).unwrap_or(SpawnError::Supervised(bad.into())));
+                };
                 let spooled = Rc::new(Cell::new(0));
                 let poll = poll.max(Duration::from_millis(1));
                 return Ok(Supervised {
@@ -260,24 +274,12 @@ impl Supervised {
                 });
             }
             if ended || Instant::now() > gave_up {
-                let _ = child.kill();
-                // And a child it forked that has not become the job yet (it carries the
-                // supervisor's mark, not the job's).
-                let _ = kill_marked(&run_dir.attempt);
-                // The spec (its environment may hold secrets) is not left behind.
-                let _ = fs::remove_file(run_dir.spec_file());
-                // The spool is made, and synced, before the job's fork: with none, nothing
-                // was started and the agent may run the job itself. With one, the job may
-                // run unwatched: it is stopped, and its start reported failed, so that it
-                // never runs twice.
                 let why = if ended { "it ended" } else { "it did not hand the job over in time" };
-                if run_dir.spool.exists() {
-                    stop_marked(&run_dir.attempt);
-                    return Err(SpawnError::Supervised(format!(
-                        "its supervisor failed after starting the job ({why})"
-                    )));
+                if let Some(failed) = abandon_start(&mut child, &run_dir, why) {
+                    return Err(failed);
                 }
-                // One that ended cannot run here; one that was slow may run the next job.
+                // Nothing was started. One that ended cannot run here; one that was slow
+                // may run the next job.
                 return Err(if ended { SpawnError::NoSupervisor(why.into()) } else { SpawnError::SupervisorSlow });
             }
             std::thread::sleep(Duration::from_millis(2));
@@ -371,6 +373,22 @@ fn stop_marked(attempt: &AttemptId) {
             let _ = group::signal_group(pgid, rustix::process::Signal::KILL);
         }
     }
+}
+
+/// Ends a supervisor the agent gives up on before it handed the job over, and a child it
+/// forked that has not become the job yet (it carries the supervisor's mark, not the
+/// job's); the spec (its environment may hold secrets) is not left behind. The spool is
+/// made, and synced, before the job's fork: with none, nothing was started (`None`), and
+/// the agent may run the job itself. With one, the job may run unwatched: it is stopped,
+/// and its start reported failed (the error returned), so that it never runs twice.
+fn abandon_start(child: &mut Child, run_dir: &RunDir, why: &str) -> Option<SpawnError> {
+    let _ = child.kill();
+    let _ = kill_marked(&run_dir.attempt);
+    let _ = fs::remove_file(run_dir.spec_file());
+    run_dir.spool.exists().then(|| {
+        stop_marked(&run_dir.attempt);
+        SpawnError::Supervised(format!("its supervisor failed after starting the job ({why})"))
+    })
 }
 
 /// Sends SIGKILL to every process group holding a live process marked as a supervisor of
