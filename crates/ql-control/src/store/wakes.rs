@@ -1,10 +1,11 @@
 //! Wake-ups for the long-polls of one process: a counter every waiting poll watches
 //! ([`Store::changes`](super::Store::changes)), and the recent wake-ups that concern only
-//! some sessions ([`Want`]s of runs just queued), so that a poll woken by a run it cannot
-//! take goes back to waiting without asking the store.
+//! some sessions ([`Want`]s of runs just queued or queued again), so that a poll woken by
+//! a run it cannot take goes back to waiting without asking the store.
 //!
-//! A wake-up for everyone (work re-queued, a commit by another process or replica) and
-//! a poll that fell more than [`RECENT`] wake-ups behind both mean "look again".
+//! A wake-up for everyone (a worker enabled, disabled or labelled anew; a commit by
+//! another process or replica) and a poll that fell more than [`RECENT`] wake-ups behind
+//! both mean "look again".
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
