@@ -67,9 +67,7 @@ pub(super) struct Shared<S, B> {
     /// The seals being composed in this process (see [`super::log`]).
     pub(super) sealing: log::Sealing,
     /// Handshakes and connections held, for the limits of [`super`].
-    pub(super) occupancy: super::Occupancy,
-    /// Slots of connections without a client certificate.
-    pub(super) anonymous: Arc<tokio::sync::Semaphore>,
+    pub(super) occupancy: super::occupancy::Occupancy,
     /// Lines about refused connections, at a bounded rate.
     pub(super) reports: super::Reports,
 }

@@ -18,7 +18,11 @@
 //! `address_of`): anyone who can reach
 //! the port, certificate or not, can hold only a few, and with every place taken a
 //! handshake from an address holding at least two fewer takes the oldest place of the
-//! address holding most. A connection takes one of
+//! address holding most ([`occupancy`]). A connection without a certificate (an agent
+//! enrolling) is served one request and holds one of
+//! [`IngressConfig::max_anonymous_connections`] places, at most
+//! [`IngressConfig::max_anonymous_connections_per_ip`] from one address, shared by the
+//! same rule. A connection takes one of
 //! [`IngressConfig::max_connections`] slots only once its handshake succeeded (beyond
 //! that it is closed, and the agent comes back after its backoff), and one worker holds
 //! at most [`IngressConfig::max_connections_per_worker`]: a further one closes that
@@ -43,25 +47,26 @@ mod head;
 pub mod identity;
 mod ingress;
 mod log;
+mod occupancy;
 mod report;
 pub mod tls;
 mod trail;
 
-use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use log::Sealing;
+use occupancy::Occupancy;
 use rustls::ServerConfig;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Notify, Semaphore};
+use tokio::sync::{watch, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::timeout;
 use tokio_rustls::server::TlsStream;
@@ -249,177 +254,6 @@ impl Reports {
     }
 }
 
-/// An address's handshakes in progress, oldest first: each one's id and what tells it to
-/// close.
-type Handshakes = VecDeque<(u64, Arc<Notify>)>;
-
-/// A worker's connections, oldest first: each one's id, its certificate's serial, what
-/// tells it to close, and whether a request of it succeeded (it was admitted).
-type Connections = VecDeque<(u64, String, Arc<Notify>, Arc<AtomicBool>)>;
-
-/// Who holds what, to enforce the limits of the module doc.
-#[derive(Default)]
-pub(crate) struct Occupancy {
-    /// Handshakes in progress: in all, and by address.
-    handshakes: Mutex<(usize, HashMap<IpAddr, Handshakes>)>,
-    /// Connections without a certificate, by address.
-    anonymous: Mutex<HashMap<IpAddr, usize>>,
-    workers: Mutex<HashMap<ql_wire::ids::WorkerId, Connections>>,
-    next: AtomicUsize,
-}
-
-/// A handshake's place, given back when dropped (unless a newer one took it: its
-/// `Notify` fired).
-struct Handshaking<'a> {
-    occupancy: &'a Occupancy,
-    ip: IpAddr,
-    id: u64,
-    evicted: Arc<Notify>,
-}
-
-impl Drop for Handshaking<'_> {
-    fn drop(&mut self) {
-        let mut h = self.occupancy.handshakes.lock().unwrap_or_else(|e| e.into_inner());
-        let (total, by_ip) = &mut *h;
-        if let Some(held) = by_ip.get_mut(&self.ip) {
-            let before = held.len();
-            held.retain(|(id, _)| *id != self.id);
-            *total -= before - held.len();
-            if held.is_empty() {
-                by_ip.remove(&self.ip);
-            }
-        }
-    }
-}
-
-/// A connection without a certificate on record for its address, given back when dropped.
-struct Anonymous<'a>(&'a Occupancy, IpAddr);
-
-impl Drop for Anonymous<'_> {
-    fn drop(&mut self) {
-        let mut held = self.0.anonymous.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = held.get_mut(&self.1) {
-            *n -= 1;
-            if *n == 0 {
-                held.remove(&self.1);
-            }
-        }
-    }
-}
-
-/// A worker's connection on record; its `Notify` fires when a newer one evicts it.
-struct Held<'a> {
-    occupancy: &'a Occupancy,
-    worker: ql_wire::ids::WorkerId,
-    id: u64,
-    evicted: Arc<Notify>,
-    /// Set once a request of the connection succeeded.
-    admitted: Arc<AtomicBool>,
-}
-
-impl Drop for Held<'_> {
-    fn drop(&mut self) {
-        let mut workers = self.occupancy.workers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(held) = workers.get_mut(&self.worker) {
-            held.retain(|(id, ..)| *id != self.id);
-            if held.is_empty() {
-                workers.remove(&self.worker);
-            }
-        }
-    }
-}
-
-impl Occupancy {
-    /// A place for a handshake from `ip`, if the limits leave one. With every place
-    /// taken, an address holding at least two fewer than the one holding most takes that
-    /// one's oldest (its handshake closes): fewer addresses than there are places, opening
-    /// connections and never finishing them, cannot keep everyone else out, only share
-    /// the places with them.
-    fn handshake(&self, ip: IpAddr, cfg: &IngressConfig) -> Option<Handshaking<'_>> {
-        let ip = address_of(ip);
-        let mut h = self.handshakes.lock().unwrap_or_else(|e| e.into_inner());
-        let (total, by_ip) = &mut *h;
-        let from_ip = by_ip.get(&ip).map_or(0, Handshakes::len);
-        if from_ip >= cfg.max_handshakes_per_ip.max(1) {
-            return None;
-        }
-        if *total >= cfg.max_handshakes.max(1) {
-            // The address holding most, the one with the oldest handshake among equals.
-            let oldest_first = |held: &Handshakes| held.front().map(|(id, _)| std::cmp::Reverse(*id));
-            let (&heaviest, _) = by_ip.iter().max_by_key(|(_, held)| (held.len(), oldest_first(held)))?;
-            let held = by_ip.get_mut(&heaviest)?;
-            if held.len() <= from_ip + 1 {
-                return None;
-            }
-            let (_, oldest) = held.pop_front()?;
-            oldest.notify_one();
-            *total -= 1;
-        }
-        let (id, evicted) = (self.next.fetch_add(1, Ordering::Relaxed) as u64, Arc::new(Notify::new()));
-        *total += 1;
-        by_ip.entry(ip).or_default().push_back((id, evicted.clone()));
-        Some(Handshaking { occupancy: self, ip, id, evicted })
-    }
-
-    /// A place for a connection without a certificate from `ip`, if its address holds
-    /// fewer than the limit.
-    fn anonymous(&self, ip: IpAddr, cfg: &IngressConfig) -> Option<Anonymous<'_>> {
-        let ip = address_of(ip);
-        let mut held = self.anonymous.lock().unwrap_or_else(|e| e.into_inner());
-        let n = held.entry(ip).or_default();
-        if *n >= cfg.max_anonymous_connections_per_ip.max(1) {
-            return None;
-        }
-        *n += 1;
-        Some(Anonymous(self, ip))
-    }
-
-    /// Records a connection of `worker` on the certificate `serial`. Beyond the limit it
-    /// evicts the worker's oldest on the same certificate, else its oldest not yet
-    /// admitted, else its oldest: a copy of a revoked certificate, whose requests never
-    /// succeed, closes its own connections, never one on another certificate that has
-    /// succeeded, nor the agent's fresh one whose first request (a 25 s long-poll, say)
-    /// has not been answered yet.
-    fn hold(
-        &self,
-        worker: ql_wire::ids::WorkerId,
-        serial: &str,
-        cfg: &IngressConfig,
-        stats: &IngressStats,
-    ) -> Held<'_> {
-        let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
-        let (evicted, admitted) = (Arc::new(Notify::new()), Arc::new(AtomicBool::new(false)));
-        let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
-        let held = workers.entry(worker.clone()).or_default();
-        while held.len() >= cfg.max_connections_per_worker.max(1) {
-            let oldest = held
-                .iter()
-                .position(|(_, s, ..)| s == serial)
-                .or_else(|| held.iter().position(|(.., admitted)| !admitted.load(Ordering::Relaxed)))
-                .unwrap_or(0);
-            if let Some((_, _, oldest, _)) = held.remove(oldest) {
-                oldest.notify_one();
-                stats.evicted.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        held.push_back((id, serial.to_owned(), evicted.clone(), admitted.clone()));
-        Held { occupancy: self, worker, id, evicted, admitted }
-    }
-}
-
-/// The address a peer's handshakes count against: an IPv6 peer's /64 (one host commonly
-/// holds a whole /64, so its single addresses would be a cap per connection), an IPv4
-/// peer's own address (also when it comes mapped into IPv6).
-fn address_of(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & !u128::from(u64::MAX))),
-        },
-        v4 => v4,
-    }
-}
-
 /// Serves the worker ingress on `listener` until the process ends.
 pub async fn serve<S: Store, B: BlobStore>(
     listener: TcpListener,
@@ -443,7 +277,6 @@ pub async fn serve_until<S: Store, B: BlobStore>(
 ) -> io::Result<()> {
     let (stop, stopped) = watch::channel(false);
     let report_every = cfg.report_every;
-    let anonymous = Arc::new(Semaphore::new(cfg.max_anonymous_connections));
     let shared = Arc::new(Shared {
         store,
         blobs,
@@ -451,7 +284,6 @@ pub async fn serve_until<S: Store, B: BlobStore>(
         stats: Arc::default(),
         sealing: Sealing::default(),
         occupancy: Occupancy::default(),
-        anonymous: anonymous.clone(),
         reports: Reports::new(report_every),
     });
     let server = run(listener, TlsAcceptor::from(tls), shared, stopped);
@@ -477,7 +309,6 @@ pub fn spawn<S: Store, B: BlobStore>(
     let stats = Arc::<IngressStats>::default();
     let (stop, stopped) = watch::channel(false);
     let report_every = cfg.report_every;
-    let anonymous = Arc::new(Semaphore::new(cfg.max_anonymous_connections));
     let shared = Arc::new(Shared {
         store,
         blobs,
@@ -485,7 +316,6 @@ pub fn spawn<S: Store, B: BlobStore>(
         stats: stats.clone(),
         sealing: Sealing::default(),
         occupancy: Occupancy::default(),
-        anonymous: anonymous.clone(),
         reports: Reports::new(report_every),
     });
     let task = tokio::spawn(run(listener, TlsAcceptor::from(tls), shared, stopped));
@@ -636,14 +466,15 @@ async fn connection<S: Store, B: BlobStore>(
     let serial = tls::serial(peer);
     // Without a certificate: one request (an identity route), within a small cap of its own.
     let anonymous = peer.is_empty();
-    let _anonymous_of_ip = if anonymous {
+    let anonymous_place = if anonymous {
         match shared.occupancy.anonymous(ip, cfg) {
             Some(place) => Some(place),
             None => {
-                let limit = cfg.max_anonymous_connections_per_ip;
+                let (all, per_ip) = (cfg.max_anonymous_connections, cfg.max_anonymous_connections_per_ip);
                 let line = format!(
-                    "from {ip}: its {limit} connections without a certificate (max_anonymous_connections_per_ip) \
-                     taken"
+                    "from {ip}: no place for a connection without a certificate (its address holds its \
+                     {per_ip}, max_anonymous_connections_per_ip, or all {all} are taken by addresses holding \
+                     fewer than two more, max_anonymous_connections)"
                 );
                 turn_away(shared, "anonymous", &line);
                 return;
@@ -652,21 +483,7 @@ async fn connection<S: Store, B: BlobStore>(
     } else {
         None
     };
-    let _anonymous_slot = if anonymous {
-        match shared.anonymous.clone().try_acquire_owned() {
-            Ok(slot) => Some(slot),
-            Err(_) => {
-                let limit = cfg.max_anonymous_connections;
-                let line = format!(
-                    "from {ip}: all {limit} slots for connections without a certificate (max_anonymous_connections) taken"
-                );
-                turn_away(shared, "anonymous", &line);
-                return;
-            }
-        }
-    } else {
-        None
-    };
+    let anonymous_evicted = anonymous_place.as_ref().map(|p| p.evicted.clone());
     if principal.is_some() {
         shared.stats.authenticated.fetch_add(1, Ordering::Relaxed);
     }
@@ -709,6 +526,11 @@ async fn connection<S: Store, B: BlobStore>(
             // The worker opened one connection more than it may hold: this, its oldest,
             // goes at once.
             () = async { evicted.as_ref().expect("guarded").notified().await }, if evicted.is_some() => break,
+            // Without a certificate, its place went to an address holding fewer.
+            () = async { anonymous_evicted.as_ref().expect("guarded").notified().await }, if anonymous_evicted.is_some() => {
+                turn_away(shared, "anonymous", &format!("from {ip}: closed for a connection without a certificate from an address holding fewer"));
+                break;
+            }
             // A connection without a certificate gets the head's time for its one request,
             // from its handshake: it cannot sit on one of the few slots it may take.
             () = clock.overstayed(if anonymous { cfg.header_read_timeout } else { cfg.idle_timeout }, cfg.header_read_timeout) => {
@@ -744,21 +566,4 @@ async fn close(mut stream: TlsStream<TcpStream>, linger: bool, limit: Duration) 
         while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {}
     })
     .await;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn handshakes_count_against_an_ipv6_peers_slash_64_and_an_ipv4_peers_address() {
-        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
-        let same = address_of(ip("2001:db8:1:2::1"));
-        assert_eq!(same, ip("2001:db8:1:2::"));
-        assert_eq!(address_of(ip("2001:db8:1:2:ffff:ffff:ffff:ffff")), same, "one /64, one count");
-        assert_ne!(address_of(ip("2001:db8:1:3::1")), same, "the next /64 counts apart");
-        assert_eq!(address_of(ip("::ffff:192.0.2.7")), ip("192.0.2.7"), "IPv4 mapped into IPv6");
-        assert_eq!(address_of(ip("192.0.2.7")), ip("192.0.2.7"));
-        assert_ne!(address_of(ip("192.0.2.8")), ip("192.0.2.7"));
-    }
 }

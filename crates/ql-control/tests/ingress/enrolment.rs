@@ -178,6 +178,26 @@ fn one_address_holds_only_its_share_of_the_connections_without_a_certificate() {
     assert_eq!(again.response().unwrap().status, 200);
 }
 
+/// Every place for connections without a certificate taken by one address, its
+/// connections sending nothing: an agent enrolling from another address still gets in,
+/// closing that address's oldest, and is served.
+#[test]
+fn an_address_that_takes_every_place_without_a_certificate_cannot_keep_an_enrolling_agent_out() {
+    let cfg = IngressConfig { max_anonymous_connections: 4, max_anonymous_connections_per_ip: 4, ..test_config() };
+    let server = Server::start_with("anonymous-share", cfg);
+    let config = || client_config(&server.ca_pem(), None, &[&rustls::version::TLS13]);
+    // Five from 127.0.0.2: four take every place, the fifth is turned away at the
+    // address's own cap, which shows the four are held.
+    let crowd: Vec<Raw> = (0..5).map(|_| Raw::connect_from("127.0.0.2", server.addr, config()).unwrap()).collect();
+    server.wait_for("the fifth to be turned away", |st| st.turned_away() == 1);
+    // One from 127.0.0.1 gets in, and is served.
+    let mut newcomer = Raw::connect(server.addr, config()).unwrap();
+    newcomer.head("GET", "/v1/ca", &[]).unwrap();
+    assert_eq!(newcomer.response().unwrap().status, 200);
+    server.wait_for("the crowd's oldest to have been closed for it", |st| st.turned_away() == 2);
+    drop(crowd);
+}
+
 #[test]
 fn a_connection_without_a_certificate_has_the_head_time_for_its_body_too() {
     // The body's own clocks far longer than the patience of this test's reads (20 s).

@@ -602,7 +602,22 @@ struct Raw {
 
 impl Raw {
     fn connect(addr: SocketAddr, config: Arc<ClientConfig>) -> io::Result<Self> {
-        let mut tcp = TcpStream::connect(addr)?;
+        Self::over(TcpStream::connect(addr)?, config)
+    }
+
+    /// [`Raw::connect`] from the loopback address `from` (any of 127/8 on Linux).
+    fn connect_from(from: &str, addr: SocketAddr, config: Arc<ClientConfig>) -> io::Result<Self> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_io().build()?;
+        let tcp = rt.block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.bind(format!("{from}:0").parse().map_err(io::Error::other)?)?;
+            socket.connect(addr).await?.into_std()
+        })?;
+        tcp.set_nonblocking(false)?;
+        Self::over(tcp, config)
+    }
+
+    fn over(mut tcp: TcpStream, config: Arc<ClientConfig>) -> io::Result<Self> {
         tcp.set_read_timeout(Some(PATIENCE))?;
         tcp.set_write_timeout(Some(PATIENCE))?;
         let name = ServerName::try_from("127.0.0.1").unwrap();
