@@ -72,6 +72,11 @@ impl HeadClock {
         self.set(|_| Phase::Busy);
     }
 
+    /// Whether a request of the connection is being answered now.
+    pub(super) fn is_answering(&self) -> bool {
+        *self.phase.lock().unwrap_or_else(|e| e.into_inner()) == Phase::Busy
+    }
+
     /// The answer is out: the connection waits for the next request.
     pub(super) fn answered(&self) {
         self.set(|_| Phase::Idle(Instant::now()));

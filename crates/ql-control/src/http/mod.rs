@@ -419,7 +419,7 @@ async fn connection<S: Store, B: BlobStore>(
     mut stopped: watch::Receiver<bool>,
 ) {
     let cfg = &shared.cfg;
-    let Some(handshaking) = shared.occupancy.handshake(ip, cfg) else {
+    let Ok(handshaking) = shared.occupancy.handshake(ip, cfg) else {
         turn_away(shared, "handshakes", &format!("from {ip}: too many handshakes in progress"));
         return;
     };
@@ -468,14 +468,19 @@ async fn connection<S: Store, B: BlobStore>(
     let anonymous = peer.is_empty();
     let anonymous_place = if anonymous {
         match shared.occupancy.anonymous(ip, cfg) {
-            Some(place) => Some(place),
-            None => {
-                let (all, per_ip) = (cfg.max_anonymous_connections, cfg.max_anonymous_connections_per_ip);
-                let line = format!(
-                    "from {ip}: no place for a connection without a certificate (its address holds its \
-                     {per_ip}, max_anonymous_connections_per_ip, or all {all} are taken by addresses holding \
-                     fewer than two more, max_anonymous_connections)"
-                );
+            Ok(place) => Some(place),
+            Err(full) => {
+                let line = match full {
+                    occupancy::Full::Address => format!(
+                        "from {ip}: its {} connections without a certificate (max_anonymous_connections_per_ip) taken",
+                        cfg.max_anonymous_connections_per_ip
+                    ),
+                    occupancy::Full::All => format!(
+                        "from {ip}: all {} places for connections without a certificate \
+                         (max_anonymous_connections) taken, by no address holding two more",
+                        cfg.max_anonymous_connections
+                    ),
+                };
                 turn_away(shared, "anonymous", &line);
                 return;
             }
@@ -483,7 +488,7 @@ async fn connection<S: Store, B: BlobStore>(
     } else {
         None
     };
-    let anonymous_evicted = anonymous_place.as_ref().map(|p| p.evicted.clone());
+    let mut anonymous_evicted = anonymous_place.as_ref().map(|p| p.evicted.clone());
     if principal.is_some() {
         shared.stats.authenticated.fetch_add(1, Ordering::Relaxed);
     }
@@ -526,10 +531,15 @@ async fn connection<S: Store, B: BlobStore>(
             // The worker opened one connection more than it may hold: this, its oldest,
             // goes at once.
             () = async { evicted.as_ref().expect("guarded").notified().await }, if evicted.is_some() => break,
-            // Without a certificate, its place went to an address holding fewer.
+            // Without a certificate, its place went to an address holding fewer: it closes,
+            // unless its one request is being answered (an enrolment cut short could spend
+            // its token for nothing); it closes after that answer anyway.
             () = async { anonymous_evicted.as_ref().expect("guarded").notified().await }, if anonymous_evicted.is_some() => {
-                turn_away(shared, "anonymous", &format!("from {ip}: closed for a connection without a certificate from an address holding fewer"));
-                break;
+                anonymous_evicted = None;
+                if !clock.is_answering() {
+                    turn_away(shared, "anonymous", &format!("from {ip}: closed for a connection without a certificate from an address holding fewer"));
+                    break;
+                }
             }
             // A connection without a certificate gets the head's time for its one request,
             // from its handshake: it cannot sit on one of the few slots it may take.

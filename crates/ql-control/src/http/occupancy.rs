@@ -24,31 +24,44 @@ pub(super) struct Places {
     by_ip: HashMap<IpAddr, VecDeque<(u64, Arc<Notify>)>>,
 }
 
+/// Why no place was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Full {
+    /// The address holds its own share.
+    Address,
+    /// Every place is taken, by no address holding two more than this one.
+    All,
+}
+
 impl Places {
     /// A place for `ip` ([`address_of`] it), if it holds fewer than `per_ip` and either
     /// fewer than `all` are taken or an address holding at least two more gives up its
-    /// oldest (whose `Notify` fires).
-    fn take(&mut self, ip: IpAddr, per_ip: usize, all: usize, id: u64) -> Option<Arc<Notify>> {
+    /// oldest (whose `Notify` fires). With `all` 0 there is none.
+    fn take(&mut self, ip: IpAddr, per_ip: usize, all: usize, id: u64) -> Result<Arc<Notify>, Full> {
+        if all == 0 {
+            return Err(Full::All);
+        }
         let from_ip = self.by_ip.get(&ip).map_or(0, VecDeque::len);
         if from_ip >= per_ip.max(1) {
-            return None;
+            return Err(Full::Address);
         }
-        if self.total >= all.max(1) {
+        if self.total >= all {
             // The address holding most, the one with the oldest place among equals.
             let oldest_first = |held: &VecDeque<(u64, Arc<Notify>)>| held.front().map(|(id, _)| std::cmp::Reverse(*id));
-            let (&heaviest, _) = self.by_ip.iter().max_by_key(|(_, held)| (held.len(), oldest_first(held)))?;
-            let held = self.by_ip.get_mut(&heaviest)?;
+            let heaviest = self.by_ip.iter().max_by_key(|(_, held)| (held.len(), oldest_first(held)));
+            let (&heaviest, _) = heaviest.ok_or(Full::All)?;
+            let held = self.by_ip.get_mut(&heaviest).ok_or(Full::All)?;
             if held.len() <= from_ip + 1 {
-                return None;
+                return Err(Full::All);
             }
-            let (_, oldest) = held.pop_front()?;
+            let (_, oldest) = held.pop_front().ok_or(Full::All)?;
             oldest.notify_one();
             self.total -= 1;
         }
         let evicted = Arc::new(Notify::new());
         self.total += 1;
         self.by_ip.entry(ip).or_default().push_back((id, evicted.clone()));
-        Some(evicted)
+        Ok(evicted)
     }
 
     /// Gives back `ip`'s place `id`, unless a newcomer took it already.
@@ -117,21 +130,27 @@ impl Drop for Held<'_> {
 }
 
 impl Occupancy {
-    fn place<'a>(&'a self, places: &'a Mutex<Places>, ip: IpAddr, per_ip: usize, all: usize) -> Option<Place<'a>> {
+    fn place<'a>(
+        &'a self,
+        places: &'a Mutex<Places>,
+        ip: IpAddr,
+        per_ip: usize,
+        all: usize,
+    ) -> Result<Place<'a>, Full> {
         let ip = address_of(ip);
         let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
         let evicted = places.lock().unwrap_or_else(|e| e.into_inner()).take(ip, per_ip, all, id)?;
-        Some(Place { places, ip, id, evicted })
+        Ok(Place { places, ip, id, evicted })
     }
 
     /// A place for a handshake from `ip`, if the limits leave one ([`Places::take`]).
-    pub(super) fn handshake(&self, ip: IpAddr, cfg: &IngressConfig) -> Option<Place<'_>> {
+    pub(super) fn handshake(&self, ip: IpAddr, cfg: &IngressConfig) -> Result<Place<'_>, Full> {
         self.place(&self.handshakes, ip, cfg.max_handshakes_per_ip, cfg.max_handshakes)
     }
 
     /// A place for a connection without a certificate from `ip`, if the limits leave one
-    /// ([`Places::take`]).
-    pub(super) fn anonymous(&self, ip: IpAddr, cfg: &IngressConfig) -> Option<Place<'_>> {
+    /// ([`Places::take`]; `max_anonymous_connections` 0: never).
+    pub(super) fn anonymous(&self, ip: IpAddr, cfg: &IngressConfig) -> Result<Place<'_>, Full> {
         self.place(&self.anonymous, ip, cfg.max_anonymous_connections_per_ip, cfg.max_anonymous_connections)
     }
 
@@ -203,24 +222,25 @@ mod tests {
         let (a, b, c) = (ip("192.0.2.1"), ip("192.0.2.2"), ip("192.0.2.3"));
         let mut places = Places::default();
         let a_places: Vec<_> = (0..3).map(|id| places.take(a, 3, 4, id).expect("room")).collect();
-        assert!(places.take(a, 3, 4, 3).is_none(), "an address's own cap");
+        assert_eq!(places.take(a, 3, 4, 3).unwrap_err(), Full::Address, "an address's own cap");
         let b0 = places.take(b, 3, 4, 4).expect("the last place");
         // All four taken, b holding one and a three: two more, so a's oldest goes.
         let b1 = places.take(b, 3, 4, 5).expect("a holds two more");
         assert!(futures_notified(&a_places[0]), "a's oldest was told to close");
         assert!(!futures_notified(&a_places[1]));
         // Now a and b hold two each: c, holding none, takes the oldest place of the two, a's.
-        assert!(places.take(c, 3, 4, 6).is_some());
+        assert!(places.take(c, 3, 4, 6).is_ok());
         assert!(futures_notified(&a_places[1]));
         // a holds one, b two, c one: c holds only one fewer than b, so no place.
-        assert!(places.take(c, 3, 4, 7).is_none(), "one fewer is not enough");
+        assert_eq!(places.take(c, 3, 4, 7).unwrap_err(), Full::All, "one fewer is not enough");
         assert!(!futures_notified(&b0) && !futures_notified(&b1));
         // Given back, a place is free again; a place taken away is given back as nothing.
         places.give_back(a, 0);
         assert_eq!(places.total, 4, "a's oldest was taken already");
         places.give_back(b, 4);
         assert_eq!(places.total, 3);
-        assert!(places.take(c, 3, 4, 8).is_some());
+        assert!(places.take(c, 3, 4, 8).is_ok());
+        assert_eq!(Places::default().take(a, 3, 0, 9).unwrap_err(), Full::All, "no places at all");
     }
 
     /// Whether `notify` holds a permit (`notify_one` on a `Notify` nobody waits on
