@@ -1152,6 +1152,37 @@ fn a_supervisor_slower_than_the_handoff_timeout_is_stopped_before_the_job_starts
     assert!(agent.terminate().success(), "{}", agent.log());
 }
 
+/// Every supervisor slower than `handoff_timeout_ms` (each hangs before it reads its
+/// spec): the agent stops each one and runs that job itself, and tries a supervisor again
+/// for the next job rather than giving supervision up for good.
+#[test]
+fn a_slow_supervisor_costs_its_own_job_a_supervisor_and_the_next_job_tries_again() {
+    let root = TempDir::new("supervisor-slow-twice");
+    let control = Control::start(&root.0);
+    let quick = [("handoff_timeout_ms", "500")];
+    let mut agent = Agent::start_with_env(&root.0, &control, &quick, &[("QL_AGENT_FAULT", "hang:supervise")]);
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    let mut attempts = Vec::new();
+    for n in 1..=2 {
+        let run = control.submit(&["--", "sh", "-c", &format!("echo job {n}")]);
+        let shown = common::wait_for("the run to end", context, || {
+            let shown = control.show(&run);
+            common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
+        });
+        assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
+        assert_eq!(control.logs(&run), format!("job {n}\n").into_bytes());
+        attempts.push(shown["attempts"][0]["attemptId"].as_str().unwrap().to_owned());
+    }
+    let log = agent.log();
+    let slow = "runs in the agent itself (its supervisor did not hand the job over in time)";
+    assert_eq!(log.matches(slow).count(), 2, "each job tried a supervisor\n{}", context());
+    assert!(!log.contains("without a supervisor"), "supervision was not given up\n{}", context());
+    for attempt in &attempts {
+        assert!(tagged_processes("QL_SUPERVISOR_OF", attempt).is_empty(), "its slow supervisor was stopped");
+    }
+    assert!(agent.terminate().success(), "{}", agent.log());
+}
+
 /// The same clock, and the agent dies right after the running ACK; its job ends while it
 /// is down. Restarted, it records the exit before any lease answer: the `Date` of the
 /// server's first answer (the session's resumption) caps `finishedAt`, so the completion is

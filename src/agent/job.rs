@@ -236,28 +236,42 @@ impl Agent {
             }
             Step::Adopt => {
                 let run_dir = RunDir::new(&self.cfg.state_dir, &key.attempt_id);
-                match exec::supervise::handed_off(&run_dir, self.cfg.handoff_timeout) {
-                    Ok(Some(Ok((handle, pid)))) => {
+                let handed = exec::supervise::handed_off(&run_dir, self.cfg.handoff_timeout).unwrap_or_else(|e| {
+                    warn!("{who}: could not read what its supervisor left: {e}");
+                    None
+                });
+                // A supervisor that has not handed the job over by now could still start it,
+                // beside the one this agent would start: it is stopped first (or found to
+                // have handed it over after all).
+                let (handed, stalled) = match handed {
+                    Some(handed) => (Some(handed), Ok(exec::supervise::Stalled::Nothing)),
+                    None => {
+                        let (poll, grace) = (self.cfg.group_poll, self.cfg.stop_grace);
+                        match exec::supervise::stop_stalled(&run_dir, poll, grace).await {
+                            Ok(exec::supervise::Stalled::HandedOver(handle, pid)) => {
+                                (Some(Ok((handle, pid))), Ok(exec::supervise::Stalled::Nothing))
+                            }
+                            stalled => (None, stalled),
+                        }
+                    }
+                };
+                match handed {
+                    Some(Ok((handle, pid))) => {
                         info!("{who}: found the job the previous agent's supervisor started ({handle})");
                         self.commit(&Record::Spawned { job: key.clone(), executor_handle: handle, pid, pgid: pid })?;
                         return Ok(Turn::Moved);
                     }
-                    Ok(Some(Err(why))) => {
+                    Some(Err(why)) => {
                         warn!("{who}: {why}");
                         self.commit(&Record::SpawnFailed { job: key.clone(), reason: Reason::summarise(&why) })?;
                         return Ok(Turn::Moved);
                     }
-                    Ok(None) => {}
-                    Err(e) => warn!("{who}: could not read what its supervisor left: {e}"),
+                    None => {}
                 }
-                // A supervisor that has not handed the job over by now could still start it,
-                // beside the one this agent would start: it is stopped first.
-                let (poll, grace) = (self.cfg.group_poll, self.cfg.stop_grace);
-                let stalled = exec::supervise::stop_stalled(&run_dir, poll, grace).await;
                 let attempt = key.attempt_id.as_str();
                 let found = match stalled {
-                    Ok(stopped) => {
-                        if stopped {
+                    Ok(stalled) => {
+                        if stalled == exec::supervise::Stalled::Stopped {
                             info!("{who}: stopped the supervisor the previous agent started, which had not said the job runs");
                         }
                         exec::find_unrecorded(attempt, self.cfg.stop_grace, self.cfg.group_poll).await

@@ -157,25 +157,18 @@ pub(crate) fn marked(attempt: &str) -> io::Result<Vec<(u32, Stat)>> {
     marked_by(ATTEMPT_VAR, attempt)
 }
 
-/// Live processes of the agent's own user whose environment carries `var=value`, with
-/// their stat. A process's environment is read from `/proc/<pid>/environ` (as it was at
-/// exec). The agent's jobs and supervisors run as the agent's user; another user's
-/// process carrying the mark is not one of them (an agent running as root could read it,
-/// and would otherwise signal whatever group that user put it in).
+/// Live processes whose environment carries `var=value`, with their stat. A process's
+/// environment is read from `/proc/<pid>/environ` (as it was at exec), which only its own
+/// user (or root) can read: the agent's jobs run as the agent's user, or were started by
+/// it as root and may have changed user since (which is why they are not filtered by it).
 pub(crate) fn marked_by(var: &str, value: &str) -> io::Result<Vec<(u32, Stat)>> {
-    use std::os::unix::fs::MetadataExt as _;
     let needle = format!("{var}={value}");
-    let me = rustix::process::geteuid().as_raw();
     let mut found = Vec::new();
     for entry in fs::read_dir("/proc")? {
         let entry = entry?;
         let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
             continue;
         };
-        // `/proc/<pid>` belongs to the process's effective user.
-        if !entry.metadata().is_ok_and(|m| m.uid() == me) {
-            continue;
-        }
         // Processes exit, and others' are unreadable: either way, not ours to find.
         let Ok(environ) = fs::read(format!("/proc/{pid}/environ")) else { continue };
         if !environ.split(|&b| b == 0).any(|var| var == needle.as_bytes()) {
@@ -188,6 +181,14 @@ pub(crate) fn marked_by(var: &str, value: &str) -> io::Result<Vec<(u32, Stat)>> 
         }
     }
     Ok(found)
+}
+
+/// Whether `/proc/<pid>` belongs to the agent's effective user (as the process's own
+/// directory does, unless it made itself undumpable).
+pub(crate) fn owned_by_me(pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    let me = rustix::process::geteuid().as_raw();
+    fs::metadata(format!("/proc/{pid}")).is_ok_and(|m| m.uid() == me)
 }
 
 /// The distinct process groups of `found` (as [`marked`] returns them), in order.

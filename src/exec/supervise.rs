@@ -392,31 +392,63 @@ fn abandon_start(child: &mut Child, run_dir: &RunDir, why: &str) -> Option<Spawn
 }
 
 /// Sends SIGKILL to every process group holding a live process marked as a supervisor of
-/// `attempt` ([`SUPERVISOR_VAR`]). A supervisor leads its own group; a child it forked
-/// joins the job's group before it becomes the job (and drops the mark): each group
-/// reaches both. Returns how many groups there were; an error if one could not be
-/// signalled (the others still are).
-fn kill_marked(attempt: &AttemptId) -> io::Result<usize> {
-    let found = group::marked_by(SUPERVISOR_VAR, attempt.as_str())?;
+/// `attempt` ([`SUPERVISOR_VAR`]) and run by the agent's own user (supervisors never
+/// change user; another user's process carrying the mark is not one, and an agent
+/// running as root would otherwise signal whatever group that user put it in). A
+/// supervisor leads its own group; a child it forked joins the job's group before it
+/// becomes the job (and drops the mark): each group reaches both. Returns how many
+/// groups there were; an error if one could not be signalled (the others still are).
+fn signal_marked(attempt: &AttemptId, signal: rustix::process::Signal) -> io::Result<usize> {
+    let mut found = group::marked_by(SUPERVISOR_VAR, attempt.as_str())?;
+    found.retain(|(pid, _)| group::owned_by_me(*pid));
     let groups = group::groups_of(&found);
     let mut failed = None;
     for &pgid in &groups {
         let pgid = u32::try_from(pgid).unwrap_or(0);
-        if let Err(e) = group::signal_group(pgid, rustix::process::Signal::KILL) {
+        if let Err(e) = group::signal_group(pgid, signal) {
             failed.get_or_insert(e);
         }
     }
     failed.map_or(Ok(groups.len()), Err)
 }
 
-/// Kills the supervisors of the attempt of `run_dir` that still run, and anything they
-/// forked that carries their mark, until none is left, for up to `grace` (an error past
-/// it). A previous agent started them and died before they handed the job over: one
-/// this slow may yet start the job, after the agent started it again. The spec they
-/// were to read goes too (its environment may hold secrets). Returns whether there were
-/// any.
-pub(crate) async fn stop_stalled(run_dir: &RunDir, poll: Duration, grace: Duration) -> io::Result<bool> {
-    let deadline = Instant::now() + grace;
+/// SIGKILL to the supervisors of `attempt` and what they forked ([`signal_marked`]).
+fn kill_marked(attempt: &AttemptId) -> io::Result<usize> {
+    signal_marked(attempt, rustix::process::Signal::KILL)
+}
+
+/// What [`stop_stalled`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Stalled {
+    /// No supervisor of the attempt runs.
+    Nothing,
+    /// Its supervisor handed the job over after all (its handle and pid): it runs on.
+    HandedOver(ExecutorHandle, u32),
+    /// Its supervisors were killed.
+    Stopped,
+}
+
+/// Stops the supervisors of the attempt of `run_dir` that still run, and anything they
+/// forked that carries their mark. A previous agent started them and died before they
+/// handed the job over: one this slow may yet start the job, after the agent started it
+/// again. They are frozen (SIGSTOP) first and the `job` file read again, so that one
+/// that handed the job over since the agent last looked is let go on and found, not
+/// killed with its job left unwatched; otherwise they are killed, until none is left,
+/// for up to `grace` (an error past it). The spec they were to read goes too (its
+/// environment may hold secrets).
+pub(crate) async fn stop_stalled(run_dir: &RunDir, poll: Duration, grace: Duration) -> io::Result<Stalled> {
+    use rustix::process::Signal;
+    if signal_marked(&run_dir.attempt, Signal::STOP).is_ok_and(|frozen| frozen > 0) {
+        if let Ok(Some((handle, _))) = read_handoff(run_dir) {
+            if let Some((pid, _)) = parse_handle(&handle) {
+                signal_marked(&run_dir.attempt, Signal::CONT)?;
+                return Ok(Stalled::HandedOver(handle, pid));
+            }
+        }
+    }
+    // A few looks at least, whatever the grace: SIGKILL takes effect when the process
+    // next runs.
+    let deadline = Instant::now() + grace.max(poll.saturating_mul(4));
     let mut any = false;
     // Looked for again after each kill: one forked before it died is found next time,
     // and one that is dead forks nothing more.
@@ -427,10 +459,8 @@ pub(crate) async fn stop_stalled(run_dir: &RunDir, poll: Duration, grace: Durati
         }
         Timer::after(poll).await;
     }
-    if any {
-        let _ = fs::remove_file(run_dir.spec_file());
-    }
-    Ok(any)
+    let _ = fs::remove_file(run_dir.spec_file());
+    Ok(if any { Stalled::Stopped } else { Stalled::Nothing })
 }
 
 /// Writes the job's `status` whole.
@@ -467,7 +497,11 @@ pub(crate) fn main(args: &[String]) -> i32 {
         Box::pin(async move {
             let mut job = match Job::spawn(&spec, run_dir.clone(), poll) {
                 Ok(job) => job,
-                Err(e) => return record(&run_dir, &Status::NotStarted(e.to_string())).map_err(|e| e.to_string()),
+                Err(e) => {
+                    // Nothing will start: the spec's environment may hold secrets.
+                    let _ = fs::remove_file(run_dir.spec_file());
+                    return record(&run_dir, &Status::NotStarted(e.to_string())).map_err(|e| e.to_string());
+                }
             };
             crate::fault::hit("handoff");
             let me = std::process::id();
