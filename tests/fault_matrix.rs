@@ -1023,10 +1023,7 @@ fn a_clock_ten_minutes_ahead_still_completes_its_runs() {
     let mut agent = Agent::start_with_env(&root.0, &control, &[], &[("QL_AGENT_CLOCK_SKEW_MS", "600000")]);
     let run = control.submit(&["--", "echo", "on time"]);
     let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
-    let shown = common::wait_for("the run to end", context, || {
-        let shown = control.show(&run);
-        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
-    });
+    let shown = run_ended(&control, &run, context);
     assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
     assert_eq!(control.logs(&run), b"on time\n");
     assert!(agent.terminate().success(), "{}", agent.log());
@@ -1049,10 +1046,7 @@ fn a_live_log_refused_at_the_offset_it_holds_waits_and_renews_meanwhile() {
     let mut agent = Agent::start(&root.0, &control, &backoff);
     let run = control.submit(&["--", "echo", "held back"]);
     let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
-    let shown = common::wait_for("the run to end", context, || {
-        let shown = control.show(&run);
-        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
-    });
+    let shown = run_ended(&control, &run, context);
     assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
     assert_eq!(shown["attempts"].as_array().map(Vec::len), Some(1), "the lease held: {shown}");
     assert!(control.log().contains("fault conflict:log.append@4 fired (request 4)"), "{}", context());
@@ -1072,6 +1066,14 @@ fn a_live_log_refused_at_the_offset_it_holds_waits_and_renews_meanwhile() {
     assert!(agent.terminate().success(), "{}", agent.log());
 }
 
+/// The shown run, once it ended (whatever its status).
+fn run_ended(control: &Control, run: &str, context: impl Fn() -> String) -> Value {
+    common::wait_for("the run to end", context, || {
+        let shown = control.show(run);
+        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
+    })
+}
+
 /// A job's supervisor dies after it started the job and before it said which process it
 /// is (killed on a router short of memory, say). The job may already run, so the agent
 /// neither runs it again itself nor leaves it running unwatched: it stops it and reports
@@ -1085,10 +1087,7 @@ fn a_supervisor_that_dies_after_starting_the_job_never_makes_it_run_twice() {
     let job = format!("echo once >> '{}'; sleep 3", ran.display());
     let run = control.submit(&["--retries", "0", "--", "sh", "-c", &job]);
     let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
-    let shown = common::wait_for("the run to end", context, || {
-        let shown = control.show(&run);
-        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
-    });
+    let shown = run_ended(&control, &run, context);
     assert_eq!(shown["status"], "failed", "{shown}\n{}", context());
     assert!(agent.log().contains("its supervisor failed after starting the job"), "{}", context());
     // Stopped, the job ran at most once (its first line, if it got that far).
@@ -1140,10 +1139,7 @@ fn a_supervisor_slower_than_the_handoff_timeout_is_stopped_before_the_job_starts
     fs::write(&agent.config, restarted).unwrap();
     agent = Agent::spawn(&root.0, agent.config.clone());
     let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
-    let shown = common::wait_for("the run to end", context, || {
-        let shown = control.show(&run);
-        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
-    });
+    let shown = run_ended(&control, &run, context);
     assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
     assert_eq!(shown["attempts"].as_array().unwrap().len(), 1, "{shown}");
     assert!(!common::alive(supervisor), "the slow supervisor is gone\n{}", context());
@@ -1165,10 +1161,7 @@ fn a_slow_supervisor_costs_its_own_job_a_supervisor_and_the_next_job_tries_again
     let mut attempts = Vec::new();
     for n in 1..=2 {
         let run = control.submit(&["--", "sh", "-c", &format!("echo job {n}")]);
-        let shown = common::wait_for("the run to end", context, || {
-            let shown = control.show(&run);
-            common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
-        });
+        let shown = run_ended(&control, &run, context);
         assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
         assert_eq!(control.logs(&run), format!("job {n}\n").into_bytes());
         attempts.push(shown["attempts"][0]["attemptId"].as_str().unwrap().to_owned());
@@ -1208,10 +1201,7 @@ fn a_clock_ten_minutes_ahead_still_reports_a_job_that_ended_while_the_agent_was_
         &[skew],
     );
     let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", second.log(), control.log());
-    let shown = common::wait_for("the run to end", context, || {
-        let shown = control.show(&run);
-        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
-    });
+    let shown = run_ended(&control, &run, context);
     assert_ne!(shown["errorCode"], "LEASE_LOST", "{shown}\n{}", context());
     assert!(events(&shown).iter().any(|(_, kind)| kind == "attempt.completed"), "{shown}\n{}", context());
     assert!(second.terminate().success(), "{}", second.log());
@@ -1234,10 +1224,7 @@ fn a_seal_slower_than_the_call_timeout_again_and_again_keeps_the_session_and_the
     let mut agent = Agent::start(&root.0, &control, &[]);
     let run = control.submit(&["--", "sh", "-c", "sleep 1; echo sealed late"]);
     let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
-    let shown = common::wait_for("the run to end", context, || {
-        let shown = control.show(&run);
-        common::is_terminal(shown["status"].as_str().unwrap_or("")).then_some(shown)
-    });
+    let shown = run_ended(&control, &run, context);
     assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
     assert!(control.log().contains("fault delay:artifact.seal@6 fired"), "{}", context());
     assert_eq!(control.logs(&run), b"sealed late\n");
