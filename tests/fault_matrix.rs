@@ -1148,6 +1148,49 @@ fn a_supervisor_slower_than_the_handoff_timeout_is_stopped_before_the_job_starts
     assert!(agent.terminate().success(), "{}", agent.log());
 }
 
+/// The agent dies while a job's supervisor has started the job but hangs before it says
+/// which process it is. The restarted agent freezes and kills that supervisor, finds the
+/// job by its attempt id, and, nobody watching its output any more, stops it and gives
+/// the attempt up as lost: the run goes again within its retries, never twice at once.
+#[test]
+fn a_supervisor_that_started_the_job_and_hangs_is_stopped_and_its_attempt_given_up() {
+    let root = TempDir::new("supervisor-hangs-after-start");
+    let control = Control::start(&root.0);
+    let patient = [("handoff_timeout_ms", "60000")];
+    let mut agent = Agent::start_with_env(&root.0, &control, &patient, &[("QL_AGENT_FAULT", "hang:handoff")]);
+    let (marker, pids) = (root.0.join("first"), root.0.join("pids"));
+    let body = format!(
+        "if [ -e {m} ]; then echo second; else touch {m}; echo $$ >> {p}; echo first; sleep 600; fi",
+        m = marker.display(),
+        p = pids.display()
+    );
+    let run = control.submit(&["--retries", "1", "--", "sh", "-c", &body]);
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    let job = common::wait_for("the job's pid", context, || common::read_pids(&pids).first().copied());
+    let attempt: String = control.show(&run)["attempts"][0]["attemptId"].as_str().unwrap().to_owned();
+    let supervisor = common::wait_for("its supervisor", context, || {
+        tagged_processes("QL_SUPERVISOR_OF", &attempt).into_iter().next()
+    });
+    common::signal(&agent.proc.0, rustix::process::Signal::KILL);
+    let _ = agent.proc.0.wait();
+
+    let config = fs::read_to_string(&agent.config).unwrap();
+    let restarted = config.replace("handoff_timeout_ms = 60000", "handoff_timeout_ms = 2000");
+    assert_ne!(config, restarted, "the restarted agent's hand-off timeout is set");
+    fs::write(&agent.config, restarted).unwrap();
+    agent = Agent::spawn(&root.0, agent.config.clone());
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    let shown = run_ended(&control, &run, context);
+    assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
+    let attempts = shown["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{shown}");
+    assert_eq!(attempts[0]["errorCode"], "WORKER_LOST", "{shown}");
+    assert_eq!(control.logs(&run), b"second\n");
+    assert!(!common::alive(supervisor) && !common::alive(job), "both stopped\n{}", context());
+    assert!(agent.log().contains("stopped the supervisor the previous agent started"), "{}", context());
+    assert!(agent.terminate().success(), "{}", agent.log());
+}
+
 /// Every supervisor slower than `handoff_timeout_ms` (each hangs before it reads its
 /// spec): the agent stops each one and runs that job itself, and tries a supervisor again
 /// for the next job rather than giving supervision up for good.

@@ -248,8 +248,8 @@ impl Agent {
                     None => {
                         let (poll, grace) = (self.cfg.group_poll, self.cfg.stop_grace);
                         match exec::supervise::stop_stalled(&run_dir, poll, grace).await {
-                            Ok(exec::supervise::Stalled::HandedOver(handle, pid)) => {
-                                (Some(Ok((handle, pid))), Ok(exec::supervise::Stalled::Nothing))
+                            Ok(exec::supervise::Stalled::Said(said)) => {
+                                (Some(said), Ok(exec::supervise::Stalled::Nothing))
                             }
                             stalled => (None, stalled),
                         }

@@ -24,9 +24,10 @@
 //! [`exit_recorded`] when the job ended meanwhile. Only when the machine itself went down
 //! are both gone, and the exit is unknown. When the agent died while its supervisor was
 //! still starting the job, the restarted agent waits `handoff_timeout_ms` for the hand-over
-//! ([`handed_off`]); a supervisor slower than that is killed ([`stop_stalled`], found by the
-//! attempt it carries in [`SUPERVISOR_VAR`]) before the agent looks for the job, or starts
-//! it, itself: else the two could both start it.
+//! ([`handed_off`]); a supervisor slower than that ([`stop_stalled`], found by the attempt
+//! it carries in [`SUPERVISOR_VAR`]) is frozen, its files read once more (it may have handed
+//! the job over just then, and goes on), and otherwise killed before the agent looks for
+//! the job, or starts it, itself: else the two could both start it.
 //!
 //! [`Supervised`] has the shape of [`Job`] for the agent: the spool's length for the live
 //! log ([`Supervised::spooled`], read from the file every `poll`), [`Supervised::wait`]
@@ -290,6 +291,11 @@ impl Supervised {
     pub(crate) fn attach(run_dir: RunDir, poll: Duration) -> io::Result<Supervised> {
         let (handle, supervisor) = read_handoff(&run_dir)?.ok_or_else(|| io::Error::other("no job file"))?;
         let (pid, _) = parse_handle(&handle).ok_or_else(|| io::Error::other("a bad job file"))?;
+        // An agent that died while it had frozen the supervisor ([`stop_stalled`]) left it
+        // stopped: it goes on (it leads its own group, which holds nothing else).
+        if let Some((supervisor_pid, _)) = parse_handle(&supervisor) {
+            let _ = group::signal_group(supervisor_pid, rustix::process::Signal::CONT);
+        }
         let spooled = Rc::new(Cell::new(fs::metadata(&run_dir.spool).map_or(0, |m| m.len())));
         let poll = poll.max(Duration::from_millis(1));
         Ok(Supervised { child: None, supervisor, pid, handle, run_dir, spooled, poll, exit: None })
@@ -391,30 +397,37 @@ fn abandon_start(child: &mut Child, run_dir: &RunDir, why: &str) -> Option<Spawn
     })
 }
 
-/// Sends SIGKILL to every process group holding a live process marked as a supervisor of
-/// `attempt` ([`SUPERVISOR_VAR`]) and run by the agent's own user (supervisors never
-/// change user; another user's process carrying the mark is not one, and an agent
-/// running as root would otherwise signal whatever group that user put it in). A
+/// The process groups holding a live process marked as a supervisor of `attempt`
+/// ([`SUPERVISOR_VAR`]) and run by the agent's own user (supervisors never change user;
+/// another user's process carrying the mark is not one, and an agent running as root
+/// would otherwise signal whatever group that user put it in), with those processes. A
 /// supervisor leads its own group; a child it forked joins the job's group before it
-/// becomes the job (and drops the mark): each group reaches both. Returns how many
-/// groups there were; an error if one could not be signalled (the others still are).
-fn signal_marked(attempt: &AttemptId, signal: rustix::process::Signal) -> io::Result<usize> {
+/// becomes the job (and drops the mark): each group reaches both.
+fn marked_supervisors(attempt: &AttemptId) -> io::Result<(Vec<u32>, Vec<u32>)> {
     let mut found = group::marked_by(SUPERVISOR_VAR, attempt.as_str())?;
     found.retain(|(pid, _)| group::owned_by_me(*pid));
-    let groups = group::groups_of(&found);
+    let groups = group::groups_of(&found).into_iter().filter_map(|g| u32::try_from(g).ok()).collect();
+    Ok((groups, found.into_iter().map(|(pid, _)| pid).collect()))
+}
+
+/// Sends `signal` to each of `groups`; an error if one could not be signalled (the others
+/// still are).
+fn signal_groups(groups: &[u32], signal: rustix::process::Signal) -> io::Result<()> {
     let mut failed = None;
-    for &pgid in &groups {
-        let pgid = u32::try_from(pgid).unwrap_or(0);
+    for &pgid in groups {
         if let Err(e) = group::signal_group(pgid, signal) {
             failed.get_or_insert(e);
         }
     }
-    failed.map_or(Ok(groups.len()), Err)
+    failed.map_or(Ok(()), Err)
 }
 
-/// SIGKILL to the supervisors of `attempt` and what they forked ([`signal_marked`]).
+/// SIGKILL to the supervisors of `attempt` and what they forked ([`marked_supervisors`]).
+/// Returns how many groups there were.
 fn kill_marked(attempt: &AttemptId) -> io::Result<usize> {
-    signal_marked(attempt, rustix::process::Signal::KILL)
+    let (groups, _) = marked_supervisors(attempt)?;
+    signal_groups(&groups, rustix::process::Signal::KILL)?;
+    Ok(groups.len())
 }
 
 /// What [`stop_stalled`] found.
@@ -422,8 +435,9 @@ fn kill_marked(attempt: &AttemptId) -> io::Result<usize> {
 pub(crate) enum Stalled {
     /// No supervisor of the attempt runs.
     Nothing,
-    /// Its supervisor handed the job over after all (its handle and pid): it runs on.
-    HandedOver(ExecutorHandle, u32),
+    /// Its supervisor said, after all, what became of the job ([`handed_off`]'s answer):
+    /// one that handed it over runs on.
+    Said(Result<(ExecutorHandle, u32), String>),
     /// Its supervisors were killed.
     Stopped,
 }
@@ -431,28 +445,44 @@ pub(crate) enum Stalled {
 /// Stops the supervisors of the attempt of `run_dir` that still run, and anything they
 /// forked that carries their mark. A previous agent started them and died before they
 /// handed the job over: one this slow may yet start the job, after the agent started it
-/// again. They are frozen (SIGSTOP) first and the `job` file read again, so that one
-/// that handed the job over since the agent last looked is let go on and found, not
-/// killed with its job left unwatched; otherwise they are killed, until none is left,
-/// for up to `grace` (an error past it). The spec they were to read goes too (its
-/// environment may hold secrets).
+/// again. They are frozen (SIGSTOP) first, and once they are (or after `grace`) their
+/// files are read again: one that handed the job over since the agent last looked is let
+/// go on (SIGCONT) and its job found, not killed with the job left unwatched; one that
+/// ended meanwhile is heard as it would have been. Otherwise every group frozen, and any
+/// marked since, is killed, until none is left, for up to `grace` (an error past it).
+/// The spec they were to read goes too (its environment may hold secrets).
 pub(crate) async fn stop_stalled(run_dir: &RunDir, poll: Duration, grace: Duration) -> io::Result<Stalled> {
     use rustix::process::Signal;
-    if signal_marked(&run_dir.attempt, Signal::STOP).is_ok_and(|frozen| frozen > 0) {
-        if let Ok(Some((handle, _))) = read_handoff(run_dir) {
-            if let Some((pid, _)) = parse_handle(&handle) {
-                signal_marked(&run_dir.attempt, Signal::CONT)?;
-                return Ok(Stalled::HandedOver(handle, pid));
-            }
-        }
-    }
-    // A few looks at least, whatever the grace: SIGKILL takes effect when the process
+    // A few looks at least, whatever the grace: a signal takes effect when the process
     // next runs.
     let deadline = Instant::now() + grace.max(poll.saturating_mul(4));
-    let mut any = false;
-    // Looked for again after each kill: one forked before it died is found next time,
-    // and one that is dead forks nothing more.
-    while kill_marked(&run_dir.attempt)? > 0 {
+    let (frozen, pids) = marked_supervisors(&run_dir.attempt)?;
+    let _ = signal_groups(&frozen, Signal::STOP);
+    // A stop lands once a system call in progress (a rename on slow flash) is done.
+    let unstopped = |pid: u32| group::read_stat(pid).is_ok_and(|s| s.is_live() && !matches!(s.state, b'T' | b't'));
+    while Instant::now() < deadline && pids.iter().any(|&pid| unstopped(pid)) {
+        Timer::after(poll).await;
+    }
+    if let Ok(Some(said)) = handed_off(run_dir, Duration::ZERO) {
+        if said.is_ok() {
+            if let Err(e) = signal_groups(&frozen, Signal::CONT) {
+                warn!("the job's supervisor handed it over, but could not be let go on: {e}");
+            }
+        } else {
+            let _ = signal_groups(&frozen, Signal::KILL);
+        }
+        return Ok(Stalled::Said(said));
+    }
+    // The groups frozen go whether or not they still carry the mark (a child that became
+    // the job meanwhile does not); then whatever is marked, until nothing is.
+    let mut any = !frozen.is_empty();
+    signal_groups(&frozen, Signal::KILL)?;
+    loop {
+        let marked = kill_marked(&run_dir.attempt)?;
+        let frozen_alive = frozen.iter().any(|&g| group::group_alive(g).unwrap_or(false));
+        if marked == 0 && !frozen_alive {
+            break;
+        }
         any = true;
         if Instant::now() >= deadline {
             return Err(io::Error::other("a supervisor of the job outlived SIGKILL"));

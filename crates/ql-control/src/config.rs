@@ -186,7 +186,7 @@ pub struct Config {
     /// How long a one-time enrolment token (`enroll --token`) can be used.
     pub enrolment_token_ttl_ms: u64,
     /// Concurrent connections without a client certificate (agents enrolling with a
-    /// token); each is served one request.
+    /// token); each is served one request (0: none, no enrolment over the network).
     pub max_anonymous_connections: u64,
     /// Of those, how many one address may hold (an IPv6 peer's /64).
     pub max_anonymous_connections_per_ip: u64,

@@ -42,12 +42,18 @@ enum Phase {
 pub(super) struct HeadClock {
     phase: Mutex<Phase>,
     changed: Notify,
+    /// Set once a request of the connection was being answered, and never cleared.
+    begun: std::sync::atomic::AtomicBool,
 }
 
 impl HeadClock {
     /// A fresh connection, waiting for its first request.
     pub(super) fn new() -> Arc<Self> {
-        Arc::new(Self { phase: Mutex::new(Phase::Idle(Instant::now())), changed: Notify::new() })
+        Arc::new(Self {
+            phase: Mutex::new(Phase::Idle(Instant::now())),
+            changed: Notify::new(),
+            begun: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
     fn set(&self, change: impl FnOnce(Phase) -> Phase) {
@@ -69,12 +75,14 @@ impl HeadClock {
 
     /// A head was complete and its request is being answered.
     pub(super) fn answering(&self) {
+        self.begun.store(true, std::sync::atomic::Ordering::Relaxed);
         self.set(|_| Phase::Busy);
     }
 
-    /// Whether a request of the connection is being answered now.
-    pub(super) fn is_answering(&self) -> bool {
-        *self.phase.lock().unwrap_or_else(|e| e.into_inner()) == Phase::Busy
+    /// Whether a request of the connection was ever answered, or is being answered now
+    /// (its answer may still be on its way out after [`HeadClock::answered`]).
+    pub(super) fn has_answered(&self) -> bool {
+        self.begun.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The answer is out: the connection waits for the next request.

@@ -419,9 +419,22 @@ async fn connection<S: Store, B: BlobStore>(
     mut stopped: watch::Receiver<bool>,
 ) {
     let cfg = &shared.cfg;
-    let Ok(handshaking) = shared.occupancy.handshake(ip, cfg) else {
-        turn_away(shared, "handshakes", &format!("from {ip}: too many handshakes in progress"));
-        return;
+    let handshaking = match shared.occupancy.handshake(ip, cfg) {
+        Ok(place) => place,
+        Err(full) => {
+            let line = match full {
+                occupancy::Full::Address => format!(
+                    "from {ip}: its {} handshakes in progress (max_handshakes_per_ip) taken",
+                    cfg.max_handshakes_per_ip
+                ),
+                occupancy::Full::All => format!(
+                    "from {ip}: all {} handshake places (max_handshakes) taken, by no address holding two more",
+                    cfg.max_handshakes
+                ),
+            };
+            turn_away(shared, "handshakes", &line);
+            return;
+        }
     };
     // Requests and answers are small and sequential: do not hold them back for Nagle.
     let _ = tcp.set_nodelay(true);
@@ -475,6 +488,11 @@ async fn connection<S: Store, B: BlobStore>(
                         "from {ip}: its {} connections without a certificate (max_anonymous_connections_per_ip) taken",
                         cfg.max_anonymous_connections_per_ip
                     ),
+                    occupancy::Full::All if cfg.max_anonymous_connections == 0 => {
+                        format!(
+                            "from {ip}: connections without a certificate are refused (max_anonymous_connections 0)"
+                        )
+                    }
                     occupancy::Full::All => format!(
                         "from {ip}: all {} places for connections without a certificate \
                          (max_anonymous_connections) taken, by no address holding two more",
@@ -532,11 +550,11 @@ async fn connection<S: Store, B: BlobStore>(
             // goes at once.
             () = async { evicted.as_ref().expect("guarded").notified().await }, if evicted.is_some() => break,
             // Without a certificate, its place went to an address holding fewer: it closes,
-            // unless its one request is being answered (an enrolment cut short could spend
-            // its token for nothing); it closes after that answer anyway.
+            // unless its one request is being answered or its answer written (an enrolment
+            // cut short could spend its token for nothing); it closes after that anyway.
             () = async { anonymous_evicted.as_ref().expect("guarded").notified().await }, if anonymous_evicted.is_some() => {
                 anonymous_evicted = None;
-                if !clock.is_answering() {
+                if !clock.has_answered() {
                     turn_away(shared, "anonymous", &format!("from {ip}: closed for a connection without a certificate from an address holding fewer"));
                     break;
                 }
