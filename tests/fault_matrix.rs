@@ -1096,6 +1096,50 @@ fn a_supervisor_that_dies_after_starting_the_job_never_makes_it_run_twice() {
     assert!(agent.terminate().success(), "{}", agent.log());
 }
 
+/// An agent whose supervisors hang at `fault` (`hang:<point>`), and which would wait a
+/// minute for a hand-over: the test kills it long before.
+fn hanging_agent(root: &TempDir, control: &Control, fault: &str) -> Agent {
+    Agent::start_with_env(&root.0, control, &[("handoff_timeout_ms", "60000")], &[("QL_AGENT_FAULT", fault)])
+}
+
+/// Kills the supervisors of an attempt that are still there when dropped: a hung one never
+/// gets past its point by itself, however the test ends. (Only pids that carry the mark,
+/// so as never to signal another process.)
+struct Reaped(String);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        for pid in tagged_processes("QL_SUPERVISOR_OF", &self.0) {
+            let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+/// The pid of the supervisor of `run`'s first attempt, once there is one, and what ends it.
+fn hung_supervisor(control: &Control, run: &str, agent: &Agent) -> (u32, Reaped) {
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    let attempt: String = common::wait_for("the run's attempt", context, || {
+        control.show(run)["attempts"][0]["attemptId"].as_str().map(str::to_owned)
+    });
+    let supervisor = common::wait_for("its supervisor", context, || {
+        tagged_processes("QL_SUPERVISOR_OF", &attempt).into_iter().next()
+    });
+    (supervisor, Reaped(attempt))
+}
+
+/// Kills `agent` and starts it again on its state, without a fault, waiting 2 s for a
+/// hand-over (its own supervisors, on a busy machine, hand over in time).
+fn restart_impatient(root: &TempDir, agent: &mut Agent) {
+    common::signal(&agent.proc.0, rustix::process::Signal::KILL);
+    let _ = agent.proc.0.wait();
+    let config = fs::read_to_string(&agent.config).unwrap();
+    let restarted = config.replace("handoff_timeout_ms = 60000", "handoff_timeout_ms = 2000");
+    assert_ne!(config, restarted, "the restarted agent's hand-off timeout is set");
+    fs::write(&agent.config, restarted).unwrap();
+    *agent = Agent::spawn(&root.0, agent.config.clone());
+}
+
 /// The agent dies while a job's supervisor, slower than `handoff_timeout_ms`, has not yet
 /// started the job (a router thrashing its flash, say). The restarted agent must not start
 /// the job beside it: it kills that supervisor first, then starts the job once. (It once
@@ -1105,39 +1149,12 @@ fn a_supervisor_slower_than_the_handoff_timeout_is_stopped_before_the_job_starts
     let root = TempDir::new("supervisor-slow");
     let control = Control::start(&root.0);
     // The first agent would wait a minute for the hand-over: it dies long before.
-    let patient = [("handoff_timeout_ms", "60000")];
-    let mut agent = Agent::start_with_env(&root.0, &control, &patient, &[("QL_AGENT_FAULT", "hang:supervise")]);
+    let mut agent = hanging_agent(&root, &control, "hang:supervise");
     let ran = root.0.join("ran");
     let run = control.submit(&["--retries", "0", "--", "sh", "-c", &format!("echo once >> '{}'", ran.display())]);
-    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
-    let attempt: String = common::wait_for("the run's attempt", context, || {
-        control.show(&run)["attempts"][0]["attemptId"].as_str().map(str::to_owned)
-    });
     // Found, it hangs before it reads the spec, or soon will: it never gets past that.
-    let supervisor = common::wait_for("its supervisor", context, || {
-        tagged_processes("QL_SUPERVISOR_OF", &attempt).into_iter().next()
-    });
-    // It never gets past its point by itself: however this test ends, it ends it (if its
-    // pid still carries the mark, so as never to signal another process).
-    struct Reaped(String);
-    impl Drop for Reaped {
-        fn drop(&mut self) {
-            for pid in tagged_processes("QL_SUPERVISOR_OF", &self.0) {
-                let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-            }
-        }
-    }
-    let _reaped = Reaped(attempt.clone());
-    common::signal(&agent.proc.0, rustix::process::Signal::KILL);
-    let _ = agent.proc.0.wait();
-
-    // Restarted, it waits 2 s (its own supervisor, on a busy machine, hands over in time).
-    let config = fs::read_to_string(&agent.config).unwrap();
-    let restarted = config.replace("handoff_timeout_ms = 60000", "handoff_timeout_ms = 2000");
-    assert_ne!(config, restarted, "the restarted agent's hand-off timeout is set");
-    fs::write(&agent.config, restarted).unwrap();
-    agent = Agent::spawn(&root.0, agent.config.clone());
+    let (supervisor, _reaped) = hung_supervisor(&control, &run, &agent);
+    restart_impatient(&root, &mut agent);
     let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
     let shown = run_ended(&control, &run, context);
     assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
@@ -1156,8 +1173,7 @@ fn a_supervisor_slower_than_the_handoff_timeout_is_stopped_before_the_job_starts
 fn a_supervisor_that_started_the_job_and_hangs_is_stopped_and_its_attempt_given_up() {
     let root = TempDir::new("supervisor-hangs-after-start");
     let control = Control::start(&root.0);
-    let patient = [("handoff_timeout_ms", "60000")];
-    let mut agent = Agent::start_with_env(&root.0, &control, &patient, &[("QL_AGENT_FAULT", "hang:handoff")]);
+    let mut agent = hanging_agent(&root, &control, "hang:handoff");
     let (marker, pids) = (root.0.join("first"), root.0.join("pids"));
     let body = format!(
         "if [ -e {m} ]; then echo second; else touch {m}; echo $$ >> {p}; echo first; sleep 600; fi",
@@ -1167,18 +1183,8 @@ fn a_supervisor_that_started_the_job_and_hangs_is_stopped_and_its_attempt_given_
     let run = control.submit(&["--retries", "1", "--", "sh", "-c", &body]);
     let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
     let job = common::wait_for("the job's pid", context, || common::read_pids(&pids).first().copied());
-    let attempt: String = control.show(&run)["attempts"][0]["attemptId"].as_str().unwrap().to_owned();
-    let supervisor = common::wait_for("its supervisor", context, || {
-        tagged_processes("QL_SUPERVISOR_OF", &attempt).into_iter().next()
-    });
-    common::signal(&agent.proc.0, rustix::process::Signal::KILL);
-    let _ = agent.proc.0.wait();
-
-    let config = fs::read_to_string(&agent.config).unwrap();
-    let restarted = config.replace("handoff_timeout_ms = 60000", "handoff_timeout_ms = 2000");
-    assert_ne!(config, restarted, "the restarted agent's hand-off timeout is set");
-    fs::write(&agent.config, restarted).unwrap();
-    agent = Agent::spawn(&root.0, agent.config.clone());
+    let (supervisor, _reaped) = hung_supervisor(&control, &run, &agent);
+    restart_impatient(&root, &mut agent);
     let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
     let shown = run_ended(&control, &run, context);
     assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
