@@ -374,11 +374,8 @@ impl Supervised {
 /// before it could say which process it started).
 fn stop_marked(attempt: &AttemptId) {
     let Ok(found) = group::marked(attempt.as_str()) else { return };
-    for pgid in group::groups_of(&found) {
-        if let Ok(pgid) = u32::try_from(pgid) {
-            let _ = group::signal_group(pgid, rustix::process::Signal::KILL);
-        }
-    }
+    let groups: Vec<u32> = group::groups_of(&found).into_iter().filter_map(|g| u32::try_from(g).ok()).collect();
+    let _ = signal_groups(&groups, rustix::process::Signal::KILL);
 }
 
 /// Ends a supervisor the agent gives up on before it handed the job over, and a child it
