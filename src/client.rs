@@ -19,8 +19,6 @@ use ql_wire::route::{Route, JSON_MEDIA_TYPE};
 use ql_wire::time::Timestamp;
 use ql_wire::{decode, encode_exact, Body, ErrorBody, ErrorCode};
 use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig, TlsProvider};
-use ureq::unversioned::resolver::{DefaultResolver, ResolvedSocketAddrs, Resolver};
-use ureq::unversioned::transport::{DefaultConnector, NextTimeout};
 use zeroize::Zeroizing;
 
 /// How long each step of a call may take. Every one is configurable.
@@ -160,27 +158,6 @@ pub(crate) struct Client {
     server_date: Cell<Option<(Instant, Timestamp)>>,
 }
 
-/// ureq's resolver, asked without a deadline. Given one (any call timeout sets one), ureq
-/// resolves on a thread of its own for every request, so it can give up on a slow lookup:
-/// a third thread, with its own malloc arena and a 2 MiB stack, in a daemon that otherwise
-/// has two. Without one it resolves on the calling thread, as every other step of a call
-/// runs: a lookup is bounded by the system resolver's own timeouts (`resolv.conf`), and an
-/// IP address in `server` needs none.
-#[derive(Debug, Default)]
-struct InlineResolver(DefaultResolver);
-
-impl Resolver for InlineResolver {
-    fn resolve(
-        &self,
-        uri: &ureq::http::Uri,
-        config: &ureq::config::Config,
-        timeout: NextTimeout,
-    ) -> Result<ResolvedSocketAddrs, ureq::Error> {
-        let untimed = NextTimeout { after: ureq::unversioned::transport::time::Duration::NotHappening, ..timeout };
-        self.0.resolve(uri, config, untimed)
-    }
-}
-
 /// A ring provider restricted to TLS 1.3 suites: ureq has no protocol-version setting,
 /// and without TLS 1.2 suites no TLS 1.2 handshake can be agreed.
 fn tls13_provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -239,7 +216,7 @@ impl Client {
             .timeout_connect(Some(timeouts.connect))
             .user_agent(format!("ql-agent/{}", env!("CARGO_PKG_VERSION")))
             .build();
-        let agent = ureq::Agent::with_parts(config, DefaultConnector::new(), InlineResolver::default());
+        let agent = ql_client::agent(config);
         Self { agent, base: base.trim_end_matches('/').to_owned(), timeouts, server_date: Cell::new(None) }
     }
 

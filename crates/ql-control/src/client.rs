@@ -6,8 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ureq::tls::{Certificate, PemItem, RootCerts, TlsConfig, TlsProvider};
-use ureq::unversioned::resolver::{DefaultResolver, ResolvedSocketAddrs, Resolver};
-use ureq::unversioned::transport::{DefaultConnector, NextTimeout};
 
 /// The certificates in PEM text (anything else in it is ignored).
 pub fn certificates(pem: &[u8]) -> Vec<Certificate<'static>> {
@@ -17,31 +15,6 @@ pub fn certificates(pem: &[u8]) -> Vec<Certificate<'static>> {
             _ => None,
         })
         .collect()
-}
-
-/// ureq's resolver, asked without a deadline. Given one (a call timeout sets one), ureq
-/// resolves every request on a thread of its own so that it can give up on a slow lookup:
-/// a thread made and ended per request, for an IP address too, and when a pooled
-/// connection is reused. Without one it resolves on the calling thread, a lookup bounded
-/// by the system resolver's own timeouts (`resolv.conf`). The agent's client does the same.
-#[derive(Debug, Default)]
-pub struct InlineResolver(DefaultResolver);
-
-impl Resolver for InlineResolver {
-    fn resolve(
-        &self,
-        uri: &ureq::http::Uri,
-        config: &ureq::config::Config,
-        timeout: NextTimeout,
-    ) -> Result<ResolvedSocketAddrs, ureq::Error> {
-        let untimed = NextTimeout { after: ureq::unversioned::transport::time::Duration::NotHappening, ..timeout };
-        self.0.resolve(uri, config, untimed)
-    }
-}
-
-/// An agent of `config` that resolves with [`InlineResolver`].
-pub fn agent_of(config: ureq::config::Config) -> ureq::Agent {
-    ureq::Agent::with_parts(config, DefaultConnector::new(), InlineResolver::default())
 }
 
 /// An agent for requests whose body takes as long as its source does (a streamed
@@ -57,7 +30,7 @@ pub fn streaming_agent(roots: &[Certificate<'static>], https_only: bool, timeout
         .timeout_recv_response(Some(timeout))
         .user_agent(format!("ql-control/{}", env!("CARGO_PKG_VERSION")))
         .build();
-    agent_of(config)
+    ql_client::agent(config)
 }
 
 fn tls_config(roots: &[Certificate<'static>]) -> TlsConfig {
@@ -80,25 +53,5 @@ pub fn agent(roots: &[Certificate<'static>], https_only: bool, timeout: Option<D
         .timeout_global(timeout)
         .user_agent(format!("ql-control/{}", env!("CARGO_PKG_VERSION")))
         .build();
-    agent_of(config)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Given a deadline already spent, ureq's own resolver gives up on the thread it would
-    /// look up on; this one looks up on the caller's thread, which no deadline cuts short.
-    #[test]
-    fn a_lookup_runs_on_the_calling_thread_whatever_the_deadline() {
-        let uri: ureq::http::Uri = "https://127.0.0.1:8443/x".parse().unwrap();
-        let spent = NextTimeout {
-            after: ureq::unversioned::transport::time::Duration::Exact(Duration::ZERO),
-            reason: ureq::Timeout::Resolve,
-            per_read: None,
-            per_write: None,
-        };
-        let addrs = InlineResolver::default().resolve(&uri, &ureq::config::Config::default(), spent).unwrap();
-        assert_eq!(addrs.iter().map(|a| a.to_string()).collect::<Vec<_>>(), ["127.0.0.1:8443"]);
-    }
+    ql_client::agent(config)
 }

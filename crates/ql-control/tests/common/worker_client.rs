@@ -33,8 +33,7 @@ pub(crate) fn client(enrolled: &Enrolled, timeout: Duration) -> ureq::Agent {
         .root_certs(RootCerts::new_with_certs(&[ca]))
         .client_cert(Some(ClientCert::new_with_certs(&[cert], key)))
         .build();
-    // Resolved inline, as the agent's client does (a thread per request otherwise).
-    ql_control::client::agent_of(
+    ql_client::agent(
         ureq::Agent::config_builder()
             .tls_config(tls)
             .http_status_as_error(false)
