@@ -4,10 +4,18 @@
 //! TLS records, two TCP segments and two wake-ups of the server for every request, the
 //! smallest heartbeat included. On a router's slow uplink that is a packet and a record's
 //! overhead more per request; on a busy server, a second read for a request it could have
-//! read whole. [`Coalesced`] holds what ureq writes until ureq turns to read the answer
-//! (or half its buffer is full, so an upload still streams), then sends it as one.
+//! read whole. [`Coalesced`] holds the head and sends it with the body's first part, or
+//! when ureq turns to read the answer (a request without a body, or one that waits for
+//! `100 Continue`); later parts of a body go out as they come, so an upload streams at its
+//! source's pace.
 
 use ureq::unversioned::transport::{Buffers, ConnectionDetails, Connector, LazyBuffers, NextTimeout, Transport};
+use ureq::Timeout;
+
+/// The most this transport buffers on its own, each way: ureq's defaults are 128 KiB, and
+/// a request's head, a TLS record and the answers here are all far smaller. The input
+/// buffer still holds ureq's whole limit on an answer's head.
+const OWN_BUFFER: usize = 16 * 1024;
 
 /// The connector that wraps ureq's transport (TLS, or TCP for `http://`) in [`Coalesced`].
 #[derive(Debug)]
@@ -22,38 +30,48 @@ impl Connector<Box<dyn Transport>> for Coalesce {
         chained: Option<Box<dyn Transport>>,
     ) -> Result<Option<Coalesced>, ureq::Error> {
         let config = details.config;
-        Ok(chained.map(|inner| Coalesced::new(inner, config.input_buffer_size(), config.output_buffer_size())))
+        let input = config.input_buffer_size().min(OWN_BUFFER.max(config.max_response_header_size()));
+        let output = config.output_buffer_size().min(OWN_BUFFER);
+        Ok(chained.map(|inner| Coalesced::new(inner, input, output)))
     }
 }
 
-/// A transport that sends what ureq writes only when ureq awaits the answer, or once more
-/// than half its output buffer is held. It has buffers of its own: ureq writes each part
-/// from the start of the output buffer, so the held part must live where the next one
-/// does not land, and reads go through whichever buffers the transport hands out.
+/// A transport that holds a request's head until the body's first part joins it, or until
+/// ureq awaits the answer. It has buffers of its own: ureq writes each part from the start
+/// of the output buffer, so the held head must live where the next part does not land,
+/// and ureq reads through whichever buffers the transport hands out.
 #[derive(Debug)]
 pub struct Coalesced {
     inner: Box<dyn Transport>,
     buffers: LazyBuffers,
     /// Bytes at the start of `buffers`' output written and not yet sent.
     held: usize,
+    /// Whether the request has begun to leave: its later parts go out as they come.
+    sending: bool,
 }
 
 impl Coalesced {
     fn new(inner: Box<dyn Transport>, input_size: usize, output_size: usize) -> Self {
-        Self { inner, buffers: LazyBuffers::new(input_size, output_size), held: 0 }
+        Self { inner, buffers: LazyBuffers::new(input_size, output_size), held: 0, sending: false }
     }
 
     /// Sends everything held, in as few writes as the inner transport's buffer allows.
+    /// What could not be sent stays counted as held, so the connection is not reused.
     fn flush(&mut self, timeout: NextTimeout) -> Result<(), ureq::Error> {
-        let held = std::mem::take(&mut self.held);
         let mut sent = 0;
-        while sent < held {
+        while sent < self.held {
             let out = self.inner.buffers().output();
-            let n = out.len().min(held - sent);
+            let n = out.len().min(self.held - sent);
             out[..n].copy_from_slice(&self.buffers.output()[sent..sent + n]);
-            self.inner.transmit_output(n, timeout)?;
+            self.inner.transmit_output(n, timeout).map_err(|e| match e {
+                // Sent while ureq waits for `100 Continue`, whose timeout ureq takes as
+                // leave to send the body: a head that could not be written is no such leave.
+                ureq::Error::Timeout(Timeout::Await100) => ureq::Error::Timeout(Timeout::SendRequest),
+                e => e,
+            })?;
             sent += n;
         }
+        self.held = 0;
         Ok(())
     }
 }
@@ -64,25 +82,26 @@ impl Transport for Coalesced {
     }
 
     fn transmit_output(&mut self, amount: usize, timeout: NextTimeout) -> Result<(), ureq::Error> {
+        let joins = self.held > 0;
         self.held += amount;
-        if self.held > self.buffers.output().len() / 2 {
+        // A first part more than half the buffer (a long head) goes at once, so that the
+        // next part always has at least half the buffer to be written into.
+        if self.sending || joins || self.held > self.buffers.output().len() / 2 {
+            self.sending = true;
             self.flush(timeout)?;
         }
         Ok(())
     }
 
-    // ureq's default returns at once when input is already buffered, which would leave a
-    // request held while ureq reads.
-    fn maybe_await_input(&mut self, timeout: NextTimeout) -> Result<bool, ureq::Error> {
+    // ureq reaches this through `Box<dyn Transport>`, whose `maybe_await_input` is ureq's
+    // default: it comes here only when `can_use_input` is false, which it is while
+    // anything is held.
+    fn await_input(&mut self, timeout: NextTimeout) -> Result<bool, ureq::Error> {
         self.flush(timeout)?;
+        self.sending = false;
         if self.buffers.can_use_input() {
             return Ok(true);
         }
-        self.await_input(timeout)
-    }
-
-    fn await_input(&mut self, timeout: NextTimeout) -> Result<bool, ureq::Error> {
-        self.flush(timeout)?;
         // What the inner transport read and this one had no room for comes first.
         if self.inner.buffers().input().is_empty() && !self.inner.await_input(timeout)? {
             return Ok(false);
@@ -96,10 +115,11 @@ impl Transport for Coalesced {
         Ok(n > 0)
     }
 
-    /// A connection holding part of a request (ureq gave up on it midway) is never reused:
-    /// the next request would follow that part.
+    /// A connection holding part of a request (ureq gave up on it midway), or bytes read
+    /// past an answer, is never reused: the next request would follow that part, and its
+    /// answer would start with those bytes.
     fn is_open(&mut self) -> bool {
-        self.held == 0 && self.inner.is_open()
+        self.held == 0 && self.inner.buffers().input().is_empty() && self.inner.is_open()
     }
 
     fn is_tls(&self) -> bool {
@@ -136,7 +156,7 @@ impl Buffers for Coalesced {
     }
 
     fn can_use_input(&self) -> bool {
-        self.buffers.can_use_input()
+        self.held == 0 && self.buffers.can_use_input()
     }
 }
 
@@ -146,14 +166,16 @@ mod tests {
     use std::collections::VecDeque;
     use std::sync::{Arc, Mutex};
 
-    /// An in-memory transport: records each write it is asked to send, and answers reads
-    /// from a queue of chunks.
+    type Sent = Arc<Mutex<Vec<Vec<u8>>>>;
+
+    /// An in-memory transport: records each write it is asked to send (or fails it with
+    /// ureq's `100 Continue` timeout), and answers reads from a queue of chunks.
     #[derive(Debug)]
     struct Recorder {
         buffers: LazyBuffers,
-        sent: Arc<Mutex<Vec<Vec<u8>>>>,
+        sent: Sent,
         answers: VecDeque<Vec<u8>>,
-        open: bool,
+        fail: bool,
     }
 
     impl Transport for Recorder {
@@ -162,6 +184,9 @@ mod tests {
         }
 
         fn transmit_output(&mut self, amount: usize, _: NextTimeout) -> Result<(), ureq::Error> {
+            if self.fail {
+                return Err(ureq::Error::Timeout(Timeout::Await100));
+            }
             let out = self.buffers.output()[..amount].to_vec();
             self.sent.lock().unwrap().push(out);
             Ok(())
@@ -176,85 +201,101 @@ mod tests {
         }
 
         fn is_open(&mut self) -> bool {
-            self.open
+            true
         }
     }
 
-    type Sent = Arc<Mutex<Vec<Vec<u8>>>>;
-
-    /// A [`Coalesced`] of `size`-byte buffers over a [`Recorder`] of `inner`-byte ones
-    /// answering `answers`.
-    fn coalesced(inner: usize, size: usize, answers: &[&[u8]]) -> (Coalesced, Sent) {
+    /// A [`Coalesced`] with `size`-byte buffers over a [`Recorder`] with `inner`-byte ones
+    /// answering `answers`, boxed as ureq holds it (so ureq's own `maybe_await_input`).
+    fn coalesced(inner: usize, size: usize, answers: &[&[u8]], fail: bool) -> (Box<dyn Transport>, Sent) {
         let sent = Sent::default();
-        let recorder = Recorder {
-            buffers: LazyBuffers::new(inner, inner),
-            sent: sent.clone(),
-            answers: answers.iter().map(|a| a.to_vec()).collect(),
-            open: true,
-        };
-        (Coalesced::new(Box::new(recorder), size, size), sent)
+        let answers = answers.iter().map(|a| a.to_vec()).collect();
+        let recorder = Recorder { buffers: LazyBuffers::new(inner, inner), sent: sent.clone(), answers, fail };
+        (Box::new(Coalesced::new(Box::new(recorder), size, size)), sent)
     }
 
     /// Writes `part` as ureq does: into the output buffer from its start, then transmits it.
-    fn write(t: &mut Coalesced, part: &[u8]) {
+    fn write(t: &mut Box<dyn Transport>, part: &[u8]) -> Result<(), ureq::Error> {
         t.buffers().output()[..part.len()].copy_from_slice(part);
-        t.transmit_output(part.len(), NextTimeout::default()).unwrap();
+        t.transmit_output(part.len(), NextTimeout::default())
     }
 
-    /// Reads one chunk of the answer and consumes it.
-    fn read(t: &mut Coalesced) -> Option<Vec<u8>> {
+    /// Reads what is there (awaiting it as ureq does) and consumes `take` bytes of it, or all.
+    fn read(t: &mut Box<dyn Transport>, take: Option<usize>) -> Option<Vec<u8>> {
         if !t.maybe_await_input(NextTimeout::default()).unwrap() {
             return None;
         }
         let got = t.buffers().input().to_vec();
-        t.buffers().input_consume(got.len());
-        Some(got)
+        let n = take.unwrap_or(got.len()).min(got.len());
+        t.buffers().input_consume(n);
+        Some(got[..n].to_vec())
     }
 
+    const HEAD: &[u8] = b"POST /x HTTP/1.1\r\nContent-Length: 2\r\n\r\n";
+
     #[test]
-    fn a_head_and_its_body_leave_in_one_write_when_the_answer_is_awaited() {
-        let (mut t, sent) = coalesced(1024, 1024, &[b"HTTP/1.1 200 OK\r\n"]);
-        write(&mut t, b"POST /x HTTP/1.1\r\nContent-Length: 2\r\n\r\n");
-        write(&mut t, b"{}");
-        assert!(sent.lock().unwrap().is_empty(), "nothing leaves before the answer is awaited");
+    fn a_head_leaves_with_its_bodys_first_part() {
+        let (mut t, sent) = coalesced(1024, 1024, &[b"HTTP/1.1 200 OK\r\n"], false);
+        write(&mut t, HEAD).unwrap();
+        assert!(sent.lock().unwrap().is_empty(), "the head is held");
         assert!(!t.is_open(), "a connection holding part of a request is not reused");
-
-        assert_eq!(read(&mut t).as_deref(), Some(&b"HTTP/1.1 200 OK\r\n"[..]));
-        assert_eq!(*sent.lock().unwrap(), [b"POST /x HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}".to_vec()]);
+        write(&mut t, b"{}").unwrap();
+        assert_eq!(*sent.lock().unwrap(), [[HEAD, b"{}"].concat()], "head and body in one write");
         assert!(t.is_open());
-
-        write(&mut t, b"GET /y HTTP/1.1\r\n\r\n");
-        assert_eq!(read(&mut t), None, "the end of the answers");
-        assert_eq!(sent.lock().unwrap().len(), 2, "the next request leaves on its own");
+        assert_eq!(read(&mut t, None).as_deref(), Some(&b"HTTP/1.1 200 OK\r\n"[..]));
     }
 
     #[test]
-    fn a_body_larger_than_half_the_buffer_streams_in_order() {
-        let (mut t, sent) = coalesced(64, 64, &[]);
-        write(&mut t, b"PUT /a HTTP/1.1\r\n\r\n");
-        let chunks: Vec<Vec<u8>> = (0..5u8).map(|i| vec![b'a' + i; 40]).collect();
+    fn a_head_alone_leaves_when_its_answer_is_awaited_even_with_input_buffered() {
+        let (mut t, sent) = coalesced(1024, 1024, &[b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"], false);
+        write(&mut t, b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        assert_eq!(read(&mut t, Some(25)).as_deref(), Some(&b"HTTP/1.1 100 Continue\r\n\r\n"[..]));
+        assert_eq!(*sent.lock().unwrap(), [b"GET / HTTP/1.1\r\n\r\n".to_vec()]);
+        // The rest of the answer is buffered: ureq's own `maybe_await_input` would return at
+        // once, before a part written now were sent.
+        write(&mut t, b"body").unwrap();
+        assert_eq!(read(&mut t, None).as_deref(), Some(&b"HTTP/1.1 200"[..]));
+        assert_eq!(sent.lock().unwrap().len(), 2, "the part went out before the answer was read");
+    }
+
+    #[test]
+    fn a_body_streams_in_order_after_its_first_part() {
+        let (mut t, sent) = coalesced(64, 64, &[], false);
+        write(&mut t, b"PUT /a HTTP/1.1\r\n\r\n").unwrap();
+        let chunks: Vec<Vec<u8>> = (0..5u8).map(|i| vec![b'a' + i; 10]).collect();
         for chunk in &chunks {
-            write(&mut t, chunk);
+            write(&mut t, chunk).unwrap();
         }
-        let before = sent.lock().unwrap().len();
-        assert!(before >= 4, "each write past half the buffer leaves at once ({before} writes)");
-        read(&mut t);
-        let all: Vec<u8> = sent.lock().unwrap().concat();
-        let expected: Vec<u8> = [b"PUT /a HTTP/1.1\r\n\r\n".to_vec(), chunks.concat()].concat();
-        assert_eq!(all, expected, "every byte once, in order");
+        let sent = sent.lock().unwrap();
+        assert_eq!(sent[0], [&b"PUT /a HTTP/1.1\r\n\r\n"[..], &chunks[0]].concat());
+        assert_eq!(sent[1..], chunks[1..], "every later part as it comes");
     }
 
     #[test]
-    fn an_answer_larger_than_this_transports_room_arrives_whole_in_pieces() {
+    fn an_answer_larger_than_this_transports_room_arrives_whole_and_blocks_reuse_meanwhile() {
+        // ql-control's inner buffers are ureq's 128 KiB, its own 64 KiB: the inner
+        // transport can read more than this one has room for.
         let answer: Vec<u8> = (0..100u8).collect();
-        let (mut t, _) = coalesced(128, 32, &[&answer]);
-        let mut got = Vec::new();
-        while let Some(piece) = read(&mut t) {
-            assert!(piece.len() <= 32);
+        let (mut t, _) = coalesced(128, 32, &[&answer], false);
+        let first = read(&mut t, None).unwrap();
+        assert_eq!(first, answer[..32]);
+        assert!(!t.is_open(), "bytes left in the inner transport keep the connection from reuse");
+        let mut got = first;
+        while let Some(piece) = read(&mut t, None) {
             got.extend(piece);
         }
-        // The inner transport read the answer in one go and is asked for more only once
-        // all of it has been handed on: asking earlier would read its end of input.
+        // The inner transport is asked for more only once all it read was handed on:
+        // asking earlier would have met its end of input.
         assert_eq!(got, answer);
+        assert!(t.is_open());
+    }
+
+    #[test]
+    fn a_head_that_could_not_be_sent_keeps_the_connection_from_reuse() {
+        let (mut t, _) = coalesced(1024, 1024, &[], true);
+        write(&mut t, b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let err = t.maybe_await_input(NextTimeout::default()).unwrap_err();
+        assert!(matches!(err, ureq::Error::Timeout(Timeout::SendRequest)), "{err:?}");
+        assert!(!t.is_open());
     }
 }
