@@ -12,10 +12,14 @@
 use ureq::unversioned::transport::{Buffers, ConnectionDetails, Connector, LazyBuffers, NextTimeout, Transport};
 use ureq::Timeout;
 
-/// The most this transport buffers on its own, each way: ureq's defaults are 128 KiB, and
-/// a request's head, a TLS record and the answers here are all far smaller. The input
-/// buffer still holds ureq's whole limit on an answer's head.
-const OWN_BUFFER: usize = 16 * 1024;
+/// The most this transport buffers of a request on its own: ureq's default is 128 KiB, and
+/// a request's head, a TLS record and the bodies here are all far smaller.
+const OWN_OUTPUT: usize = 16 * 1024;
+
+/// The least input buffer: ureq takes scratch space for a body from the input buffer's
+/// free room and, given less than 10 KiB of it, resizes the buffer in a way that can cut
+/// below what it holds (a `100 Continue` with several KiB more in one read).
+const MIN_INPUT: usize = 20 * 1024;
 
 /// The connector that wraps ureq's transport (TLS, or TCP for `http://`) in [`Coalesced`].
 #[derive(Debug)]
@@ -30,8 +34,10 @@ impl Connector<Box<dyn Transport>> for Coalesce {
         chained: Option<Box<dyn Transport>>,
     ) -> Result<Option<Coalesced>, ureq::Error> {
         let config = details.config;
-        let input = config.input_buffer_size().min(OWN_BUFFER.max(config.max_response_header_size()));
-        let output = config.output_buffer_size().min(OWN_BUFFER);
+        // One byte past ureq's limit on an answer's head, so that ureq sees a head too long
+        // and says so, as with its own buffer.
+        let input = config.input_buffer_size().min(config.max_response_header_size() + 1).max(MIN_INPUT);
+        let output = config.output_buffer_size().min(OWN_OUTPUT);
         Ok(chained.map(|inner| Coalesced::new(inner, input, output)))
     }
 }
@@ -64,9 +70,11 @@ impl Coalesced {
             let n = out.len().min(self.held - sent);
             out[..n].copy_from_slice(&self.buffers.output()[sent..sent + n]);
             self.inner.transmit_output(n, timeout).map_err(|e| match e {
-                // Sent while ureq waits for `100 Continue`, whose timeout ureq takes as
-                // leave to send the body: a head that could not be written is no such leave.
-                ureq::Error::Timeout(Timeout::Await100) => ureq::Error::Timeout(Timeout::SendRequest),
+                // Sent while ureq waits for `100 Continue` (whose timeout ureq takes as leave
+                // to send the body) or for the answer: either way the request did not leave.
+                ureq::Error::Timeout(Timeout::Await100 | Timeout::RecvResponse) => {
+                    ureq::Error::Timeout(Timeout::SendRequest)
+                }
                 e => e,
             })?;
             sent += n;
@@ -106,6 +114,10 @@ impl Transport for Coalesced {
         if self.inner.buffers().input().is_empty() && !self.inner.await_input(timeout)? {
             return Ok(false);
         }
+        // Full: ureq has what it can take (it then finds an answer's head too long).
+        if self.buffers.input_append_buf().is_empty() {
+            return Ok(false);
+        }
         let from = self.inner.buffers().input();
         let to = self.buffers.input_append_buf();
         let n = from.len().min(to.len());
@@ -119,6 +131,9 @@ impl Transport for Coalesced {
     /// past an answer, is never reused: the next request would follow that part, and its
     /// answer would start with those bytes.
     fn is_open(&mut self) -> bool {
+        // Asked before the connection serves again: its next request starts held, even if
+        // ureq read the last answer without awaiting input.
+        self.sending = false;
         self.held == 0 && self.inner.buffers().input().is_empty() && self.inner.is_open()
     }
 
@@ -255,7 +270,20 @@ mod tests {
         // once, before a part written now were sent.
         write(&mut t, b"body").unwrap();
         assert_eq!(read(&mut t, None).as_deref(), Some(&b"HTTP/1.1 200"[..]));
-        assert_eq!(sent.lock().unwrap().len(), 2, "the part went out before the answer was read");
+        assert_eq!(sent.lock().unwrap()[1..], [b"body".to_vec()], "the part went out before the answer was read");
+    }
+
+    #[test]
+    fn a_reused_connection_holds_its_next_head_even_if_no_input_was_awaited() {
+        let (mut t, sent) = coalesced(1024, 1024, &[], false);
+        write(&mut t, HEAD).unwrap();
+        write(&mut t, b"{").unwrap();
+        write(&mut t, b"}").unwrap();
+        assert_eq!(sent.lock().unwrap().len(), 2, "the body's later part went as it came");
+        // The answer was read from input already there: no await, then the pool's check.
+        assert!(t.is_open());
+        write(&mut t, HEAD).unwrap();
+        assert_eq!(sent.lock().unwrap().len(), 2, "the next head is held");
     }
 
     #[test]

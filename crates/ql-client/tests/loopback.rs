@@ -9,6 +9,7 @@ use std::time::Duration;
 fn read_once(stream: &mut std::net::TcpStream) -> Vec<u8> {
     let mut buf = vec![0; 64 * 1024];
     let n = stream.read(&mut buf).unwrap();
+    assert!(n > 0, "the client closed the connection");
     buf.truncate(n);
     buf
 }
