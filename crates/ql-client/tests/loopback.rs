@@ -2,11 +2,23 @@
 //! in one write, and a request that waits for `100 Continue` still works.
 
 use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::net::{TcpListener, TcpStream};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
+/// A server on loopback that serves one connection with `serve`: the URL of `path` on it,
+/// and what `serve` returns.
+fn server<T: Send + 'static>(
+    path: &str,
+    serve: impl FnOnce(TcpStream) -> T + Send + 'static,
+) -> (String, JoinHandle<T>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}{path}", listener.local_addr().unwrap());
+    (url, std::thread::spawn(move || serve(listener.accept().unwrap().0)))
+}
+
 /// One read of what the peer has sent (blocking until something has come).
-fn read_once(stream: &mut std::net::TcpStream) -> Vec<u8> {
+fn read_once(stream: &mut TcpStream) -> Vec<u8> {
     let mut buf = vec![0; 64 * 1024];
     let n = stream.read(&mut buf).unwrap();
     assert!(n > 0, "the client closed the connection");
@@ -22,10 +34,7 @@ fn agent() -> ureq::Agent {
 
 #[test]
 fn a_request_arrives_in_one_write() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}/x", listener.local_addr().unwrap());
-    let server = std::thread::spawn(move || {
-        let (mut stream, _) = listener.accept().unwrap();
+    let (url, server) = server("/x", |mut stream| {
         let mut reads = Vec::new();
         for _ in 0..2 {
             // A single send arrives whole on loopback, so one read holds the whole request.
@@ -48,10 +57,7 @@ fn a_request_arrives_in_one_write() {
 
 #[test]
 fn a_request_that_waits_for_100_continue_sends_its_body_after_it() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}/up", listener.local_addr().unwrap());
-    let server = std::thread::spawn(move || {
-        let (mut stream, _) = listener.accept().unwrap();
+    let (url, server) = server("/up", |mut stream| {
         let head = String::from_utf8(read_once(&mut stream)).unwrap();
         assert!(head.to_ascii_lowercase().contains("expect: 100-continue"), "{head}");
         assert!(head.ends_with("\r\n\r\n"), "the head alone, before 100 Continue: {head:?}");
