@@ -1,10 +1,12 @@
 //! The agent's one connection to ql-control: ureq over rustls (ring), TLS 1.3 only, our
 //! CA only, our client certificate presented.
 //!
-//! Requests go one at a time over one keep-alive connection. Error statuses are read as
-//! the protocol's JSON error codes without dropping the connection
-//! (`http_status_as_error(false)`), and every response body is read to its end so the
-//! connection goes back to the pool. Uploads send `Expect: 100-continue` and an exact
+//! Requests go one at a time over one keep-alive connection, a request's head and its
+//! body's first part in one write and one TLS record (an upload's head, which waits for
+//! `100 Continue`, goes alone): `ql_client`, which also looks the server up on the calling
+//! thread. Error statuses are read as the protocol's JSON error codes without dropping
+//! the connection (`http_status_as_error(false)`), and every response body is read to its
+//! end so the connection goes back to the pool. Uploads send `Expect: 100-continue` and an exact
 //! `Content-Length`, so a refusal arrives before the body is sent and is never lost to a
 //! broken pipe. ureq does not retry; the caller decides what to repeat.
 
