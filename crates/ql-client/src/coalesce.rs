@@ -1,4 +1,4 @@
-//! Requests that leave in one write.
+//! A request's head that leaves with its body.
 //!
 //! ureq hands its transport a request's head and then its body, each to send at once: two
 //! TLS records, two TCP segments and two wake-ups of the server for every request, the
@@ -12,8 +12,9 @@
 use ureq::unversioned::transport::{Buffers, ConnectionDetails, Connector, LazyBuffers, NextTimeout, Transport};
 use ureq::Timeout;
 
-/// The most this transport buffers of a request on its own: ureq's default is 128 KiB, and
-/// a request's head, a TLS record and the bodies here are all far smaller.
+/// The most this transport buffers of a request on its own: ureq's default is 128 KiB, a
+/// request's head, a TLS record and the JSON bodies here are far smaller, and larger
+/// bodies go in parts.
 const OWN_OUTPUT: usize = 16 * 1024;
 
 /// The least input buffer: ureq takes scratch space for a body from the input buffer's
@@ -43,7 +44,8 @@ impl Connector<Box<dyn Transport>> for Coalesce {
 }
 
 /// A transport that holds a request's head until the body's first part joins it, or until
-/// ureq awaits the answer. It has buffers of its own: ureq writes each part from the start
+/// ureq awaits input (the answer, or `100 Continue`); once anything of the request has
+/// left, the rest goes as it comes. It has buffers of its own: ureq writes each part from the start
 /// of the output buffer, so the held head must live where the next part does not land,
 /// and ureq reads through whichever buffers the transport hands out.
 #[derive(Debug)]
@@ -52,7 +54,8 @@ pub struct Coalesced {
     buffers: LazyBuffers,
     /// Bytes at the start of `buffers`' output written and not yet sent.
     held: usize,
-    /// Whether the request has begun to leave: its later parts go out as they come.
+    /// Whether the request has begun to leave: its later parts go out as they come. Reset
+    /// by the pool's check before the connection serves again ([`Transport::is_open`]).
     sending: bool,
 }
 
@@ -61,9 +64,13 @@ impl Coalesced {
         Self { inner, buffers: LazyBuffers::new(input_size, output_size), held: 0, sending: false }
     }
 
-    /// Sends everything held, in as few writes as the inner transport's buffer allows.
-    /// What could not be sent stays counted as held, so the connection is not reused.
+    /// Sends everything held, in as few writes as the inner transport's buffer allows; the
+    /// request has then begun to leave. What could not be sent stays counted as held, so
+    /// the connection is not reused.
     fn flush(&mut self, timeout: NextTimeout) -> Result<(), ureq::Error> {
+        if self.held > 0 {
+            self.sending = true;
+        }
         let mut sent = 0;
         while sent < self.held {
             let out = self.inner.buffers().output();
@@ -95,7 +102,6 @@ impl Transport for Coalesced {
         // A first part more than half the buffer (a long head) goes at once, so that the
         // next part always has at least half the buffer to be written into.
         if self.sending || joins || self.held > self.buffers.output().len() / 2 {
-            self.sending = true;
             self.flush(timeout)?;
         }
         Ok(())
@@ -106,7 +112,6 @@ impl Transport for Coalesced {
     // anything is held.
     fn await_input(&mut self, timeout: NextTimeout) -> Result<bool, ureq::Error> {
         self.flush(timeout)?;
-        self.sending = false;
         if self.buffers.can_use_input() {
             return Ok(true);
         }
@@ -261,14 +266,14 @@ mod tests {
     }
 
     #[test]
-    fn a_head_alone_leaves_when_its_answer_is_awaited_even_with_input_buffered() {
+    fn a_head_alone_leaves_when_input_is_awaited_and_its_body_after_100_continue_at_once() {
         let (mut t, sent) = coalesced(1024, 1024, &[b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"], false);
         write(&mut t, b"GET / HTTP/1.1\r\n\r\n").unwrap();
         assert_eq!(read(&mut t, Some(25)).as_deref(), Some(&b"HTTP/1.1 100 Continue\r\n\r\n"[..]));
         assert_eq!(*sent.lock().unwrap(), [b"GET / HTTP/1.1\r\n\r\n".to_vec()]);
-        // The rest of the answer is buffered: ureq's own `maybe_await_input` would return at
-        // once, before a part written now were sent.
+        // The request has begun to leave: its body goes at once.
         write(&mut t, b"body").unwrap();
+        assert_eq!(sent.lock().unwrap().len(), 2, "the body after a 100 Continue is not held");
         assert_eq!(read(&mut t, None).as_deref(), Some(&b"HTTP/1.1 200"[..]));
         assert_eq!(sent.lock().unwrap()[1..], [b"body".to_vec()], "the part went out before the answer was read");
     }

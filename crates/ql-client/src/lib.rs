@@ -1,6 +1,6 @@
 //! The HTTPS client setup `ql-agent` and `ql-control` share: a ureq agent whose lookups run
-//! on the calling thread ([`InlineResolver`]) and whose requests leave in one write
-//! ([`Coalesced`]). Each program brings its own TLS configuration and timeouts.
+//! on the calling thread ([`InlineResolver`]) and whose requests' heads leave with their
+//! bodies' first parts ([`Coalesced`]). Each program brings its own TLS configuration and timeouts.
 //!
 //! Built on ureq's `unversioned` transport and resolver traits, which ureq exempts from
 //! semver: the workspace pins ureq in `Cargo.lock`, and a change there shows up here.
