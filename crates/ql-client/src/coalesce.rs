@@ -115,12 +115,13 @@ impl Transport for Coalesced {
         if self.buffers.can_use_input() {
             return Ok(true);
         }
-        // What the inner transport read and this one had no room for comes first.
-        if self.inner.buffers().input().is_empty() && !self.inner.await_input(timeout)? {
+        // Full: ureq has what it can take (it then finds an answer's head too long), and a
+        // read of the inner transport now could only wait.
+        if self.buffers.input_append_buf().is_empty() {
             return Ok(false);
         }
-        // Full: ureq has what it can take (it then finds an answer's head too long).
-        if self.buffers.input_append_buf().is_empty() {
+        // What the inner transport read and this one had no room for comes first.
+        if self.inner.buffers().input().is_empty() && !self.inner.await_input(timeout)? {
             return Ok(false);
         }
         let from = self.inner.buffers().input();
