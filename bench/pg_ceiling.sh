@@ -3,10 +3,11 @@
 # for one renewal (the cheapest ACK, five of every eight in bench/pg_acks.sh's cycle),
 # replayed by pgbench with nothing else in the way: pgbench's C client, prepared
 # statements, the same two pipelines ql-control sends (the locked load with DB time and
-# admission, then the audit record, the two writes and COMMIT), no TLS, no HTTP, no
+# admission, then the audit record, the lease's write and COMMIT), no TLS, no HTTP, no
 # ql-control process, on real rows of a real run. Beside it, `pgbench -N` at the same
 # client count in the same run, and variants that each leave one part of the renewal
-# out, so each part's price shows.
+# out, so each part's price shows, and one that also writes the attempt's copy of the
+# lease, as builds before schema version 22 did.
 #
 #   bench/pg_ceiling.sh                     # 8 and 64 clients, 10 s each
 #   SECONDS_EACH=5 CLIENTS="8" bench/pg_ceiling.sh
@@ -95,11 +96,11 @@ SQL
     echo "UPDATE attempts SET lease_version = lease_version + 1, lease_expires_at = $now + 30000 WHERE id = 'att_b' || :client_id RETURNING 1;"
   printf 'COMMIT;\n\\endpipeline\n'
 }
-renewal "FOR UPDATE" yes yes >"$work/renewal.sql"
-renewal "" yes yes >"$work/unlocked.sql"
-renewal "FOR UPDATE" no yes >"$work/unaudited.sql"
-renewal "FOR UPDATE" yes no >"$work/one-write.sql"
+renewal "FOR UPDATE" yes no >"$work/renewal.sql"
+renewal "" yes no >"$work/unlocked.sql"
+renewal "FOR UPDATE" no no >"$work/unaudited.sql"
 renewal "" no no >"$work/bare.sql"
+renewal "FOR UPDATE" yes yes >"$work/two-writes.sql"
 
 psql -d postgres -c "CREATE DATABASE pgbench"
 "$pgbin/pgbench" -q -i -s 10 -h "$QL_PG_SOCKET" -U postgres pgbench >/dev/null 2>&1
@@ -124,13 +125,13 @@ for _ in $(seq "${ROUNDS:-1}"); do
 for clients in ${CLIENTS:-8 64}; do
   read -r base base_cpu <<<"$(run "$clients" -N -U postgres pgbench)"
   printf '%-8s %-44s %8s %8s %s\n' "$clients" "pgbench -N" "$base" 1.00 "$base_cpu"
-  for variant in renewal unlocked unaudited one-write bare; do
+  for variant in renewal unlocked unaudited bare two-writes; do
     case $variant in
       renewal) what="a renewal, as ql-control sends it" ;;
       unlocked) what="  without its four row locks" ;;
       unaudited) what="  without its audit record" ;;
-      one-write) what="  without the attempt's copy of the lease" ;;
-      bare) what="  without any of those three" ;;
+      bare) what="  without either" ;;
+      two-writes) what="  with the attempt's copy of the lease too" ;;
     esac
     read -r tps cpu <<<"$(ql "$clients" "$variant")"
     printf '%-8s %-44s %8s %8s %s\n' "$clients" "$what" "$tps" "$(awk -v a="$tps" -v b="$base" 'BEGIN { printf "%.2f", a / b }')" "$cpu"

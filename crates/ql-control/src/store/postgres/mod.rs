@@ -87,6 +87,7 @@ mod group;
 mod load;
 mod polls;
 mod pool;
+mod projection;
 mod rows;
 mod schema;
 mod wave;
@@ -114,7 +115,9 @@ use super::records::{
 use super::wakes::Wakes;
 use super::{Audit, AuditRetention, RunDetail, RunQuery, SessionRetention, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
-use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Millis, Operator, Run, Schedule, Session, Worker};
+use crate::model::{
+    Attempt, AuditRecord, Certificate, Fire, LogChunk, Millis, Operator, Run, Schedule, Session, Worker,
+};
 use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
@@ -459,9 +462,10 @@ impl PgStore {
         &self,
         cmd: &Command,
         audit: Option<&AuditRecord>,
-        (rows, now, refused): (Rows, Millis, Option<ErrorCode>),
+        (mut rows, now, refused): (Rows, Millis, Option<ErrorCode>),
         offset: i64,
     ) -> Result<Concluded, Error> {
+        projection::complete(&mut rows);
         let audited = |outcome: &str| -> Statement {
             let principal = audit.and_then(|a| a.principal.as_ref()).map(|p| p.as_str().to_owned());
             let route = audit.map(|a| a.route.clone());
@@ -691,7 +695,7 @@ fn plan(loaded_rows: &Rows, writes: &[Write]) -> Result<Vec<Planned>, Error> {
                 let changed = match known {
                     Known::Session(new, old) => rows::update_changed(new, old)?,
                     Known::Run(new, old) => rows::update_changed(new, old)?,
-                    Known::Attempt(new, old) => rows::update_changed(new, old)?,
+                    Known::Attempt(new, old) => rows::update_changed(&projection::unwritten(new, old), old)?,
                     Known::Offer(new, old) => rows::update_changed(new, old)?,
                     Known::Lease(new, old) => rows::update_changed(new, old)?,
                 };
@@ -1068,9 +1072,10 @@ impl Store for PgStore {
             return Ok(None);
         };
         let sql = format!("SELECT {} FROM attempts WHERE run_id = $1 ORDER BY number", *ATTEMPT_COLS);
-        let attempts = map_all(tx.all(&sql, &[&id]).await?, rows::read)?;
+        let mut attempts: Vec<Attempt> = map_all(tx.all(&sql, &[&id]).await?, rows::read)?;
         let sql = format!("SELECT {} FROM leases WHERE run_id = $1 ORDER BY lease_generation, attempt_id", *LEASE_COLS);
         let leases = map_all(tx.all(&sql, &[&id]).await?, rows::read)?;
+        projection::complete_all(&mut attempts, &leases);
         let sql = format!("SELECT {EVENT_COLS} FROM events WHERE run_id = $1 ORDER BY seq");
         let events = map_all(tx.all(&sql, &[&id]).await?, rows::read)?;
         let sql = format!("SELECT {DELIVERY_COLS} FROM deliveries WHERE run_id = $1");
@@ -1117,7 +1122,7 @@ impl Store for PgStore {
         let mut conn = self.reading().await?;
         let mut tx = Tx { conn: &mut conn };
         let q = |table: &str, cols: &str, order: &str| format!("SELECT {cols} FROM {table} ORDER BY {order}");
-        let snap = Snapshot {
+        let mut snap = Snapshot {
             sessions: map_all(tx.all(&q("sessions", &SESSION_COLS, "id"), &[]).await?, rows::read)?,
             runs: map_all(tx.all(&q("runs", &RUN_COLS, "id"), &[]).await?, rows::read)?,
             attempts: map_all(tx.all(&q("attempts", &ATTEMPT_COLS, "id"), &[]).await?, rows::read)?,
@@ -1137,6 +1142,7 @@ impl Store for PgStore {
             deliveries: map_all(tx.all(&q("deliveries", DELIVERY_COLS, "run_id"), &[]).await?, rows::read)?,
         };
         Self::done(conn).await?;
+        projection::complete_all(&mut snap.attempts, &snap.leases);
         Ok(snap)
     }
 
