@@ -7,7 +7,9 @@
 //! queue probe reads no run queued for other label sets, and commands of concurrent
 //! agents commit together while a command that fails among them fails alone, and a
 //! session named by refused commands holds no place on the lanes, and the polls of
-//! agents in step run as one wave, each deciding as it would after the ones before it.
+//! agents in step run as one wave, each deciding as it would after the ones before it,
+//! and a renewal writes its lease row alone while every read of the attempt takes its
+//! lease's version and expiry from the lease.
 //!
 //! Each test has a database of its own on the server `QL_TEST_PG_URL` names (see
 //! `contract/pg.rs`; `scripts/test` provides one).
