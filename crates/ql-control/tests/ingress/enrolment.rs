@@ -157,6 +157,33 @@ fn connections_without_a_certificate_have_a_cap_of_their_own() {
     assert_eq!(generation, Counter::ONE);
 }
 
+/// `max_anonymous_connections` 0 turns enrolment over the network off: a connection
+/// without a certificate is closed after its handshake without an answer, even one
+/// bringing a valid token, which stays unspent; workers with certificates are served.
+#[test]
+fn no_place_without_a_certificate_turns_every_anonymous_connection_away_and_spends_no_token() {
+    let cfg = IngressConfig { max_anonymous_connections: 0, ..test_config() };
+    let server = Server::start_with("anonymous-off", cfg);
+    let token = server.token("router-1", 600_000);
+    let before = server.snapshot();
+    let (_, request) = csr("router-1");
+    let body =
+        ql_wire::enrol::Enrol { token: token.clone(), csr: ql_wire::enrol::CertificateRequest::new(request).unwrap() };
+    let body = ql_wire::encode(&body);
+    let mut raw = Raw::connect(server.addr, client_config(&server.ca_pem(), None, &[&rustls::version::TLS13])).unwrap();
+    let length = format!("content-length: {}", body.len());
+    // The server may close before the head is written: a failed write is as good as an
+    // answerless end.
+    let sent = raw.head("POST", "/v1/workers/router-1/certificate:enrol", &["content-type: application/json", &length]);
+    assert!(sent.is_err() || raw.ended(), "closed without an answer");
+    server.wait_for("the connection to be turned away", |st| st.turned_away() == 1);
+    let after = server.snapshot();
+    assert_eq!((&after.certificates, &after.enrolments), (&before.certificates, &before.enrolments), "nothing spent");
+    // Workers are not touched by it.
+    let (_, generation) = server.client("router-2").open(1);
+    assert_eq!(generation, Counter::ONE);
+}
+
 #[test]
 fn one_address_holds_only_its_share_of_the_connections_without_a_certificate() {
     let cfg = IngressConfig { max_anonymous_connections: 8, max_anonymous_connections_per_ip: 2, ..test_config() };

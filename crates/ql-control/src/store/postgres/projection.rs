@@ -11,11 +11,18 @@
 //! whenever it reads the two together: the decisions see the projection the protocol
 //! describes.
 //!
-//! Every read of an attempt that can reach a decision or an answer loads its lease in
-//! the same transaction (the fenced loads, a worker's work, the sweep, a run's detail,
-//! the snapshot), and a lease row is never deleted, so the stored columns are never
-//! what anyone sees. Migration 0022 says so on the columns, and moves the schema version
-//! so that a replica of an older build, which would read them, refuses the database.
+//! Every read of a claimed attempt that can reach a decision or an answer loads its
+//! lease in the same transaction (the fenced loads, a cancel, a worker's work, the sweep,
+//! a run's detail, the snapshot; the attempts of open offers, read without one, are not
+//! claimed and hold no projection), and a lease row is never deleted, so the stored
+//! columns are never what anyone sees. So the fence's check that the projection agrees
+//! with the lease can, here, only catch the other six facts drifting; the SQLite store
+//! keeps both copies, and the contract suite checks there that every decision advances
+//! the attempt's. Migration 0022 says so on the columns, and moves the schema version so
+//! that a replica of an older build, which would read them, refuses the database when it
+//! starts: every replica is stopped before `migrate` (README).
+
+use std::collections::HashMap;
 
 use crate::core::Rows;
 use crate::model::{Attempt, Lease};
@@ -50,8 +57,9 @@ pub(super) fn complete(rows: &mut Rows) {
 
 /// Completes each of `attempts` from its lease among `leases`.
 pub(super) fn complete_all(attempts: &mut [Attempt], leases: &[Lease]) {
+    let by_attempt: HashMap<&str, &Lease> = leases.iter().map(|l| (l.attempt.as_str(), l)).collect();
     for attempt in attempts {
-        if let Some(lease) = leases.iter().find(|l| l.attempt == attempt.id) {
+        if let Some(lease) = by_attempt.get(attempt.id.as_str()) {
             follow(attempt, lease);
         }
     }
