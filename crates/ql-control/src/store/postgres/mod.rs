@@ -332,20 +332,27 @@ impl PgStore {
     pub async fn open(url: &str, options: PgOptions) -> Result<Self, StoreError> {
         let config = parse_url(url)?;
         let prepared = options.prepared_max.max(1);
-        let pool = Pool::new(config.clone(), options.pool_size, options.connect_timeout, prepared);
+        let watch = Arc::new(schema::Watch::default());
+        let pool = Pool::new(config.clone(), options.pool_size, options.connect_timeout, prepared, watch.clone());
         {
             let mut conn = pool.get().await?;
             schema::check(conn.client()).await?;
             conn.keep();
         }
         let audit = match &options.audit_url {
-            Some(u) => Some(Pool::new(parse_url(u)?, options.pool_size.min(4), options.connect_timeout, prepared)),
+            // The ingress role may not read the schema's version: what it does alone (an
+            // audit record, an admission's refusal) decides nothing of a run, and every
+            // command goes through the runtime pool, which looks.
+            Some(u) => {
+                let watch = Arc::new(schema::Watch::default());
+                Some(Pool::new(parse_url(u)?, options.pool_size.min(4), options.connect_timeout, prepared, watch))
+            }
             None => None,
         };
         let wakes = Arc::new(Wakes::default());
         let nonce = IdGen::random().session().to_string();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        let listener = tokio::spawn(listen(config, wakes.clone(), nonce.clone(), ready_tx));
+        let listener = tokio::spawn(listen(config, wakes.clone(), watch, nonce.clone(), ready_tx));
         // Listening before the first command: a change committed elsewhere right after
         // `open` returns must not be missed.
         let _ = tokio::time::timeout(options.connect_timeout, ready_rx).await;
@@ -761,8 +768,16 @@ fn write_params(write: &Write) -> Result<rows::Params, Error> {
 }
 
 /// The LISTEN connection: bumps `changes` on every notification, reconnects when it
-/// drops (bumping once, since a notification may have been missed meanwhile).
-async fn listen(config: Config, wakes: Arc<Wakes>, nonce: String, ready: tokio::sync::oneshot::Sender<()>) {
+/// drops (bumping once, since a notification may have been missed meanwhile), and has
+/// the schema looked at again when `migrate` says it moved it or when it listens anew
+/// ([`schema::Watch`]).
+async fn listen(
+    config: Config,
+    wakes: Arc<Wakes>,
+    watch: Arc<schema::Watch>,
+    nonce: String,
+    ready: tokio::sync::oneshot::Sender<()>,
+) {
     let bump = || wakes.all();
     let mut ready = Some(ready);
     let mut backoff = Duration::from_millis(50);
@@ -776,6 +791,7 @@ async fn listen(config: Config, wakes: Arc<Wakes>, nonce: String, ready: tokio::
                     match listening.as_mut().poll(cx) {
                         std::task::Poll::Ready(Ok(())) => {
                             listened = true;
+                            watch.suspect();
                             bump();
                             if let Some(r) = ready.take() {
                                 let _ = r.send(());
@@ -788,6 +804,9 @@ async fn listen(config: Config, wakes: Arc<Wakes>, nonce: String, ready: tokio::
                 loop {
                     match connection.poll_message(cx) {
                         std::task::Poll::Ready(Some(Ok(tokio_postgres::AsyncMessage::Notification(n)))) => {
+                            if n.payload() == schema::MOVED {
+                                watch.suspect();
+                            }
                             if n.payload() != nonce {
                                 bump();
                             }

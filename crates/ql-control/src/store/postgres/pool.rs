@@ -18,6 +18,7 @@ use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_postgres::{Client, Config, NoTls, Statement};
 
+use super::schema::Watch;
 use super::Error;
 
 /// One open connection with its prepared statements.
@@ -54,6 +55,8 @@ pub(super) struct Pool {
     prepared_max: usize,
     idle: Mutex<Vec<Conn>>,
     permits: Arc<Semaphore>,
+    /// Whether the schema may have moved since it was checked.
+    watch: Arc<Watch>,
 }
 
 /// A connection taken from the pool. Dropped, it goes back only if [`Pooled::keep`] was
@@ -67,11 +70,18 @@ pub(super) struct Pooled<'a> {
 
 impl Pool {
     /// A pool of at most `size` connections (at least one), each keeping at most
-    /// `prepared_max` statements prepared.
-    pub(super) fn new(mut config: Config, size: usize, connect_timeout: Duration, prepared_max: usize) -> Self {
+    /// `prepared_max` statements prepared; a connection is handed out only once `watch`
+    /// finds the schema this build's.
+    pub(super) fn new(
+        mut config: Config,
+        size: usize,
+        connect_timeout: Duration,
+        prepared_max: usize,
+        watch: Arc<Watch>,
+    ) -> Self {
         config.connect_timeout(connect_timeout);
         let permits = Arc::new(Semaphore::new(size.max(1)));
-        Self { config, prepared_max, idle: Mutex::new(Vec::new()), permits }
+        Self { config, prepared_max, idle: Mutex::new(Vec::new()), permits, watch }
     }
 
     /// Opens one connection and starts its connection task.
@@ -102,7 +112,18 @@ impl Pool {
                 Conn { client, statements: HashMap::new(), most: self.prepared_max }
             }
         };
-        Ok(Pooled { pool: self, conn: Some(conn), keep: false, _permit: permit })
+        let mut pooled = Pooled { pool: self, conn: Some(conn), keep: false, _permit: permit };
+        match self.watch.confirm(pooled.client()).await {
+            Ok(()) => Ok(pooled),
+            Err(e) => {
+                // A schema found moved leaves a sound connection; one whose read failed
+                // is closed.
+                if matches!(e, Error::Corrupt(_)) {
+                    pooled.keep();
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Closes every idle connection (the next [`Pool::get`] opens fresh ones).

@@ -5,7 +5,10 @@
 //! the migrations it records (PostgreSQL DDL is transactional): a crash mid-migration
 //! leaves the old version and none of the new schema. A transaction-level advisory lock
 //! serialises migrators, so two replicas started at once cannot both apply version 1. A
-//! database written by a newer build is refused rather than guessed at.
+//! database written by a newer build is refused rather than guessed at, also by a replica
+//! that was serving when another build's `migrate` moved it ([`Watch`]).
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio_postgres::{Client, GenericClient};
 
@@ -80,6 +83,10 @@ pub(super) async fn migrate(client: &mut Client) -> Result<i64, Error> {
         tx.batch_execute(sql).await.map_err(Error::Pg)?;
     }
     tx.execute("UPDATE ql_schema_version SET version = $1", &[&SCHEMA_VERSION]).await.map_err(Error::Pg)?;
+    if current < SCHEMA_VERSION {
+        // Delivered at the commit: serving replicas look at the version again ([`Watch`]).
+        tx.execute("SELECT pg_notify($1, $2)", &[&super::CHANNEL, &MOVED]).await.map_err(Error::Pg)?;
+    }
     tx.commit().await.map_err(Error::Pg)?;
     Ok(current)
 }
@@ -88,6 +95,10 @@ pub(super) async fn migrate(client: &mut Client) -> Result<i64, Error> {
 pub(super) async fn check(client: &Client) -> Result<(), Error> {
     match version(client).await? {
         Some(SCHEMA_VERSION) => Ok(()),
+        Some(v) if v > SCHEMA_VERSION => Err(Error::Corrupt(format!(
+            "the database is at schema version {v}, this build reads {SCHEMA_VERSION}: a newer build migrated it; \
+             run that build"
+        ))),
         Some(v) => Err(Error::Corrupt(format!(
             "the database is at schema version {v}, this build needs {SCHEMA_VERSION}: run `ql-control migrate` \
              as the migration owner"
@@ -95,6 +106,53 @@ pub(super) async fn check(client: &Client) -> Result<(), Error> {
         None => Err(Error::Corrupt(
             "the database has no QingLong schema: run `ql-control migrate --database <owner URL>` first".to_owned(),
         )),
+    }
+}
+
+/// The payload of the notification `migrate` sends on the store's channel when it moved
+/// the schema.
+pub(super) const MOVED: &str = "schema";
+
+/// Whether the schema may have moved under a serving replica. The replica checks the
+/// version when it opens; a `migrate` run while it serves notifies ([`MOVED`]), and its
+/// listener, which may have missed that while it reconnected, suspects a move each time
+/// it listens again. The next connection taken from the pool then reads the version
+/// again, and while it is not this build's every one does, and the command answers
+/// unavailable: a replica never decides on a schema it does not know (an older build
+/// would misread it; migration 0022 made one refuse its attempts' commands).
+#[derive(Debug, Default)]
+pub(super) struct Watch {
+    suspect: AtomicBool,
+    moved: AtomicBool,
+}
+
+impl Watch {
+    /// The schema may have moved: look again before the next command.
+    pub(super) fn suspect(&self) {
+        self.suspect.store(true, Ordering::Release);
+    }
+
+    /// Reads the version on `client` if it may have moved (or had moved when last read):
+    /// an error while it is not this build's.
+    pub(super) async fn confirm(&self, client: &Client) -> Result<(), Error> {
+        if !self.suspect.swap(false, Ordering::AcqRel) && !self.moved.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        match check(client).await {
+            Ok(()) => {
+                self.moved.store(false, Ordering::Release);
+                Ok(())
+            }
+            Err(e @ Error::Corrupt(_)) => {
+                self.moved.store(true, Ordering::Release);
+                Err(e)
+            }
+            Err(e) => {
+                // Not read: look again next time.
+                self.suspect();
+                Err(e)
+            }
+        }
     }
 }
 
