@@ -250,24 +250,20 @@ async fn next_notification(heard: &mut tokio::sync::mpsc::UnboundedReceiver<Stri
     tokio::time::timeout(Duration::from_secs(10), heard.recv()).await.expect("a notification").expect("listening")
 }
 
-/// `migrate` tells serving replicas when it moves the schema, and a replica serving when
-/// another build moves it stops deciding: every command answers unavailable, naming both
-/// versions, and changes nothing, until the version is this build's again.
+/// A replica serving when another build moves the schema (its `migrate` notifies) stops
+/// deciding: every command answers unavailable, naming both versions, and changes
+/// nothing, until the version is this build's again; and this build's `migrate`
+/// notifies so when it moves the schema.
 #[tokio::test]
 async fn a_replica_serving_when_the_schema_moves_decides_nothing_until_it_is_back() {
     let db = TestDb::new("moved").await;
     let store = db.store(Pg::options(&Arc::new(AtomicI64::new(0)))).await;
     let owner = connect(&db.url("ql_owner")).await;
+    // Its commands have settled what the listener suspected when it began to listen.
     let h = claimed_run(&store, "router-1", LONG_TIMEOUT_MS, 0).await;
 
-    // This build's migrate, finding the version before its last, notifies as it commits.
-    let (_listening, mut heard) = notifications(&db.url("ql_owner")).await;
+    // A newer build's migrate: the version moves on, and the notification says so.
     let last = ql_control::store::postgres::SCHEMA_VERSION;
-    owner.execute("UPDATE ql_schema_version SET version = $1", &[&(last - 1)]).await.unwrap();
-    assert_eq!(ql_control::store::postgres::migrate(&db.url("ql_owner")).await.unwrap(), (last - 1, last));
-    assert_eq!(next_notification(&mut heard).await, "schema");
-
-    // A newer build's migrate: the version moves on, with the same notification.
     let status = "SELECT status FROM attempts WHERE id = $1";
     let attempt = h.path.attempt.as_str();
     let before: String = owner.query_one(status, &[&attempt]).await.unwrap().get(0);
@@ -290,9 +286,16 @@ async fn a_replica_serving_when_the_schema_moves_decides_nothing_until_it_is_bac
     let after: String = owner.query_one(status, &[&attempt]).await.unwrap().get(0);
     assert_eq!(after, before, "nothing decided");
 
-    // The version back at this build's: the replica decides again.
+    // The version back at this build's: the replica, reading it on every command while it
+    // differs, decides again.
     owner.execute("UPDATE ql_schema_version SET version = $1", &[&last]).await.unwrap();
     assert_eq!(exec(&store, h.starting()).await, Ok(ack(Outcome::Started)));
+
+    // This build's migrate, finding the version before its last, notifies as it commits.
+    let (_listening, mut heard) = notifications(&db.url("ql_owner")).await;
+    owner.execute("UPDATE ql_schema_version SET version = $1", &[&(last - 1)]).await.unwrap();
+    assert_eq!(ql_control::store::postgres::migrate(&db.url("ql_owner")).await.unwrap(), (last - 1, last));
+    assert_eq!(next_notification(&mut heard).await, "schema");
 }
 
 /// A request whose admission is decided with its command reads it after the command's

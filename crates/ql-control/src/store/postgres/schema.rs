@@ -8,7 +8,7 @@
 //! database written by a newer build is refused rather than guessed at, also by a replica
 //! that was serving when another build's `migrate` moved it ([`Watch`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tokio_postgres::{Client, GenericClient};
 
@@ -116,46 +116,83 @@ pub(super) const MOVED: &str = "schema";
 /// Whether the schema may have moved under a serving replica. The replica checks the
 /// version when it opens; a `migrate` run while it serves notifies ([`MOVED`]), and its
 /// listener, which may have missed that while it reconnected, suspects a move each time
-/// it listens again. The next connection taken from the pool then reads the version
-/// again, and while it is not this build's every one does, and the command answers
-/// unavailable: a replica never decides on a schema it does not know (an older build
-/// would misread it; migration 0022 made one refuse its attempts' commands).
+/// it listens again. Each suspicion is counted; a connection is handed out only once a
+/// read of the version that began after the latest suspicion found it this build's (one
+/// read at a time, the others waiting for it), and while it is not, every connection
+/// taken reads it again and the command answers unavailable. So a replica stops deciding
+/// once its listener hears the move: what it still runs is what began before (the
+/// moment between a migration's commit and its notification, or a listener reconnecting,
+/// which retries every 2 s at most). An older build would misread a moved schema;
+/// migration 0022 made one refuse its attempts' commands.
 #[derive(Debug, Default)]
 pub(super) struct Watch {
-    suspect: AtomicBool,
+    /// Suspicions so far.
+    suspected: AtomicU64,
+    /// The suspicions the last finished read covered (those counted before it began).
+    settled: AtomicU64,
+    /// Whether the last finished read found another version.
     moved: AtomicBool,
+    /// One read at a time.
+    reading: tokio::sync::Mutex<()>,
 }
 
 impl Watch {
     /// The schema may have moved: look again before the next command.
     pub(super) fn suspect(&self) {
-        self.suspect.store(true, Ordering::Release);
+        self.suspected.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// Reads the version on `client` if it may have moved (or had moved when last read):
-    /// an error while it is not this build's.
+    /// Whether the last finished read covers every suspicion and found this build's.
+    fn sound(&self) -> bool {
+        !self.moved.load(Ordering::Acquire)
+            && self.settled.load(Ordering::Acquire) >= self.suspected.load(Ordering::Acquire)
+    }
+
+    /// Reads the version on `client` unless a read since the latest suspicion found it
+    /// this build's: an error while it is not. A read that fails or is given up (its
+    /// caller dropped) settles nothing, so the next caller reads again.
     pub(super) async fn confirm(&self, client: &Client) -> Result<(), Error> {
-        if !self.suspect.swap(false, Ordering::AcqRel) && !self.moved.load(Ordering::Acquire) {
+        if self.sound() {
             return Ok(());
         }
-        match check(client).await {
-            Ok(()) => {
-                self.moved.store(false, Ordering::Release);
-                Ok(())
-            }
-            Err(e @ Error::Corrupt(_)) => {
-                self.moved.store(true, Ordering::Release);
-                Err(e)
-            }
-            Err(e) => {
-                // Not read: look again next time.
-                self.suspect();
-                Err(e)
-            }
+        let _one = self.reading.lock().await;
+        if self.sound() {
+            return Ok(());
         }
+        let covers = self.suspected.load(Ordering::Acquire);
+        let found = check(client).await;
+        match &found {
+            Ok(()) => self.moved.store(false, Ordering::Release),
+            Err(Error::Corrupt(_)) => self.moved.store(true, Ordering::Release),
+            Err(_) => return found,
+        }
+        self.settled.fetch_max(covers, Ordering::AcqRel);
+        found
     }
 }
 
 /// DB time in milliseconds since the Unix epoch, plus `offset`: the `statement_timestamp()`
 /// of this very statement, which the store issues only after it holds every lock.
 pub(super) const DB_NOW: &str = "SELECT (floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint + $1::bigint";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fresh_watch_is_sound_and_each_suspicion_needs_a_read_that_began_after_it() {
+        let w = Watch::default();
+        assert!(w.sound(), "checked at open");
+        w.suspect();
+        assert!(!w.sound());
+        // A read that began before a second suspicion settles only the first.
+        let covers = w.suspected.load(Ordering::Acquire);
+        w.suspect();
+        w.settled.fetch_max(covers, Ordering::AcqRel);
+        assert!(!w.sound(), "the later suspicion is still open");
+        w.settled.fetch_max(w.suspected.load(Ordering::Acquire), Ordering::AcqRel);
+        assert!(w.sound());
+        w.moved.store(true, Ordering::Release);
+        assert!(!w.sound(), "a moved schema is read again by every caller");
+    }
+}
