@@ -332,13 +332,11 @@ impl PgStore {
     pub async fn open(url: &str, options: PgOptions) -> Result<Self, StoreError> {
         let config = parse_url(url)?;
         let prepared = options.prepared_max.max(1);
+        // Not yet read: the first connection taken reads the version.
         let watch = Arc::new(schema::Watch::default());
+        watch.suspect();
         let pool = Pool::new(config.clone(), options.pool_size, options.connect_timeout, prepared, watch.clone());
-        {
-            let mut conn = pool.get().await?;
-            schema::check(conn.client()).await?;
-            conn.keep();
-        }
+        pool.get().await?.keep();
         let audit = match &options.audit_url {
             // The ingress role may not read the schema's version: what it does alone (an
             // audit record, an admission's refusal) decides nothing of a run, and every

@@ -92,7 +92,7 @@ pub(super) async fn migrate(client: &mut Client) -> Result<i64, Error> {
 }
 
 /// Refuses a database whose schema is not exactly this build's.
-pub(super) async fn check(client: &Client) -> Result<(), Error> {
+async fn check(client: &Client) -> Result<(), Error> {
     match version(client).await? {
         Some(SCHEMA_VERSION) => Ok(()),
         Some(v) if v > SCHEMA_VERSION => Err(Error::Corrupt(format!(
@@ -113,8 +113,8 @@ pub(super) async fn check(client: &Client) -> Result<(), Error> {
 /// the schema.
 pub(super) const MOVED: &str = "schema";
 
-/// Whether the schema may have moved under a serving replica. The replica checks the
-/// version when it opens; a `migrate` run while it serves notifies ([`MOVED`]), and its
+/// Whether the schema may have moved under a serving replica. The replica reads the
+/// version when it opens (its watch begins suspecting); a `migrate` run while it serves notifies ([`MOVED`]), and its
 /// listener, which may have missed that while it reconnected, suspects a move each time
 /// it listens again. Each suspicion is counted; a connection is handed out only once a
 /// read of the version that began after the latest suspicion found it this build's (one
@@ -182,7 +182,7 @@ mod tests {
     #[test]
     fn a_fresh_watch_is_sound_and_each_suspicion_needs_a_read_that_began_after_it() {
         let w = Watch::default();
-        assert!(w.sound(), "checked at open");
+        assert!(w.sound(), "nothing suspected yet");
         w.suspect();
         assert!(!w.sound());
         // A read that began before a second suspicion settles only the first.
