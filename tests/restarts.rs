@@ -165,6 +165,56 @@ fn a_job_outlives_its_agent_and_the_restarted_agent_reports_its_whole_log_and_ex
     assert!(w.agent.log().contains("its supervisor kept the exit"), "{}", w.context());
 }
 
+/// A job taken back after it ran past its timeout while no agent watched it is stopped at
+/// once, as timed out: its timeout counts from its own start, not from the restarted
+/// agent's (which would give it the whole timeout again).
+#[test]
+fn a_job_that_ran_past_its_timeout_while_no_agent_watched_is_stopped_when_taken_back() {
+    let root = common::TempDir::new("outran");
+    // Leases and sessions that outlast the agent's absence: the server keeps the attempt.
+    let long = |(key, value): &(&'static str, u64)| match *key {
+        "lease_ttl_ms" | "session_ttl_ms" => (*key, 60_000),
+        _ => (*key, *value),
+    };
+    let timings: Vec<(&str, u64)> = common::SHORT_TIMINGS.iter().map(long).collect();
+    let dir = root.0.join("control");
+    common::init_control(common::control_bin(), &dir, &root.0.join("creds"), &timings);
+    let control = common::Control::serve(common::control_bin(), &dir, "127.0.0.1:0", &root.0.join("control.err"), &[]);
+    let agent = common::Agent::start(&root.0, &control, &[]);
+    let mut w = World { control, agent, root };
+    let gates = w.path("gates");
+    std::fs::create_dir_all(&gates).unwrap();
+    let (pids, aged) = (gates.join("pids"), gates.join("aged"));
+    // It says when it has run longer than its timeout, then runs on until stopped.
+    let body = format!(
+        "echo $$ >> {p}; sleep 6; touch {a}; while :; do sleep 0.05; done",
+        p = pids.display(),
+        a = aged.display()
+    );
+    let run = w.control.submit(&["--timeout-ms", "5000", "--", "sh", "-c", &body]);
+    w.wait_status(&run, "running");
+    common::wait_for("the job's pid", || w.context(), || (!common::read_pids(&pids).is_empty()).then_some(()));
+    common::signal(&w.agent.proc.0, rustix::process::Signal::KILL);
+    let _ = w.agent.proc.0.wait();
+    let first_life = w.agent.log();
+    assert!(!first_life.contains("stopping its process group"), "killed before its timeout: {first_life}");
+    common::wait_for("the job to run past its timeout", || w.context(), || aged.exists().then_some(()));
+
+    w.agent = common::Agent::spawn(&w.root.0, w.agent.config.clone());
+    common::wait_for(
+        "the restarted agent to take the job back with nothing left of its timeout",
+        || w.context(),
+        || w.agent.log()[first_life.len()..].contains("outlived the previous agent and its timeout").then_some(()),
+    );
+    let shown = w.wait_status(&run, "timed_out");
+    assert_eq!(shown["errorCode"], "EXECUTION_TIMED_OUT", "{shown}");
+    assert_eq!(shown["attempts"].as_array().unwrap().len(), 1, "exactly once: {shown}");
+    for pid in common::read_pids(&pids) {
+        assert!(!common::alive(pid), "process {pid} of the timed-out job is still alive");
+    }
+    assert!(!w.agent.log()[first_life.len()..].contains("watching it again"), "{}", w.context());
+}
+
 /// A job whose first run sleeps and whose second says `second`, submitted with one
 /// retry and running: its run, its process id and its run directory's `job` file (the
 /// job's and its supervisor's handles).

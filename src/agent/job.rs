@@ -310,12 +310,21 @@ impl Agent {
                     match exec::Supervised::attach(run_dir.clone(), self.cfg.group_poll) {
                         Ok(process) => {
                             let process = exec::Running::Supervised(process);
-                            info!("{who}: its process outlived the previous agent; watching it again");
                             let timeout = Duration::from_millis(job.lease.as_ref().map_or(0, |l| l.spec.timeout_ms));
+                            // Its timeout counts from its start, not from this agent's.
+                            let left = exec::time_left(&spawn.executor_handle, timeout);
+                            if left.is_zero() {
+                                info!("{who}: its process outlived the previous agent and its timeout; stopping it");
+                            } else {
+                                info!(
+                                    "{who}: its process outlived the previous agent; watching it again ({} ms of its timeout left)",
+                                    left.as_millis()
+                                );
+                            }
                             self.supervise(key.clone(), process);
                             let rt = self.rt(key);
                             rt.process = Process::Running;
-                            rt.timeout_at = Some(now + timeout);
+                            rt.timeout_at = Some(now + left);
                             rt.log_sent_at = Some(now);
                             return Ok(Turn::Moved);
                         }

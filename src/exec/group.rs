@@ -120,6 +120,30 @@ pub(crate) fn parse_handle(handle: &ExecutorHandle) -> Option<(u32, u64)> {
     Some((pid.parse().ok()?, start.parse().ok()?))
 }
 
+/// What is left of `timeout` for the job whose process `handle` names, counted from that
+/// process's start: a restarted agent that takes a job back gives it only the rest, never
+/// a whole timeout again. The start time counts clock ticks on the boot clock
+/// (`CLOCK_BOOTTIME`), which no change of the wall clock moves; the whole `timeout` when
+/// the handle is not one this module made.
+pub(crate) fn time_left(handle: &ExecutorHandle, timeout: Duration) -> Duration {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+    let since_boot = Duration::new(u64::try_from(now.tv_sec).unwrap_or(0), u32::try_from(now.tv_nsec).unwrap_or(0));
+    match parse_handle(handle) {
+        Some((_, start)) => left_of(timeout, start, rustix::param::clock_ticks_per_second(), since_boot),
+        None => timeout,
+    }
+}
+
+/// [`time_left`] of a process started `start` ticks (of `hz` a second) after boot, at
+/// `since_boot`.
+fn left_of(timeout: Duration, start: u64, hz: u64, since_boot: Duration) -> Duration {
+    if hz == 0 {
+        return timeout;
+    }
+    let started = Duration::from_secs(start / hz) + Duration::from_nanos((start % hz) * 1_000_000_000 / hz);
+    timeout.saturating_sub(since_boot.saturating_sub(started))
+}
+
 /// Whether the handle's process still runs: same pid, same start time, not a zombie. A
 /// restarted agent asks this of the handles in its journal.
 pub(crate) fn is_alive(handle: &ExecutorHandle) -> bool {
@@ -266,6 +290,36 @@ mod tests {
         assert!(is_alive(&handle));
         assert!(!is_alive(&executor_handle(me, stat.starttime + 1)), "another start time is another process");
         assert!(group_alive(stat.pgrp as u32).unwrap());
+    }
+
+    #[test]
+    fn a_job_taken_back_has_only_what_is_left_of_its_timeout() {
+        let (minute, hz) = (Duration::from_secs(60), 100);
+        // Started 10 s after boot, now 25.5 s after: 15.5 s gone.
+        assert_eq!(left_of(minute, 1_000, hz, Duration::from_millis(25_500)), Duration::from_millis(44_500));
+        // Ticks that are not whole seconds.
+        assert_eq!(left_of(minute, 1_050, hz, Duration::from_millis(10_500)), minute);
+        assert_eq!(
+            left_of(minute, 7, 1_024, Duration::from_secs(1)),
+            minute - (Duration::from_secs(1) - Duration::from_nanos(7 * 1_000_000_000 / 1_024))
+        );
+        // Run past it while no agent watched: nothing left.
+        assert_eq!(left_of(minute, 1_000, hz, Duration::from_secs(70)), Duration::ZERO);
+        assert_eq!(left_of(minute, 1_000, hz, Duration::from_secs(3_600)), Duration::ZERO);
+        // A start after "now" (clocks that disagree) takes nothing off, nor does a bad rate.
+        assert_eq!(left_of(minute, 9_000, hz, Duration::from_secs(10)), minute);
+        assert_eq!(left_of(minute, 1_000, 0, Duration::from_secs(70)), minute);
+    }
+
+    #[test]
+    fn this_process_has_run_for_part_of_a_long_timeout_and_past_a_zero_one() {
+        let me = std::process::id();
+        let handle = executor_handle(me, read_stat(me).unwrap().starttime);
+        let day = Duration::from_secs(86_400);
+        assert!(time_left(&handle, day) > Duration::ZERO, "this test process has not run for a day");
+        assert_eq!(time_left(&handle, Duration::ZERO), Duration::ZERO);
+        let foreign = ExecutorHandle::parse("4242").unwrap();
+        assert_eq!(time_left(&foreign, day), day, "a handle this module did not make keeps the whole timeout");
     }
 
     #[test]

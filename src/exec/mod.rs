@@ -52,7 +52,9 @@
 mod group;
 pub(crate) mod supervise;
 
-pub(crate) use group::{find_unrecorded, group_alive, is_alive, stop_leftovers, stop_orphan, Found, ATTEMPT_VAR};
+pub(crate) use group::{
+    find_unrecorded, group_alive, is_alive, stop_leftovers, stop_orphan, time_left, Found, ATTEMPT_VAR,
+};
 pub(crate) use supervise::Supervised;
 
 use rustix::pipe::{pipe_with, PipeFlags};
