@@ -166,14 +166,15 @@ fn a_job_outlives_its_agent_and_the_restarted_agent_reports_its_whole_log_and_ex
 }
 
 /// A job taken back after it ran past its timeout while no agent watched it is stopped at
-/// once, as timed out: its timeout counts from its own start, not from the restarted
-/// agent's (which would give it the whole timeout again).
+/// once by the agent's own timer, as timed out: its timeout counts from its own start, not
+/// from the restarted agent's (which would give it the whole timeout again, and leave the
+/// stop to ql-control's deadline at the next renewal).
 #[test]
 fn a_job_that_ran_past_its_timeout_while_no_agent_watched_is_stopped_when_taken_back() {
     let root = common::TempDir::new("outran");
     // Leases and sessions that outlast the agent's absence: the server keeps the attempt.
     let long = |(key, value): &(&'static str, u64)| match *key {
-        "lease_ttl_ms" | "session_ttl_ms" => (*key, 60_000),
+        "lease_ttl_ms" | "session_ttl_ms" => (*key, 120_000),
         _ => (*key, *value),
     };
     let timings: Vec<(&str, u64)> = common::SHORT_TIMINGS.iter().map(long).collect();
@@ -185,13 +186,15 @@ fn a_job_that_ran_past_its_timeout_while_no_agent_watched_is_stopped_when_taken_
     let gates = w.path("gates");
     std::fs::create_dir_all(&gates).unwrap();
     let (pids, aged) = (gates.join("pids"), gates.join("aged"));
-    // It says when it has run longer than its timeout, then runs on until stopped.
+    // It says when it has run longer than its timeout, then runs on until stopped (or
+    // until the test's directory is gone, should the test fail first).
     let body = format!(
-        "echo $$ >> {p}; sleep 6; touch {a}; while :; do sleep 0.05; done",
+        "echo $$ >> {p}; sleep 11; touch {a}; while [ -d {g} ]; do sleep 0.05; done",
         p = pids.display(),
-        a = aged.display()
+        a = aged.display(),
+        g = gates.display()
     );
-    let run = w.control.submit(&["--timeout-ms", "5000", "--", "sh", "-c", &body]);
+    let run = w.control.submit(&["--timeout-ms", "10000", "--", "sh", "-c", &body]);
     w.wait_status(&run, "running");
     common::wait_for("the job's pid", || w.context(), || (!common::read_pids(&pids).is_empty()).then_some(()));
     common::signal(&w.agent.proc.0, rustix::process::Signal::KILL);
@@ -201,10 +204,11 @@ fn a_job_that_ran_past_its_timeout_while_no_agent_watched_is_stopped_when_taken_
     common::wait_for("the job to run past its timeout", || w.context(), || aged.exists().then_some(()));
 
     w.agent = common::Agent::spawn(&w.root.0, w.agent.config.clone());
+    let second_life = || w.agent.log()[first_life.len()..].to_owned();
     common::wait_for(
         "the restarted agent to take the job back with nothing left of its timeout",
         || w.context(),
-        || w.agent.log()[first_life.len()..].contains("outlived the previous agent and its timeout").then_some(()),
+        || second_life().contains("outlived the previous agent and its timeout").then_some(()),
     );
     let shown = w.wait_status(&run, "timed_out");
     assert_eq!(shown["errorCode"], "EXECUTION_TIMED_OUT", "{shown}");
@@ -212,7 +216,9 @@ fn a_job_that_ran_past_its_timeout_while_no_agent_watched_is_stopped_when_taken_
     for pid in common::read_pids(&pids) {
         assert!(!common::alive(pid), "process {pid} of the timed-out job is still alive");
     }
-    assert!(!w.agent.log()[first_life.len()..].contains("watching it again"), "{}", w.context());
+    // Its own timer stopped it, before a renewal could bring ql-control's deadline.
+    assert!(second_life().contains("stopping its process group: its timeout passed"), "{}", w.context());
+    assert!(!second_life().contains("watching it again"), "{}", w.context());
 }
 
 /// A job whose first run sleeps and whose second says `second`, submitted with one

@@ -120,27 +120,28 @@ pub(crate) fn parse_handle(handle: &ExecutorHandle) -> Option<(u32, u64)> {
     Some((pid.parse().ok()?, start.parse().ok()?))
 }
 
+/// The unit of `/proc/<pid>/stat`'s start time: USER_HZ, which Linux fixes at 100 ticks a
+/// second on every architecture the agent is built for (only alpha's differs). A constant,
+/// not the aux vector's `AT_CLKTCK`, so that reading it can never fail.
+const USER_HZ: u64 = 100;
+
 /// What is left of `timeout` for the job whose process `handle` names, counted from that
 /// process's start: a restarted agent that takes a job back gives it only the rest, never
-/// a whole timeout again. The start time counts clock ticks on the boot clock
+/// a whole timeout again. The start time counts ticks on the boot clock
 /// (`CLOCK_BOOTTIME`), which no change of the wall clock moves; the whole `timeout` when
-/// the handle is not one this module made.
+/// the handle is not one this module made (its start time unknown).
 pub(crate) fn time_left(handle: &ExecutorHandle, timeout: Duration) -> Duration {
     let now = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
     let since_boot = Duration::new(u64::try_from(now.tv_sec).unwrap_or(0), u32::try_from(now.tv_nsec).unwrap_or(0));
     match parse_handle(handle) {
-        Some((_, start)) => left_of(timeout, start, rustix::param::clock_ticks_per_second(), since_boot),
+        Some((_, start)) => left_of(timeout, start, since_boot),
         None => timeout,
     }
 }
 
-/// [`time_left`] of a process started `start` ticks (of `hz` a second) after boot, at
-/// `since_boot`.
-fn left_of(timeout: Duration, start: u64, hz: u64, since_boot: Duration) -> Duration {
-    if hz == 0 {
-        return timeout;
-    }
-    let started = Duration::from_secs(start / hz) + Duration::from_nanos((start % hz) * 1_000_000_000 / hz);
+/// [`time_left`] of a process started `start` ticks after boot, at `since_boot`.
+fn left_of(timeout: Duration, start: u64, since_boot: Duration) -> Duration {
+    let started = Duration::from_secs(start / USER_HZ) + Duration::from_millis((start % USER_HZ) * 1_000 / USER_HZ);
     timeout.saturating_sub(since_boot.saturating_sub(started))
 }
 
@@ -294,21 +295,19 @@ mod tests {
 
     #[test]
     fn a_job_taken_back_has_only_what_is_left_of_its_timeout() {
-        let (minute, hz) = (Duration::from_secs(60), 100);
+        let minute = Duration::from_secs(60);
         // Started 10 s after boot, now 25.5 s after: 15.5 s gone.
-        assert_eq!(left_of(minute, 1_000, hz, Duration::from_millis(25_500)), Duration::from_millis(44_500));
-        // Ticks that are not whole seconds.
-        assert_eq!(left_of(minute, 1_050, hz, Duration::from_millis(10_500)), minute);
-        assert_eq!(
-            left_of(minute, 7, 1_024, Duration::from_secs(1)),
-            minute - (Duration::from_secs(1) - Duration::from_nanos(7 * 1_000_000_000 / 1_024))
-        );
+        assert_eq!(left_of(minute, 1_000, Duration::from_millis(25_500)), Duration::from_millis(44_500));
+        // Ticks that are not whole seconds: started 10.57 s after boot.
+        assert_eq!(left_of(minute, 1_057, Duration::from_millis(10_570)), minute);
+        assert_eq!(left_of(minute, 1_057, Duration::from_millis(11_000)), minute - Duration::from_millis(430));
         // Run past it while no agent watched: nothing left.
-        assert_eq!(left_of(minute, 1_000, hz, Duration::from_secs(70)), Duration::ZERO);
-        assert_eq!(left_of(minute, 1_000, hz, Duration::from_secs(3_600)), Duration::ZERO);
-        // A start after "now" (clocks that disagree) takes nothing off, nor does a bad rate.
-        assert_eq!(left_of(minute, 9_000, hz, Duration::from_secs(10)), minute);
-        assert_eq!(left_of(minute, 1_000, 0, Duration::from_secs(70)), minute);
+        assert_eq!(left_of(minute, 1_000, Duration::from_secs(70)), Duration::ZERO);
+        assert_eq!(left_of(minute, 1_000, Duration::from_secs(3_600)), Duration::ZERO);
+        // A start after "now" (clocks that disagree) takes nothing off; nor does any start
+        // overflow.
+        assert_eq!(left_of(minute, 9_000, Duration::from_secs(10)), minute);
+        assert_eq!(left_of(minute, u64::MAX, Duration::from_secs(10)), minute);
     }
 
     #[test]
