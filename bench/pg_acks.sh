@@ -20,13 +20,19 @@
 #   LOW_LATENCY=1 bench/pg_acks.sh             # the whole run (pgbench too) with idle cores kept
 #                                              # awake: a CPU latency request of 0 (root)
 #
-# Each client count runs CYCLES_8 / CYCLES_64 cycles of RENEWALS + 3 ACKs per client (by
-# default 5 renewals, a job of about a minute at the default 30 s lease, and 9,600 and
-# 10,240 ACKs, several seconds each, as pgbench's 10 s; the default cycle counts shrink as
-# RENEWALS grows, to keep about as many ACKs; other client counts run about 9,600 too),
-# after a warm-up round
-# of 8 clients that is not counted: a serving replica's pooled connections have their
-# statements prepared and planned, as pgbench's have once it starts counting.
+#   SLICES=5 PGBENCH_SECONDS=2 bench/pg_acks.sh  # slices per round, and pgbench's seconds in each
+#
+# Each round alternates, for each client count, SLICES (3) slices of ACKs and of
+# `pgbench -N` (PGBENCH_SECONDS, 4 s, each), and reads each rate over its slices: the host's
+# load moves from second to second on a shared machine, and a ratio of figures taken
+# minutes apart measured the host as much as the server. An ACK slice runs CYCLES_8 /
+# CYCLES_64 cycles of RENEWALS + 3 ACKs per client (by default 5 renewals, a job of about
+# a minute at the default 30 s lease, and 9,600 and 10,240 ACKs, a few seconds each; the
+# default cycle counts shrink as RENEWALS grows, to keep about as many ACKs; other client
+# counts run about 9,600 too), after a warm-up round of 8 clients that is not counted: a
+# serving replica's pooled connections have their statements prepared and planned, as
+# pgbench's have once it starts counting. The steal column says how much of the host's CPU
+# time the hypervisor gave other guests during each kind of slice.
 #
 # The PostgreSQL server is a throwaway cluster (scripts/pg) started --durable: fsync and
 # synchronous_commit on, as a deployment would run it (SQLite syncs its WAL before every answer that decides something).
@@ -137,44 +143,73 @@ settle() {
     "$pgbin/psql" -X -q -h "$QL_PG_SOCKET" -U postgres -d "$db" -c "VACUUM (ANALYZE)"
   done
 }
+# The host's CPU time so far (/proc/stat, all cores): stolen and in all, in ticks. On a
+# virtual machine the hypervisor's other guests take a share (steal) that moves from
+# second to second, and it slows the ACK chain's many hand-offs more than pgbench's
+# parallel backends: so each round alternates SLICES slices of each, and reports the
+# steal both saw.
+host_ticks() { awk '/^cpu / { t = 0; for (i = 2; i <= 9; i++) t += $i; print $9, t }' /proc/stat; }
 declare -A marked
-declare -A ack tps direct cost pgcost
+declare -A ack tps direct cost pgcost steal
+slices=${SLICES:-3}
 for round in $(seq "$rounds"); do
 for clients in ${CLIENTS:-8 64}; do
   k=$clients.$round
   cycles=$(cycles_for "$clients")
-  echo "\$ $bench --clients $clients --cycles $cycles --renewals $renewals --database \$QL_PG_URL"
-  fresh_workers "$work/pg-state"
-  settle
-  c0=$(checkpoints)
-  pg0=$(cluster_cpu "$work/cluster") server0=$(process_cpu "$pg_server")
-  line=$(timed "$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals "$renewals" \
-    --database "$QL_PG_URL")
-  # What each ACK cost in CPU ms of the cluster, the server and the clients, the
-  # round's submits and enrolments included.
-  cost[$k]=$(awk -v n="$((clients * cycles * per_cycle))" -v pg0="$pg0" -v pg1="$(cluster_cpu "$work/cluster")" \
-    -v server0="$server0" -v server1="$(process_cpu "$pg_server")" -v client="$(own_cpu)" \
-    'BEGIN { printf "%.3f %.3f %.3f", (pg1 - pg0) * 1e3 / n, (server1 - server0) * 1e3 / n, client * 1e3 / n }')
-  echo "$line"
-  ack[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
-  [ "$(checkpoints)" = "$c0" ] || marked[$k]="*"
+  # Sums over the round's slices: ACKs, their seconds, the CPU seconds of the cluster,
+  # the server and the clients over the ACK slices; pgbench's transactions, seconds and
+  # CPU; the host's stolen and total ticks in each kind of slice.
+  acks=0 ack_s=0 ack_pg=0 ack_server=0 ack_client=0 txs=0 tx_s=0 tx_pg=0 tx_client=0
+  ack_steal=0 ack_ticks=0 tx_steal=0 tx_ticks=0
+  for _ in $(seq "$slices"); do
+    echo "\$ $bench --clients $clients --cycles $cycles --renewals $renewals --database \$QL_PG_URL"
+    fresh_workers "$work/pg-state"
+    settle
+    c0=$(checkpoints)
+    pg0=$(cluster_cpu "$work/cluster") server0=$(process_cpu "$pg_server")
+    read -r st0 tt0 <<<"$(host_ticks)"
+    line=$(timed "$bench" --dir "$work/pg-state" --url "$pg_url" --clients "$clients" --cycles "$cycles" --renewals "$renewals" \
+      --database "$QL_PG_URL")
+    read -r st1 tt1 <<<"$(host_ticks)"
+    echo "$line"
+    # What the ACKs cost in CPU seconds of the cluster, the server and the clients, the
+    # slice's submits and enrolments included.
+    read -r acks ack_s ack_pg ack_server ack_client < <(echo "$line" | awk -v acks="$acks" -v ack_s="$ack_s" \
+      -v ack_pg="$ack_pg" -v pg0="$pg0" -v pg1="$(cluster_cpu "$work/cluster")" \
+      -v ack_server="$ack_server" -v server0="$server0" -v server1="$(process_cpu "$pg_server")" \
+      -v ack_client="$ack_client" -v client="$(own_cpu)" \
+      '{ for (i = 1; i <= NF; i++) { if ($i == "ACK") n = $(i - 1); if ($i == "in") s = $(i + 1) } }
+       END { print acks + n, ack_s + s, ack_pg + pg1 - pg0, ack_server + server1 - server0, ack_client + client }')
+    ack_steal=$((ack_steal + st1 - st0)) ack_ticks=$((ack_ticks + tt1 - tt0))
+    [ "$(checkpoints)" = "$c0" ] || marked[$k]="*"
+    echo "\$ pgbench -N -c $clients -j 2 -T ${PGBENCH_SECONDS:-4} pgbench"
+    settle
+    c0=$(checkpoints)
+    pg0=$(cluster_cpu "$work/cluster")
+    read -r st0 tt0 <<<"$(host_ticks)"
+    out=$(timed "$pgbin/pgbench" -N -c "$clients" -j 2 -T "${PGBENCH_SECONDS:-4}" -h "$QL_PG_SOCKET" -U postgres pgbench)
+    read -r st1 tt1 <<<"$(host_ticks)"
+    rate=$(echo "$out" | sed -n 's/^tps = \([0-9.]*\).*/\1/p' | head -1)
+    n=$(echo "$out" | sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p')
+    echo "pgbench -N: $rate tps"
+    read -r txs tx_s tx_pg tx_client < <(awk -v txs="$txs" -v tx_s="$tx_s" -v n="$n" -v rate="$rate" \
+      -v tx_pg="$tx_pg" -v pg0="$pg0" -v pg1="$(cluster_cpu "$work/cluster")" -v tx_client="$tx_client" -v client="$(own_cpu)" \
+      'BEGIN { print txs + n, tx_s + n / rate, tx_pg + pg1 - pg0, tx_client + client }')
+    tx_steal=$((tx_steal + st1 - st0)) tx_ticks=$((tx_ticks + tt1 - tt0))
+    [ "$(checkpoints)" = "$c0" ] || marked[$k]="*"
+  done
+  read -r "ack[$k]" "cost[$k]" <<<"$(awk -v n="$acks" -v s="$ack_s" -v p="$ack_pg" -v v="$ack_server" -v c="$ack_client" \
+    'BEGIN { printf "%.1f %.3f %.3f %.3f", n / s, p * 1e3 / n, v * 1e3 / n, c * 1e3 / n }')"
+  read -r "tps[$k]" "pgcost[$k]" <<<"$(awk -v n="$txs" -v s="$tx_s" -v p="$tx_pg" -v c="$tx_client" \
+    'BEGIN { printf "%.1f %.3f %.3f", n / s, p * 1e3 / n, c * 1e3 / n }')"
+  steal[$k]=$(awk -v a="$ack_steal" -v b="$ack_ticks" -v c="$tx_steal" -v d="$tx_ticks" \
+    'BEGIN { printf "%.0f / %.0f", a * 100 / b, c * 100 / d }')
   echo "\$ QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_FILL=${PG_FILL:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles QL_BENCH_RENEWALS=$renewals cargo test --release --test pg_throughput"
   settle
   line=$(QL_BENCH_POOL=${PG_POOL:-16} QL_BENCH_LANES=${PG_LANES:-} QL_BENCH_FILL=${PG_FILL:-} QL_BENCH_CLIENTS=$clients QL_BENCH_CYCLES=$cycles QL_BENCH_RENEWALS=$renewals cargo test --release --locked --quiet -p ql-control \
     --test pg_throughput -- --nocapture 2>/dev/null | grep '^store-level')
   echo "$line"
   direct[$k]=$(echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "ACK/s,") print $(i - 1)}')
-  echo "\$ pgbench -N -c $clients -j 2 -T 10 pgbench"
-  settle
-  c0=$(checkpoints)
-  pg0=$(cluster_cpu "$work/cluster")
-  out=$(timed "$pgbin/pgbench" -N -c "$clients" -j 2 -T 10 -h "$QL_PG_SOCKET" -U postgres pgbench)
-  tps[$k]=$(echo "$out" | sed -n 's/^tps = \([0-9.]*\).*/\1/p' | head -1)
-  n=$(echo "$out" | sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p')
-  pgcost[$k]=$(awk -v n="$n" -v pg0="$pg0" -v pg1="$(cluster_cpu "$work/cluster")" -v client="$(own_cpu)" \
-    'BEGIN { printf "%.3f %.3f", (pg1 - pg0) * 1e3 / n, client * 1e3 / n }')
-  echo "pgbench -N: ${tps[$k]} tps"
-  [ "$(checkpoints)" = "$c0" ] || marked[$k]="*"
 done
 done
 kill -TERM "$pg_server"; wait "$pg_server" 2>/dev/null || true; pg_server=
@@ -194,14 +229,15 @@ for clients in ${CLIENTS:-8 64}; do
 done
 
 echo
-echo "clients  PostgreSQL ACK/s (mTLS)  ratio  store-level ACK/s  ratio  pgbench -N tps  SQLite ACK/s (mTLS)"
-echo "(* a checkpoint fell inside the round's ACK or pgbench phase)"
+echo "clients  PostgreSQL ACK/s (mTLS)  ratio  store-level ACK/s  ratio  pgbench -N tps  SQLite ACK/s (mTLS)  steal %"
+echo "(each round $slices slices of ACKs and of pgbench in turn; steal %: the host's CPU time taken by the"
+echo "hypervisor in the ACK slices / the pgbench slices; * a checkpoint fell inside a slice)"
 for clients in ${CLIENTS:-8 64}; do
   for round in $(seq "$rounds"); do
     k=$clients.$round
     awk -v c="$clients" -v a="${ack[$k]}" -v d="${direct[$k]}" -v t="${tps[$k]}" \
-      -v s="${lite[$clients]}" -v m="${marked[$k]:-}" \
-      'BEGIN { printf "%7d  %23.0f  %5.2f  %17.0f  %5.2f  %14.0f  %19.0f %s\n", c, a, a / t, d, d / t, t, s, m }'
+      -v s="${lite[$clients]}" -v m="${marked[$k]:-}" -v st="${steal[$k]}" \
+      'BEGIN { printf "%7d  %23.0f  %5.2f  %17.0f  %5.2f  %14.0f  %19.0f  %7s %s\n", c, a, a / t, d, d / t, t, s, st, m }'
   done
 done
 echo
