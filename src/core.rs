@@ -51,8 +51,8 @@
 //! go out (the first at once), until the server refuses one. A renewal whose answer was lost may still
 //! have advanced the lease version, and so may one in flight when the agent died;
 //! [`RenewDoubt`] tracks that: every fenced command is sent with the journal's version
-//! first, and a `lease_conflict` then earns one repeat with the next version
-//! ([`renew_failed`], [`retry_next_version`]).
+//! first, and a `lease_conflict` met while a renewal may have applied earns a repeat with
+//! the next version, once for each such renewal ([`renew_failed`], [`retry_next_version`]).
 
 use std::time::{Duration, Instant};
 
@@ -96,18 +96,34 @@ pub(crate) enum Process {
     Stopping,
 }
 
-/// Whether the last renewal's outcome is known.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RenewDoubt {
-    /// The lease version in the journal is the server's.
-    Sure,
-    /// A renewal's answer was lost, or the agent restarted (a renewal may have been in
-    /// flight when it died): the server may have advanced the version. Commands go out
-    /// with the journal's version.
-    AnswerLost,
-    /// A command with the journal's version met `lease_conflict`, so the lost renewal most
-    /// likely applied: commands go out with the next version.
-    TryNext,
+/// What the agent knows of the server's lease version beyond its journal's. Only renewals
+/// move the version on, and every lost answer may hide one that applied: each
+/// `lease_conflict` met while one may have applied proves it did, and moves commands on to
+/// the next version. Two lost answers in a row (both applied) need two such steps, so the
+/// steps are counted, not capped at one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct RenewDoubt {
+    /// Renewals past the journal's version that a `lease_conflict` proved applied: fenced
+    /// commands go out with the journal's version plus this many.
+    pub(crate) ahead: u32,
+    /// The last renewal sent with that version lost its answer, or the agent restarted (one
+    /// may have been in flight when it died): it may have applied as well.
+    pub(crate) unsure: bool,
+}
+
+impl RenewDoubt {
+    /// The journal's version is the server's.
+    pub(crate) const SURE: Self = Self { ahead: 0, unsure: false };
+
+    /// After a renewal sent with the current version lost its answer.
+    pub(crate) const fn lost(self) -> Self {
+        Self { ahead: self.ahead, unsure: true }
+    }
+
+    /// After a `lease_conflict` proved that the renewal in doubt applied.
+    pub(crate) const fn next(self) -> Self {
+        Self { ahead: self.ahead.saturating_add(1), unsure: false }
+    }
 }
 
 /// Facts about a job that die with the agent process.
@@ -193,7 +209,7 @@ impl Default for Runtime {
             lease_fresh_at: None,
             timeout_at: None,
             process: Process::Absent,
-            renew_doubt: RenewDoubt::Sure,
+            renew_doubt: RenewDoubt::SURE,
             log_lost: false,
             finished: false,
             resumed: false,
@@ -213,7 +229,7 @@ impl Runtime {
     /// The runtime facts of a job found in the journal at start: the lease's age and its
     /// version are unknown.
     pub(crate) fn resumed() -> Self {
-        Self { renew_doubt: RenewDoubt::AnswerLost, resumed: true, ..Self::default() }
+        Self { renew_doubt: RenewDoubt::SURE.lost(), resumed: true, ..Self::default() }
     }
 }
 
@@ -348,7 +364,7 @@ pub(crate) fn next(key: &JobKey, job: &Job, rt: &Runtime, now: Now) -> Step {
     };
     let fence = fence(job, lease, version_in_doubt(lease, rt.renew_doubt));
     let renew_at = renew_at(lease, rt);
-    let in_doubt = rt.renew_doubt != RenewDoubt::Sure;
+    let in_doubt = rt.renew_doubt != RenewDoubt::SURE;
     let renew_due = in_doubt || renew_at.is_none_or(|t| now.at >= t);
     let renew = || Step::Renew(fence.clone());
 
@@ -555,14 +571,11 @@ fn fence(job: &Job, lease: &Lease, version: Counter) -> Fence {
     }
 }
 
-/// The version fenced commands present: the journal's, or its next one once a command
-/// with it met `lease_conflict` while a renewal's answer was in doubt.
+/// The version fenced commands present: the journal's, moved on by each renewal a
+/// `lease_conflict` proved applied while its answer was in doubt.
 pub(crate) fn version_in_doubt(lease: &Lease, doubt: RenewDoubt) -> Counter {
-    match doubt {
-        RenewDoubt::Sure | RenewDoubt::AnswerLost => lease.version,
-        // At the counter's end there is no next version; the server refuses either way.
-        RenewDoubt::TryNext => lease.version.next().unwrap_or(lease.version),
-    }
+    // At the counter's end there is no next version; the server refuses either way.
+    (0..doubt.ahead).try_fold(lease.version, |v, _| v.next()).unwrap_or(lease.version)
 }
 
 /// When the lease of a claim that just succeeded was last fresh: when this agent first
@@ -576,8 +589,8 @@ pub(crate) fn claimed_fresh_at(rt: &Runtime) -> Option<Instant> {
     }
 }
 
-/// The record that settles the version after a fenced command succeeded with the next one
-/// ([`RenewDoubt::TryNext`]): the lost renewal did apply.
+/// The record that settles the version after a fenced command succeeded with a later one
+/// ([`RenewDoubt::ahead`]): the lost renewals did apply.
 pub(crate) fn settled(key: &JobKey, job: &Job, doubt: RenewDoubt) -> Option<Record> {
     let lease = job.lease.as_ref()?;
     let version = version_in_doubt(lease, doubt);
@@ -723,11 +736,11 @@ pub(crate) fn disposition(code: ErrorCode) -> Disposition {
     }
 }
 
-/// Whether a fenced command other than a renewal that was refused with `code` deserves one
-/// repeat with the next lease version: a renewal whose answer was lost, or that was in
-/// flight when the agent died, may have moved the version on.
+/// Whether a fenced command other than a renewal that was refused with `code` deserves a
+/// repeat with the next lease version ([`RenewDoubt::next`]): a renewal whose answer was
+/// lost, or that was in flight when the agent died, may have moved the version on.
 pub(crate) fn retry_next_version(doubt: RenewDoubt, code: ErrorCode) -> bool {
-    doubt == RenewDoubt::AnswerLost && code == ErrorCode::LeaseConflict
+    doubt.unsure && code == ErrorCode::LeaseConflict
 }
 
 /// What a renewal refusal that ends the lease's renewals means for the job: it ends, unless
@@ -740,13 +753,10 @@ pub(crate) fn renewal_refused_ends_job(job: &Job) -> bool {
 /// The renewal doubt after a renewal failed with `code` (`None`: the answer was lost in
 /// transport). `None` as the result: the job must end.
 pub(crate) fn renew_failed(doubt: RenewDoubt, code: Option<ErrorCode>) -> Option<RenewDoubt> {
-    let lost = if doubt == RenewDoubt::Sure { RenewDoubt::AnswerLost } else { doubt };
     match code.map(disposition) {
-        None | Some(Disposition::Retry) => Some(lost),
+        None | Some(Disposition::Retry) => Some(doubt.lost()),
         Some(Disposition::Misconfigured) => Some(doubt),
-        Some(Disposition::EndJob) if code == Some(ErrorCode::LeaseConflict) && doubt == RenewDoubt::AnswerLost => {
-            Some(RenewDoubt::TryNext)
-        }
+        Some(Disposition::EndJob) if code == Some(ErrorCode::LeaseConflict) && doubt.unsure => Some(doubt.next()),
         Some(Disposition::EndJob) => None,
     }
 }
@@ -756,6 +766,13 @@ pub(crate) fn renew_failed(doubt: RenewDoubt, code: Option<ErrorCode>) -> Option
 /// has its whole TTL to see the next renewal; six tries fit in it.
 pub(crate) fn backoff_cap(max: Duration, shortest_lease_ms: Option<u64>) -> Duration {
     shortest_lease_ms.map_or(max, |ttl| max.min(Duration::from_millis(ttl / 6).max(Duration::from_millis(100))))
+}
+
+/// How much of a `Retry-After` the agent honours: all of it, unless a job holds a lease,
+/// then no more than the back-off's cap ([`backoff_cap`]). A wait past the lease's lapse
+/// would end jobs that still run, and a proxy in front of the replicas may ask for minutes.
+pub(crate) fn honoured_retry_after(retry_after: Option<Duration>, lease_cap: Option<Duration>) -> Option<Duration> {
+    retry_after.map(|r| lease_cap.map_or(r, |cap| r.min(cap)))
 }
 
 /// The wait before repeating a call after `failures` failures in a row: doubling from

@@ -108,16 +108,16 @@ impl Agent {
                         }
                         let rt = self.rt(key);
                         rt.lease_fresh_at = Some(now);
-                        rt.renew_doubt = RenewDoubt::Sure;
+                        rt.renew_doubt = RenewDoubt::SURE;
                         debug!("{who}: lease renewed to version {}", renewed.lease_version);
                         Ok(Turn::Moved)
                     }
                     Err(e) => {
                         let doubt = self.rt(key).renew_doubt;
                         match core::renew_failed(doubt, e.code()) {
-                            Some(RenewDoubt::TryNext) if doubt != RenewDoubt::TryNext => {
+                            Some(next) if next.ahead > doubt.ahead => {
                                 warn!("{who}: renewal answer was lost and the repeat met lease_conflict; trying the next lease version");
-                                self.rt(key).renew_doubt = RenewDoubt::TryNext;
+                                self.rt(key).renew_doubt = next;
                                 Ok(Turn::Moved)
                             }
                             Some(next) => {
@@ -386,7 +386,7 @@ impl Agent {
                             if core::retry_next_version(doubt, ErrorCode::LeaseConflict) =>
                         {
                             warn!("{who}: abandon met lease_conflict while a renewal's outcome is unknown; repeating with the next lease version");
-                            self.rt(key).renew_doubt = RenewDoubt::TryNext;
+                            self.rt(key).renew_doubt = doubt.next();
                             abandon = core::abandon(&job, self.rt(key));
                             continue;
                         }
@@ -467,7 +467,7 @@ impl Agent {
         if let Some(record) = core::settled(key, job, self.rt(key).renew_doubt) {
             self.commit(&record)?;
         }
-        self.rt(key).renew_doubt = RenewDoubt::Sure;
+        self.rt(key).renew_doubt = RenewDoubt::SURE;
         Ok(())
     }
 
@@ -583,7 +583,8 @@ impl Agent {
                 warn!(
                     "{who}: {what}: {err} while a renewal's outcome is unknown; repeating with the next lease version"
                 );
-                self.rt(key).renew_doubt = RenewDoubt::TryNext;
+                let rt = self.rt(key);
+                rt.renew_doubt = rt.renew_doubt.next();
                 Turn::Moved
             }
             CallError::Refused { code, retry_after, .. } => match core::disposition(*code) {

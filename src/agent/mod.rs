@@ -596,11 +596,12 @@ impl Agent {
         self.net.failures = self.net.failures.saturating_add(1);
         // A new spread for every wait.
         self.draw();
-        // While a job holds a lease, never wait longer than a sixth of it: after an outage
-        // of the control plane, the lease the server gives back must see a renewal in
-        // time.
+        // While a job holds a lease, never wait longer than a sixth of it, whatever a
+        // Retry-After asks: after an outage of the control plane, the lease the server
+        // gives back must see a renewal in time.
         let shortest_lease = self.state.jobs.values().filter_map(|j| j.lease.as_ref()).map(|l| l.ttl_ms).min();
         let max = core::backoff_cap(self.cfg.backoff_max, shortest_lease);
+        let retry_after = core::honoured_retry_after(retry_after, shortest_lease.map(|_| max));
         let wait = core::backoff(self.cfg.backoff_initial, max, self.net.failures, self.random, retry_after);
         debug!("calls paused for {} ms after {} failure(s)", wait.as_millis(), self.net.failures);
         self.net.until = Some(Instant::now() + wait);

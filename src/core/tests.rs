@@ -438,10 +438,10 @@ fn a_renewal_in_doubt_is_settled_by_renewing_while_the_lease_is_kept() {
     let (_, job) = after(6);
     let ended = with(&job, &[exited_record(Some(0), None)]);
     for j in [&after(2).1, &after(3).1, &after(5).1, &job, &ended] {
-        let lost = Runtime { renew_doubt: RenewDoubt::AnswerLost, ..running(base) };
+        let lost = Runtime { renew_doubt: RenewDoubt::SURE.lost(), ..running(base) };
         let step = next(&k(), j, &lost, at(base, 0));
         assert!(matches!(step, Step::Renew(ref f) if f.expected_lease_version == c(1)), "{step:?}");
-        let next_one = Runtime { renew_doubt: RenewDoubt::TryNext, ..running(base) };
+        let next_one = Runtime { renew_doubt: RenewDoubt::SURE.lost().next(), ..running(base) };
         let step = next(&k(), j, &next_one, at(base, 0));
         assert!(matches!(step, Step::Renew(ref f) if f.expected_lease_version == c(2)), "{step:?}");
     }
@@ -450,7 +450,7 @@ fn a_renewal_in_doubt_is_settled_by_renewing_while_the_lease_is_kept() {
 /// Found by the fault matrix (`agent sent:lease.renew@1`): the agent died after a renewal
 /// was applied but before its answer was journaled. The restarted agent presented the
 /// journal's version, met `lease_conflict`, and dropped a job whose result it held: the run
-/// was lost to lease expiry. Now a resumed job is in doubt, and a conflict earns one repeat
+/// was lost to lease expiry. Now a resumed job is in doubt, and a conflict earns a repeat
 /// with the next version, which is then recorded.
 #[test]
 fn a_restarted_job_settles_a_renewal_lost_in_the_crash_with_the_next_version() {
@@ -459,18 +459,21 @@ fn a_restarted_job_settles_a_renewal_lost_in_the_crash_with_the_next_version() {
     let ended = with(&job, &[exited_record(Some(0), None)]);
     let failed = with(&after(3).1, &[Record::SpawnFailed { job: k(), reason: Reason::summarise("x") }]);
     let resumed = Runtime::resumed();
-    assert_eq!(resumed.renew_doubt, RenewDoubt::AnswerLost);
+    assert_eq!(resumed.renew_doubt, RenewDoubt::SURE.lost());
     // The log still to go out: renewed first, with the journal's version.
     let Step::Renew(f) = next(&k(), &ended, &resumed, at(base, 0)) else { panic!() };
     assert_eq!(f.expected_lease_version, c(1));
     // No renewal first for a start failure: the session may be gone, and it needs none.
     let Step::StartFailure(b) = next(&k(), &failed, &resumed, at(base, 0)) else { panic!() };
     assert_eq!(b.expected_lease_version, c(1));
-    assert!(retry_next_version(RenewDoubt::AnswerLost, ErrorCode::LeaseConflict));
-    assert!(!retry_next_version(RenewDoubt::TryNext, ErrorCode::LeaseConflict), "one repeat only");
-    assert!(!retry_next_version(RenewDoubt::Sure, ErrorCode::LeaseConflict));
-    assert!(!retry_next_version(RenewDoubt::AnswerLost, ErrorCode::SessionConflict));
-    let next_one = Runtime { renew_doubt: RenewDoubt::TryNext, ..resumed };
+    assert!(retry_next_version(RenewDoubt::SURE.lost(), ErrorCode::LeaseConflict));
+    assert!(
+        !retry_next_version(RenewDoubt::SURE.lost().next(), ErrorCode::LeaseConflict),
+        "one repeat for each renewal in doubt"
+    );
+    assert!(!retry_next_version(RenewDoubt::SURE, ErrorCode::LeaseConflict));
+    assert!(!retry_next_version(RenewDoubt::SURE.lost(), ErrorCode::SessionConflict));
+    let next_one = Runtime { renew_doubt: RenewDoubt::SURE.lost().next(), ..resumed };
     let Step::Renew(f) = next(&k(), &ended, &next_one, at(base, 0)) else { panic!() };
     assert_eq!(f.expected_lease_version, c(2));
     let refused = Runtime { renewals_refused: true, ..next_one };
@@ -479,9 +482,12 @@ fn a_restarted_job_settles_a_renewal_lost_in_the_crash_with_the_next_version() {
     let Step::StartFailure(b) = next(&k(), &failed, &next_one, at(base, 0)) else { panic!() };
     assert_eq!(b.expected_lease_version, c(2));
     // Once a command went through with the next version, the journal learns it.
-    assert_eq!(settled(&k(), &ended, RenewDoubt::TryNext), Some(Record::Renewed { job: k(), lease_version: c(2) }));
-    assert_eq!(settled(&k(), &ended, RenewDoubt::AnswerLost), None);
-    assert_eq!(settled(&k(), &ended, RenewDoubt::Sure), None);
+    assert_eq!(
+        settled(&k(), &ended, RenewDoubt::SURE.lost().next()),
+        Some(Record::Renewed { job: k(), lease_version: c(2) })
+    );
+    assert_eq!(settled(&k(), &ended, RenewDoubt::SURE.lost()), None);
+    assert_eq!(settled(&k(), &ended, RenewDoubt::SURE), None);
     // A running job resumed renews first, with the journal's version.
     let step = next(&k(), &job, &Runtime { process: Process::Running, ..resumed }, at(base, 0));
     assert!(matches!(step, Step::Renew(ref f) if f.expected_lease_version == c(1)), "{step:?}");
@@ -507,7 +513,7 @@ fn an_ended_process_keeps_its_lease_alive_while_it_is_reported() {
     // out, however long that takes.
     let unknown = Runtime { lease_fresh_at: None, ..Runtime::resumed() };
     assert!(matches!(next(&k(), &ended, &unknown, at(base, third)), Step::Renew(_)));
-    let renewed = Runtime { lease_fresh_at: Some(base), renew_doubt: RenewDoubt::Sure, ..unknown };
+    let renewed = Runtime { lease_fresh_at: Some(base), renew_doubt: RenewDoubt::SURE, ..unknown };
     assert!(matches!(next(&k(), &ended, &renewed, at(base, third - 1)), Step::Append(_)));
     assert!(matches!(next(&k(), &ended, &renewed, at(base, 4 * third)), Step::Renew(_)));
     // Renewals refused (the session is gone): reported without them.
@@ -544,7 +550,7 @@ fn an_unsettled_spawning_intent_is_adopted_never_spawned_again() {
     let base = t0();
     let intent = with(&after(3).1, &[Record::Spawning { job: k() }]);
     // (Renewed since the restart, so the renewal does not come first.)
-    let resumed = Runtime { lease_fresh_at: Some(base), renew_doubt: RenewDoubt::Sure, ..Runtime::resumed() };
+    let resumed = Runtime { lease_fresh_at: Some(base), renew_doubt: RenewDoubt::SURE, ..Runtime::resumed() };
     assert_eq!(next(&k(), &intent, &resumed, at(base, 0)), Step::Adopt);
     // Even with a stop intent or a drain: a process may run and must be found first.
     let stopped = with(&intent, &[Record::StopSeen { job: k(), intent: StopIntent::Cancel }]);
@@ -565,16 +571,72 @@ fn an_unsettled_spawning_intent_is_adopted_never_spawned_again() {
 
 #[test]
 fn renewal_doubt_follows_lost_answers_and_conflicts() {
-    use RenewDoubt::*;
-    assert_eq!(renew_failed(Sure, None), Some(AnswerLost));
-    assert_eq!(renew_failed(Sure, Some(ErrorCode::Unavailable)), Some(AnswerLost));
-    assert_eq!(renew_failed(AnswerLost, None), Some(AnswerLost));
-    assert_eq!(renew_failed(TryNext, None), Some(TryNext));
-    assert_eq!(renew_failed(AnswerLost, Some(ErrorCode::LeaseConflict)), Some(TryNext));
-    assert_eq!(renew_failed(TryNext, Some(ErrorCode::LeaseConflict)), None);
-    assert_eq!(renew_failed(Sure, Some(ErrorCode::LeaseConflict)), None);
-    assert_eq!(renew_failed(AnswerLost, Some(ErrorCode::SessionConflict)), None);
-    assert_eq!(renew_failed(Sure, Some(ErrorCode::PrincipalMismatch)), Some(Sure));
+    let sure = RenewDoubt::SURE;
+    let lost = sure.lost();
+    let next = lost.next();
+    assert_eq!(next, RenewDoubt { ahead: 1, unsure: false });
+    assert_eq!(renew_failed(sure, None), Some(lost));
+    assert_eq!(renew_failed(sure, Some(ErrorCode::Unavailable)), Some(lost));
+    assert_eq!(renew_failed(lost, None), Some(lost));
+    assert_eq!(renew_failed(lost, Some(ErrorCode::LeaseConflict)), Some(next));
+    // The renewal sent with the next version may have applied too.
+    assert_eq!(renew_failed(next, None), Some(RenewDoubt { ahead: 1, unsure: true }));
+    assert_eq!(renew_failed(next.lost(), Some(ErrorCode::LeaseConflict)), Some(RenewDoubt { ahead: 2, unsure: false }));
+    assert_eq!(renew_failed(next, Some(ErrorCode::LeaseConflict)), None);
+    assert_eq!(renew_failed(sure, Some(ErrorCode::LeaseConflict)), None);
+    assert_eq!(renew_failed(lost, Some(ErrorCode::SessionConflict)), None);
+    assert_eq!(renew_failed(sure, Some(ErrorCode::PrincipalMismatch)), Some(sure));
+}
+
+/// Every way up to seven renewals can go (answered; applied with the answer lost; lost
+/// before the server saw it), against a server whose lease stays live: the agent never
+/// gives the job up, never presents a version the server has not reached, and its next
+/// answered renewal brings the journal level with the server. Two answers lost in a row
+/// once ended a healthy job here, and its run went back to the queue while it still ran.
+#[test]
+fn lost_renewal_answers_never_end_a_job_whose_lease_is_live() {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Fate {
+        Answered,
+        AppliedUnanswered,
+        NeverArrived,
+    }
+    let fates = [Fate::Answered, Fate::AppliedUnanswered, Fate::NeverArrived];
+    let (_, job) = after(6);
+    let lease = job.lease.clone().expect("a claimed job has a lease");
+    let at = |version: u64| Lease { version: c(version), ..lease.clone() };
+    let steps = 7;
+    for n in 0..3usize.pow(steps) {
+        let path: Vec<Fate> = (0..steps).map(|i| fates[n / 3usize.pow(i) % 3]).collect();
+        let (mut server, mut journal, mut doubt) = (lease.version.get(), lease.version.get(), RenewDoubt::SURE);
+        // The path, then answered renewals until one succeeds.
+        for (i, fate) in path.iter().copied().chain(std::iter::repeat(Fate::Answered)).enumerate() {
+            assert!(i < steps as usize + 3, "no renewal succeeded after the path {n}");
+            let presented = version_in_doubt(&at(journal), doubt).get();
+            assert!(presented <= server, "path {n}: presented {presented}, the server is at {server}");
+            let applies = presented == server && fate != Fate::NeverArrived;
+            if applies {
+                server += 1;
+            }
+            match fate {
+                Fate::Answered if applies => {
+                    journal = server;
+                    doubt = RenewDoubt::SURE;
+                    if i >= path.len() {
+                        break;
+                    }
+                }
+                Fate::Answered => {
+                    doubt = renew_failed(doubt, Some(ErrorCode::LeaseConflict))
+                        .unwrap_or_else(|| panic!("path {n}: a live lease given up at step {i}"));
+                }
+                Fate::AppliedUnanswered | Fate::NeverArrived => {
+                    doubt = renew_failed(doubt, None).expect("a lost answer never ends a job");
+                }
+            }
+        }
+        assert_eq!(journal, server, "path {n}");
+    }
 }
 
 #[test]
@@ -684,6 +746,18 @@ fn a_held_lease_caps_the_backoff_at_a_sixth_of_its_ttl() {
     assert_eq!(backoff_cap(ms(30_000), Some(30_000)), ms(5_000));
     assert_eq!(backoff_cap(ms(2_000), Some(30_000)), ms(2_000), "a lower configured cap stays");
     assert_eq!(backoff_cap(ms(30_000), Some(60)), ms(100), "never below 100 ms");
+}
+
+#[test]
+fn a_held_lease_caps_a_retry_after_too() {
+    let ms = Duration::from_millis;
+    let cap = backoff_cap(ms(30_000), Some(30_000));
+    let asked = honoured_retry_after(Some(ms(120_000)), Some(cap));
+    assert_eq!(asked, Some(ms(5_000)), "a proxy's two minutes would outlive the lease");
+    assert_eq!(backoff(ms(100), cap, 1, 0, asked), ms(5_000));
+    assert_eq!(honoured_retry_after(Some(ms(2_000)), Some(cap)), Some(ms(2_000)), "a shorter one stands");
+    assert_eq!(honoured_retry_after(Some(ms(120_000)), None), Some(ms(120_000)), "no lease: all of it");
+    assert_eq!(honoured_retry_after(None, Some(cap)), None);
 }
 
 #[test]
@@ -815,7 +889,7 @@ impl Sim {
                     self.commit(r);
                 }
                 self.rt.lease_fresh_at = Some(self.now);
-                self.rt.renew_doubt = RenewDoubt::Sure;
+                self.rt.renew_doubt = RenewDoubt::SURE;
             }
             Step::Starting(f) => {
                 assert_eq!(f.expected_lease_version.get(), self.server_version);
