@@ -281,6 +281,8 @@ fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
         ("POST", "/v1/schedules".to_owned(), schedule_with("name", json!("Bad Name")), 400),
         ("POST", "/v1/schedules".to_owned(), schedule_with("tz", json!("Mars/Olympus")), 400),
         ("POST", "/v1/schedules".to_owned(), schedule_with("overlap", json!("sometimes")), 400),
+        ("POST", "/v1/schedules".to_owned(), schedule_with("randomDelayMs", json!(86_400_001u64)), 400),
+        ("POST", "/v1/schedules".to_owned(), schedule_with("randomDelayMs", json!(u64::MAX)), 400),
         ("POST", "/v1/schedules/nosuch:pause".to_owned(), json!({}), 404),
         ("POST", "/v1/schedules/nosuch:run-now".to_owned(), json!({}), 404),
         ("DELETE", "/v1/schedules/nosuch".to_owned(), Value::Null, 404),

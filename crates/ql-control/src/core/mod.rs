@@ -40,7 +40,10 @@ pub use identity::{admission, Access, AccessChanged, Issuer, WORKER_DISABLED, WO
 pub use log::{same_bytes, ChunkAdmitted, ChunkPlan};
 pub use notify::{backoff, wanted, DeliveryPolicy, Sent};
 pub use operator::{check_labels, check_url, CancelOutcome, Submit};
-pub use schedule::{check_name as check_schedule_name, next_after, parse as parse_cron, ScheduleSpec};
+pub use schedule::{
+    check_name as check_schedule_name, check_random_delay, next_after, parse as parse_cron, ScheduleSpec,
+    RANDOM_DELAY_MAX_MS,
+};
 pub use start::{EXECUTION_CANCELLED, EXECUTION_TIMED_OUT, EXECUTOR_START_FAILED};
 pub use sweep::{LEASE_LOST, OFFER_EXPIRED};
 

@@ -16,6 +16,8 @@
 //!   goes on from the next time after now, so an outage never fires a burst.
 //! - `random_delay_ms`: each fire waits a random delay of up to this long after its time
 //!   (QingLong's users spread their sign-ins); the fire keeps its nominal time as its key.
+//!   At most [`RANDOM_DELAY_MAX_MS`] (a day): a longer one only pushes the fire past any
+//!   sensible time, and near `u64::MAX` it overflowed the draw and the due time.
 
 use std::str::FromStr;
 
@@ -78,17 +80,33 @@ pub fn next_after(cron: &str, tz: &str, after: Millis) -> Option<Millis> {
     Some(next.timestamp().as_millisecond())
 }
 
-/// The delay drawn for one fire.
+/// The longest random delay of a fire: a day.
+pub const RANDOM_DELAY_MAX_MS: u64 = 24 * 60 * 60 * 1000;
+
+/// Refuses a random delay longer than [`RANDOM_DELAY_MAX_MS`].
+pub fn check_random_delay(random_delay_ms: u64) -> Result<(), String> {
+    if random_delay_ms > RANDOM_DELAY_MAX_MS {
+        return Err(format!("random delay {random_delay_ms} ms: at most {RANDOM_DELAY_MAX_MS} ms (a day)"));
+    }
+    Ok(())
+}
+
+/// The delay drawn for one fire (a stored delay is never above the maximum; one that were
+/// is drawn within it).
 fn delay(random_delay_ms: u64, ids: &mut IdGen) -> Millis {
-    if random_delay_ms == 0 {
+    let most = random_delay_ms.min(RANDOM_DELAY_MAX_MS);
+    if most == 0 {
         return 0;
     }
-    i64::try_from(ids.draw(random_delay_ms + 1)).unwrap_or(0)
+    i64::try_from(ids.draw(most + 1)).unwrap_or(0)
 }
 
 /// Records a new schedule, its first fire the first time after `now`.
 pub(super) fn add(spec: &ScheduleSpec, rows: &Rows, now: Millis, ids: &mut IdGen) -> Decision {
-    if check_name(&spec.name).is_err() || super::operator::check_submit(&spec.submit).is_err() {
+    if check_name(&spec.name).is_err()
+        || check_random_delay(spec.random_delay_ms).is_err()
+        || super::operator::check_submit(&spec.submit).is_err()
+    {
         return Decision::refuse(ErrorCode::InvalidRequest);
     }
     if rows.schedule.is_some() {
@@ -390,11 +408,27 @@ mod tests {
     }
 
     #[test]
+    fn a_day_is_the_longest_random_delay() {
+        let s = added(&ScheduleSpec { random_delay_ms: RANDOM_DELAY_MAX_MS, ..spec() }, NOW);
+        assert!((s.next_fire_at..=s.next_fire_at + 86_400_000).contains(&s.due_at));
+        assert!(check_random_delay(RANDOM_DELAY_MAX_MS).is_ok());
+        let err = check_random_delay(u64::MAX).unwrap_err();
+        assert!(err.contains("at most 86400000 ms"), "{err}");
+        // A row stored before the limit (none can be added now) still draws within a day.
+        for n in 0..64u8 {
+            let drawn = delay(u64::MAX, &mut IdGen::new([n; 12]));
+            assert!((0..=86_400_000).contains(&drawn), "{drawn}");
+        }
+    }
+
+    #[test]
     fn bad_schedules_are_refused_and_write_nothing() {
         for bad in [
             ScheduleSpec { name: "Sign".into(), ..spec() },
             ScheduleSpec { cron: "every day".into(), ..spec() },
             ScheduleSpec { tz: "Nowhere/Else".into(), ..spec() },
+            ScheduleSpec { random_delay_ms: RANDOM_DELAY_MAX_MS + 1, ..spec() },
+            ScheduleSpec { random_delay_ms: u64::MAX, ..spec() },
         ] {
             assert_eq!(add(&bad, &Rows::default(), NOW, &mut ids()), Decision::refuse(ErrorCode::InvalidRequest));
         }

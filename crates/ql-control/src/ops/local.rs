@@ -81,6 +81,7 @@ pub fn submit_of(body: &SubmitBody) -> Result<Submit, OpError> {
 pub fn schedule_of(body: &ScheduleBody) -> Result<ScheduleSpec, OpError> {
     crate::core::check_schedule_name(&body.name).map_err(OpError::invalid)?;
     crate::core::parse_cron(&body.cron, &body.tz).map_err(OpError::invalid)?;
+    crate::core::check_random_delay(body.random_delay_ms).map_err(OpError::invalid)?;
     Ok(ScheduleSpec {
         name: body.name.clone(),
         cron: body.cron.clone(),
