@@ -166,6 +166,7 @@ contract_suite!(
         stats_count_the_rows_by_status,
         each_fire_time_fires_once_whoever_sweeps,
         overlap_catch_up_and_pause_decide_each_fire,
+        a_clock_gone_back_never_fires_a_time_twice,
         completion_from_starting_registers_the_callback,
         artifacts_are_admitted_and_completions_match_their_receipt,
         the_live_log_appends_at_the_acknowledged_offset_then_seals,

@@ -231,6 +231,10 @@ pub struct Keys {
     pub sweep: bool,
 }
 
+/// A due schedule, with its last run and the latest fire time recorded under its name (a
+/// time at or before that fired already).
+pub type DueSchedule = (Schedule, Option<Run>, Option<Millis>);
+
 /// Rows loaded for a command. What is absent was not asked for or does not exist.
 #[derive(Debug, Clone, Default)]
 pub struct Rows {
@@ -266,8 +270,8 @@ pub struct Rows {
     pub enrolment: Option<Enrolment>,
     /// The schedule named.
     pub schedule: Option<Schedule>,
-    /// Due schedules, each with its last run.
-    pub due_schedules: Vec<(Schedule, Option<Run>)>,
+    /// Due schedules.
+    pub due_schedules: Vec<DueSchedule>,
     /// The operator credential named.
     pub operator: Option<Operator>,
     /// The run's webhook delivery.

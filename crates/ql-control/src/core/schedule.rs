@@ -2,7 +2,8 @@
 //!
 //! The sweeper (any replica) fires what is due, in the transaction that locks the
 //! schedule: each fire is a row keyed by (schedule, fire time), written with its run, so
-//! two replicas and a restart never fire one time twice. Cron expressions take five fields
+//! two replicas and a restart never fire one time twice, nor a clock that went back (a
+//! schedule goes on from after the latest time fired under its name). Cron expressions take five fields
 //! or six (seconds first) and are evaluated by croner in the schedule's IANA time zone
 //! (jiff's bundled database), with its daylight-saving convention, which is Vixie cron's:
 //! a fixed time that falls in a gap (clocks forward) fires at the first instant after the
@@ -176,8 +177,23 @@ pub(super) fn run_now(name: &str, rows: &Rows, now: Millis, ids: &mut IdGen) -> 
 pub(super) fn fire_due(rows: &Rows, now: Millis, missed_after_ms: u64, ids: &mut IdGen) -> Decision {
     let mut writes = Vec::new();
     let mut fired = 0;
-    for (s, last) in &rows.due_schedules {
+    for (s, last, fired_until) in &rows.due_schedules {
         if s.paused || s.due_at > now {
+            continue;
+        }
+        // This time fired already: the clock went back since, and the schedule was resumed
+        // or added again under its name. Never a second time (its fire row would clash and
+        // take the whole batch down with it): it goes on from after that fire.
+        if let Some(until) = fired_until.filter(|f| s.next_fire_at <= *f) {
+            let mut moved = Schedule { updated_at: now, ..s.clone() };
+            match next_after(&s.cron, &s.tz, until.max(now)) {
+                Some(next) => {
+                    moved.next_fire_at = next;
+                    moved.due_at = next + delay(s.random_delay_ms, ids);
+                }
+                None => moved.paused = true,
+            }
+            writes.push(Write::Schedule(moved));
             continue;
         }
         let previous_live = last.as_ref().is_some_and(|r: &Run| !r.status.is_terminal());
@@ -304,7 +320,7 @@ mod tests {
     }
 
     fn due(s: Schedule, last: Option<Run>) -> Rows {
-        Rows { due_schedules: vec![(s, last)], ..Rows::default() }
+        Rows { due_schedules: vec![(s, last, None)], ..Rows::default() }
     }
 
     fn added(spec: &ScheduleSpec, now: Millis) -> Schedule {
@@ -405,6 +421,23 @@ mod tests {
         let f = fires(&fire_due(&due(s.clone(), None), s.due_at, 60_000, &mut ids()));
         assert_eq!(f[0].fire_at, s.next_fire_at, "the fire keeps its nominal time");
         assert_eq!(f[0].outcome, FireOutcome::Queued, "a delay longer than the missed threshold is no outage");
+    }
+
+    #[test]
+    fn a_time_that_fired_already_never_fires_again() {
+        // Added at 07:00, so its next time is 07:30; 07:30 fired once before the clock went
+        // back an hour and the schedule was added again under its name.
+        let s = added(&spec(), ms("2026-03-01T07:00:00Z"));
+        let fired_at = ms("2026-03-01T07:30:00Z");
+        let rows = Rows { due_schedules: vec![(s.clone(), None, Some(fired_at))], ..Rows::default() };
+        let d = fire_due(&rows, fired_at, 60_000, &mut ids());
+        assert!(fires(&d).is_empty(), "{d:?}");
+        assert!(!d.writes.iter().any(|w| matches!(w, Write::Run(_))), "no second run");
+        let moved = d.writes.iter().find_map(|w| if let Write::Schedule(x) = w { Some(x.clone()) } else { None });
+        assert_eq!(moved.unwrap().next_fire_at, ms("2026-03-02T07:30:00Z"), "on from after that fire");
+        // An earlier fire of the name holds nothing back.
+        let rows = Rows { due_schedules: vec![(s, None, Some(fired_at - 86_400_000))], ..Rows::default() };
+        assert_eq!(fires(&fire_due(&rows, fired_at, 60_000, &mut ids())).len(), 1);
     }
 
     #[test]

@@ -83,3 +83,31 @@ pub async fn overlap_catch_up_and_pause_decide_each_fire<B: Backend>(b: B) {
     assert!(store.schedules().await.unwrap().is_empty());
     check_invariants(&store.snapshot().await.unwrap());
 }
+
+/// The clock goes back after a fire and a schedule is added again under its name, so its
+/// next times are ones that came and fired already. None of them fires a second time, and
+/// the other schedules of each sweep fire on: the clash of a second fire row once rolled
+/// back every schedule's fires, at every sweep.
+pub async fn a_clock_gone_back_never_fires_a_time_twice<B: Backend>(b: B) {
+    let store = b.store();
+    exec(&store, every_second("tick", Overlap::Allow, CatchUp::None)).await.unwrap();
+    b.advance(1_000);
+    exec(&store, Command::FireSchedules).await.unwrap();
+    let first: Vec<i64> = store.snapshot().await.unwrap().fires.iter().map(|f| f.fire_at).collect();
+    assert_eq!(first.len(), 1, "{first:?}");
+    b.advance(-3_000);
+    exec(&store, Command::RemoveSchedule("tick".into())).await.unwrap();
+    exec(&store, every_second("tick", Overlap::Allow, CatchUp::None)).await.unwrap();
+    exec(&store, every_second("tock", Overlap::Allow, CatchUp::None)).await.unwrap();
+    for _ in 0..5 {
+        b.advance(1_000);
+        exec(&store, Command::FireSchedules).await.expect("the sweep fires");
+    }
+    let snap = store.snapshot().await.unwrap();
+    let times = |name: &str| snap.fires.iter().filter(|f| f.schedule == name).map(|f| f.fire_at).collect::<Vec<_>>();
+    let ticks = times("tick");
+    let again = ticks.iter().filter(|t| **t <= first[0]).count();
+    assert_eq!(again, 1, "no time at or before the last fire again: {ticks:?}");
+    assert!(times("tock").len() >= 4, "the other schedule fired on: {:?}", times("tock"));
+    check_invariants(&snap);
+}

@@ -686,11 +686,8 @@ async fn pipelined(
 }
 
 /// The schedules due by DB time, each locked without waiting (a replica firing one right
-/// now has it; this sweep takes the others), with its last run.
-async fn due_schedules(
-    tx: &mut Tx<'_>,
-    offset: i64,
-) -> Result<Vec<(crate::model::Schedule, Option<crate::model::Run>)>, Error> {
+/// now has it; this sweep takes the others), with its last run and its latest fire time.
+async fn due_schedules(tx: &mut Tx<'_>, offset: i64) -> Result<Vec<crate::core::DueSchedule>, Error> {
     let now: Millis = tx.now(offset).await?;
     let sql = format!(
         "SELECT {} FROM schedules WHERE paused = 0 AND due_at <= $1 ORDER BY due_at, name LIMIT $2 FOR UPDATE SKIP LOCKED",
@@ -704,7 +701,9 @@ async fn due_schedules(
             Some(id) => one_by(tx, "runs", &RUN_COLS, "id", id.as_str(), "", rows::read).await?,
             None => None,
         };
-        out.push((s, last));
+        let fired = tx.one("SELECT max(fire_at) FROM fires WHERE schedule = $1", &[&s.name]).await?;
+        let fired: Option<Millis> = fired.map(|r| r.try_get(0)).transpose().map_err(Error::Pg)?.flatten();
+        out.push((s, last, fired));
     }
     Ok(out)
 }

@@ -59,8 +59,9 @@ fn due_deliveries(conn: &Connection, now: Millis, batch: usize) -> rusqlite::Res
     Ok(out)
 }
 
-/// The schedules due by `now`, each with its last run, earliest first.
-fn due_schedules(conn: &Connection, now: Millis) -> rusqlite::Result<Vec<(Schedule, Option<Run>)>> {
+/// The schedules due by `now`, each with its last run and its latest fire time, earliest
+/// first.
+fn due_schedules(conn: &Connection, now: Millis) -> rusqlite::Result<Vec<crate::core::DueSchedule>> {
     let sql = format!(
         "SELECT {SCHEDULE_COLS} FROM schedules WHERE paused = 0 AND due_at <= ?1 ORDER BY due_at, name LIMIT ?2"
     );
@@ -74,7 +75,10 @@ fn due_schedules(conn: &Connection, now: Millis) -> rusqlite::Result<Vec<(Schedu
             Some(id) => run(conn, id)?,
             None => None,
         };
-        out.push((s, last));
+        let fired: Option<Millis> = conn
+            .prepare_cached("SELECT max(fire_at) FROM fires WHERE schedule = ?1")?
+            .query_row([&s.name], |r| r.get(0))?;
+        out.push((s, last, fired));
     }
     Ok(out)
 }
