@@ -170,6 +170,9 @@ pub(crate) struct Runtime {
     /// No `Recover` of this job while held: the last one could not stop what runs of it,
     /// and giving the attempt up meanwhile would run it twice. Its renewals go on.
     pub(crate) recover_hold: Hold,
+    /// Its process runs in the agent itself, its supervisor having been too slow to start
+    /// ([`may_hand_over`]).
+    pub(crate) in_agent: bool,
 }
 
 /// One step held back after failures in a row, for a back-off that doubles with each
@@ -221,6 +224,7 @@ impl Default for Runtime {
             chunk_cap: 0,
             log_hold: Hold::default(),
             recover_hold: Hold::default(),
+            in_agent: false,
         }
     }
 }
@@ -759,6 +763,15 @@ pub(crate) fn renew_failed(doubt: RenewDoubt, code: Option<ErrorCode>) -> Option
         Some(Disposition::EndJob) if code == Some(ErrorCode::LeaseConflict) && doubt.unsure => Some(doubt.next()),
         Some(Disposition::EndJob) => None,
     }
+}
+
+/// Whether a reload may hand the running jobs over to the next start (exit at once, each
+/// left to its supervisor): only when every process still running has one. A process that
+/// runs in the agent itself, for good (`supervise_jobs` off) or this once (its supervisor
+/// was too slow to start), ends with the agent, and the next one would find no end of it
+/// on record, report it lost and let its run go again: then the reload drains instead.
+pub(crate) fn may_hand_over<'a>(supervise_jobs: bool, jobs: impl IntoIterator<Item = &'a Runtime>) -> bool {
+    supervise_jobs && !jobs.into_iter().any(|rt| rt.in_agent && rt.process != Process::Absent)
 }
 
 /// The longest wait between repeated calls: `max`, or a sixth of the shortest lease held,

@@ -165,6 +165,7 @@ impl Agent {
                             }
                             Some(exec::Unsupervised::ThisOnce(why)) => {
                                 warn!("{who}: runs in the agent itself ({why}): it ends with the agent");
+                                self.rt(key).in_agent = true;
                             }
                             None => {}
                         }

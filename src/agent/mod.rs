@@ -448,11 +448,11 @@ impl Agent {
     /// Exits at once, leaving every running job to its supervisor: the journal holds all
     /// the next agent needs to take them back, and the session is left open for it to
     /// resume. Exit status 75 ("try again") has procd and systemd (`Restart=on-failure`)
-    /// start it again. Jobs that run in the agent itself (no supervisor could be started)
-    /// would end with it: then this is an ordinary drain.
+    /// start it again. Jobs that run in the agent itself (no supervisor could be started,
+    /// for good or this once) would end with it: then this is an ordinary drain.
     fn hand_over(&mut self, why: &str) {
-        if !self.supervise_jobs {
-            warn!("{why}: jobs run in the agent itself here, so it drains instead of handing them over");
+        if !core::may_hand_over(self.supervise_jobs, self.rts.values()) {
+            warn!("{why}: a job runs in the agent itself, so it drains instead of handing the jobs over");
             return self.on_signal();
         }
         info!(

@@ -749,6 +749,19 @@ fn a_held_lease_caps_the_backoff_at_a_sixth_of_its_ttl() {
 }
 
 #[test]
+fn a_reload_drains_while_a_process_runs_in_the_agent_itself() {
+    let running = Runtime { process: Process::Running, ..Runtime::default() };
+    let in_agent = Runtime { in_agent: true, ..running };
+    assert!(may_hand_over(true, []), "nothing runs");
+    assert!(may_hand_over(true, [&running, &running]), "every process has its supervisor");
+    assert!(!may_hand_over(true, [&running, &in_agent]), "one would end with the agent");
+    assert!(!may_hand_over(true, [&Runtime { process: Process::Stopping, ..in_agent }]));
+    // Once its process ended, what is left of it (upload, completion) is in the journal.
+    assert!(may_hand_over(true, [&running, &Runtime { process: Process::Absent, ..in_agent }]));
+    assert!(!may_hand_over(false, [&running]), "no supervisors here at all");
+}
+
+#[test]
 fn a_held_lease_caps_a_retry_after_too() {
     let ms = Duration::from_millis;
     let cap = backoff_cap(ms(30_000), Some(30_000));
