@@ -193,6 +193,10 @@ pub struct Config {
     /// A schedule's fire found later than this after its time (no replica was running)
     /// is a missed one, which follows the schedule's `--catch-up`.
     pub schedule_missed_after_ms: u64,
+    /// How long `/metrics` reuses the database's figures (runs, attempts, sessions,
+    /// leases, fires and deliveries by state, counted over whole tables) before a scrape
+    /// reads them again (0: every scrape).
+    pub metrics_stats_ms: u64,
 }
 
 impl Default for Config {
@@ -268,6 +272,7 @@ impl Default for Config {
             max_anonymous_connections: 16,
             max_anonymous_connections_per_ip: 4,
             schedule_missed_after_ms: 60_000,
+            metrics_stats_ms: 10_000,
         }
     }
 }

@@ -96,6 +96,10 @@ pub struct Metrics {
     collections: Family<OutcomeLabels, Counter>,
     unanswered: Counter,
     groups: GroupFigures,
+    /// The database's figures as last read, and when ([`Metrics::stats_every`]); the lock
+    /// is held across the read, so scrapes that come together wait for one read.
+    stats: tokio::sync::Mutex<Option<(Instant, Vec<crate::store::Stat>)>>,
+    stats_every: Duration,
 }
 
 /// PostgreSQL's group commit on this replica ([`GroupCommits`]), brought up to the
@@ -176,6 +180,8 @@ impl Metrics {
             collections: Family::default(),
             unanswered: Counter::default(),
             groups: GroupFigures::default(),
+            stats: tokio::sync::Mutex::new(None),
+            stats_every: Duration::ZERO,
         };
         registry.register("requests", "Worker requests answered, by route and HTTP status", m.requests.clone());
         registry.register("request_seconds", "Worker request latency, by route", m.request_seconds.clone());
@@ -321,9 +327,29 @@ impl Metrics {
         }
     }
 
-    /// The OpenMetrics text, after reading the database's figures from `store`.
-    pub async fn render<S: Store>(&self, store: &S) -> Result<String, StoreError> {
+    /// Reuses the database's figures for `every` before a scrape reads them again
+    /// (`metrics_stats_ms`): they count whole tables, and scrapes, however many and from
+    /// whomever holds a read token, then cost the database one such read an interval.
+    #[must_use]
+    pub fn stats_every(self, every: Duration) -> Self {
+        Self { stats_every: every, ..self }
+    }
+
+    /// The database's figures: the last read's while younger than `stats_every`.
+    async fn stats<S: Store>(&self, store: &S) -> Result<Vec<crate::store::Stat>, StoreError> {
+        let mut last = self.stats.lock().await;
+        if let Some((_, stats)) = last.as_ref().filter(|(at, _)| at.elapsed() < self.stats_every) {
+            return Ok(stats.clone());
+        }
         let stats = store.stats().await?;
+        *last = Some((Instant::now(), stats.clone()));
+        Ok(stats)
+    }
+
+    /// The OpenMetrics text, after reading the database's figures from `store` (or taking
+    /// the last read's, [`Metrics::stats_every`]).
+    pub async fn render<S: Store>(&self, store: &S) -> Result<String, StoreError> {
+        let stats = self.stats(store).await?;
         if let Some(groups) = store.commit_groups() {
             self.groups.sync(&groups);
         }
@@ -485,6 +511,34 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
+    }
+
+    #[tokio::test]
+    async fn the_databases_figures_are_read_once_an_interval() {
+        let dir = crate::pki::tests::TempDir::new("metrics-stats");
+        let store = SqliteStore::open(dir.path().join("control.db"), crate::core::Timings::default()).unwrap();
+        let submit = || async {
+            let body = crate::admin::body_of(&crate::admin::SubmitArgs {
+                project: "default".into(),
+                argv: vec!["true".into()],
+                timeout_ms: 60_000,
+                log_limit: 1024,
+                ..crate::admin::SubmitArgs::default()
+            })
+            .unwrap();
+            let blobs = crate::admin::open_blobs(dir.path(), None).unwrap();
+            crate::ops::Local { store: store.clone(), blobs }.submit(&body).await.unwrap();
+        };
+        let queued = |text: &str| text.lines().find(|l| l.starts_with("ql_runs{status=\"queued\"}")).map(str::to_owned);
+        let reused = Metrics::new().stats_every(Duration::from_secs(3_600));
+        let fresh = Metrics::new();
+        submit().await;
+        assert_eq!(queued(&reused.render(&store).await.unwrap()).as_deref(), Some("ql_runs{status=\"queued\"} 1"));
+        submit().await;
+        let text = reused.render(&store).await.unwrap();
+        assert_eq!(queued(&text).as_deref(), Some("ql_runs{status=\"queued\"} 1"), "the last read's, within the hour");
+        let text = fresh.render(&store).await.unwrap();
+        assert_eq!(queued(&text).as_deref(), Some("ql_runs{status=\"queued\"} 2"), "0: every scrape reads");
     }
 
     #[test]

@@ -413,7 +413,7 @@ async fn serve_on<S: Store>(
     let notify: SharedNotify = Arc::new(Mutex::new(notify));
     let shutdown = shutdown_signal()?;
     // Every command of every part of the server is timed and counted.
-    let metrics = Arc::new(crate::metrics::Metrics::new());
+    let metrics = Arc::new(crate::metrics::Metrics::new().stats_every(Duration::from_millis(config.metrics_stats_ms)));
     let store = crate::metrics::Measured::new(store, metrics.clone());
     // Before the first request: after an outage, the time no replica served is given back
     // to live leases and sessions, so no agent's request meets a lapse that was the
