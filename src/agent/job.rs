@@ -36,6 +36,16 @@ impl Agent {
         let keys: Vec<JobKey> = self.state.jobs.keys().cloned().collect();
         for key in keys {
             while let Some(job) = self.state.jobs.get(&key) {
+                // A renewal that a lease_conflict proved applied goes into the journal
+                // before the next command: after a restart, only the last renewal sent can
+                // still be in doubt, which a resumed job allows for.
+                if let Some(doubt) = self.rts.get(&key).map(|rt| rt.renew_doubt).filter(|d| d.ahead > 0) {
+                    if let Some(record) = core::settled(&key, job, doubt) {
+                        self.commit(&record)?;
+                    }
+                    self.rt(&key).renew_doubt = RenewDoubt { ahead: 0, unsure: doubt.unsure };
+                    continue;
+                }
                 // Read per step: calls take time, and a claim's or renewal's age counts from
                 // when its request was sent.
                 let now = Instant::now();
@@ -381,8 +391,9 @@ impl Agent {
                         }
                         Ok(other) => return Ok(self.unexpected(key, &who, "abandon", other.result)),
                         // A renewal in flight when the agent died may have moved the lease
-                        // on: the abandon is repeated with the next version (once), as
-                        // every fenced command is, rather than left to the lease's lapse.
+                        // on: the abandon is repeated with the next version (once for that
+                        // renewal), as every fenced command is, rather than left to the
+                        // lease's lapse.
                         Err(CallError::Refused { code: ErrorCode::LeaseConflict, .. })
                             if core::retry_next_version(doubt, ErrorCode::LeaseConflict) =>
                         {

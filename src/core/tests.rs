@@ -588,11 +588,13 @@ fn renewal_doubt_follows_lost_answers_and_conflicts() {
     assert_eq!(renew_failed(sure, Some(ErrorCode::PrincipalMismatch)), Some(sure));
 }
 
-/// Every way up to seven renewals can go (answered; applied with the answer lost; lost
-/// before the server saw it), against a server whose lease stays live: the agent never
-/// gives the job up, never presents a version the server has not reached, and its next
-/// answered renewal brings the journal level with the server. Two answers lost in a row
-/// once ended a healthy job here, and its run went back to the queue while it still ran.
+/// Every way up to six steps can go: a renewal answered, applied with its answer lost, or
+/// lost on the way; or the agent restarting. The server's lease stays live throughout.
+/// The agent journals a version a `lease_conflict` proved (as `Agent::work` does before the
+/// next command). It never gives the job up, never presents a version the server has not
+/// reached, and its next answered renewal brings the journal level with the server. Two
+/// answers lost in a row once ended a healthy job here, and its run went back to the
+/// queue while it still ran.
 #[test]
 fn lost_renewal_answers_never_end_a_job_whose_lease_is_live() {
     #[derive(Clone, Copy, PartialEq)]
@@ -600,18 +602,23 @@ fn lost_renewal_answers_never_end_a_job_whose_lease_is_live() {
         Answered,
         AppliedUnanswered,
         NeverArrived,
+        Restart,
     }
-    let fates = [Fate::Answered, Fate::AppliedUnanswered, Fate::NeverArrived];
+    let fates = [Fate::Answered, Fate::AppliedUnanswered, Fate::NeverArrived, Fate::Restart];
     let (_, job) = after(6);
     let lease = job.lease.clone().expect("a claimed job has a lease");
     let at = |version: u64| Lease { version: c(version), ..lease.clone() };
-    let steps = 7;
-    for n in 0..3usize.pow(steps) {
-        let path: Vec<Fate> = (0..steps).map(|i| fates[n / 3usize.pow(i) % 3]).collect();
+    let steps = 6;
+    for n in 0..4usize.pow(steps) {
+        let path: Vec<Fate> = (0..steps).map(|i| fates[n / 4usize.pow(i) % 4]).collect();
         let (mut server, mut journal, mut doubt) = (lease.version.get(), lease.version.get(), RenewDoubt::SURE);
         // The path, then answered renewals until one succeeds.
         for (i, fate) in path.iter().copied().chain(std::iter::repeat(Fate::Answered)).enumerate() {
             assert!(i < steps as usize + 3, "no renewal succeeded after the path {n}");
+            if fate == Fate::Restart {
+                doubt = Runtime::resumed().renew_doubt;
+                continue;
+            }
             let presented = version_in_doubt(&at(journal), doubt).get();
             assert!(presented <= server, "path {n}: presented {presented}, the server is at {server}");
             let applies = presented == server && fate != Fate::NeverArrived;
@@ -630,9 +637,11 @@ fn lost_renewal_answers_never_end_a_job_whose_lease_is_live() {
                     doubt = renew_failed(doubt, Some(ErrorCode::LeaseConflict))
                         .unwrap_or_else(|| panic!("path {n}: a live lease given up at step {i}"));
                 }
-                Fate::AppliedUnanswered | Fate::NeverArrived => {
-                    doubt = renew_failed(doubt, None).expect("a lost answer never ends a job");
-                }
+                _ => doubt = renew_failed(doubt, None).expect("a lost answer never ends a job"),
+            }
+            if doubt.ahead > 0 {
+                journal = version_in_doubt(&at(journal), doubt).get();
+                doubt = RenewDoubt { ahead: 0, unsure: doubt.unsure };
             }
         }
         assert_eq!(journal, server, "path {n}");
