@@ -1225,6 +1225,41 @@ fn a_slow_supervisor_costs_its_own_job_a_supervisor_and_the_next_job_tries_again
     assert!(agent.terminate().success(), "{}", agent.log());
 }
 
+/// A reload (SIGHUP) while a job runs in the agent itself, its supervisor having been too
+/// slow: that job would end with the agent, so the agent drains instead of handing over,
+/// reports the job once, and exits with the handover's status, for the service manager
+/// (`Restart=on-failure`) to start it again. (It once handed over, and the job was lost
+/// and run again; then, draining, it exited 0 and stayed stopped.)
+#[test]
+fn a_reload_while_a_job_runs_in_the_agent_itself_drains_it_and_exits_to_be_restarted() {
+    let root = TempDir::new("reload-in-agent");
+    let control = Control::start(&root.0);
+    let quick = [("handoff_timeout_ms", "500")];
+    let mut agent = Agent::start_with_env(&root.0, &control, &quick, &[("QL_AGENT_FAULT", "hang:supervise")]);
+    let (gate, started) = (root.0.join("gate"), root.0.join("started"));
+    fs::write(&gate, b"").unwrap();
+    let body = format!(
+        "touch '{s}'; while [ -e '{g}' ]; do sleep 0.1; done; echo done",
+        s = started.display(),
+        g = gate.display()
+    );
+    let run = control.submit(&["--retries", "0", "--", "sh", "-c", &body]);
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    common::wait_for("the job running in the agent itself", context, || {
+        (started.exists() && agent.log().contains("runs in the agent itself")).then_some(())
+    });
+    common::signal(&agent.proc.0, rustix::process::Signal::HUP);
+    common::wait_for("the drain", context, || agent.log().contains("drains instead of handing").then_some(()));
+    fs::remove_file(&gate).unwrap();
+    let status = agent.proc.0.wait().unwrap();
+    let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());
+    assert_eq!(status.code(), Some(75), "{}", context());
+    let shown = run_ended(&control, &run, context);
+    assert_eq!(shown["status"], "succeeded", "{shown}\n{}", context());
+    assert_eq!(shown["attempts"].as_array().unwrap().len(), 1, "{shown}");
+    assert_eq!(control.logs(&run), b"done\n");
+}
+
 /// The same clock, and the agent dies right after the running ACK; its job ends while it
 /// is down. Restarted, it records the exit before any lease answer: the `Date` of the
 /// server's first answer (the session's resumption) caps `finishedAt`, so the completion is

@@ -168,6 +168,9 @@ pub(crate) struct Agent {
     net: Net,
     drain_by: Option<Instant>,
     give_up_at: Option<Instant>,
+    /// The drain is a reload's that could not hand its jobs over: it ends with the
+    /// handover's exit status, so the service manager starts the agent again.
+    reload_drain: bool,
     signals: Signals,
     random: u64,
     /// When the client certificate is due for renewal.
@@ -301,6 +304,7 @@ impl Agent {
             net: Net::default(),
             drain_by: None,
             give_up_at: None,
+            reload_drain: false,
             signals,
             random,
             renewal: renew::Renewal::of(&std::fs::read(&cfg_cert).unwrap_or_default()),
@@ -335,14 +339,14 @@ impl Agent {
                 if self.state.jobs.is_empty() {
                     self.close_session()?;
                     info!("drained; exiting");
-                    return Ok(());
+                    return self.drained();
                 }
                 if self.give_up_at.is_some_and(|g| now >= g) && self.stops.is_empty() {
                     warn!(
                         "drain: {} job(s) could not be reported in time; the journal keeps them for the next start",
                         self.state.jobs.len()
                     );
-                    return Ok(());
+                    return self.drained();
                 }
             }
             let blocked = self.net.until.is_some_and(|u| now < u);
@@ -453,6 +457,7 @@ impl Agent {
     fn hand_over(&mut self, why: &str) {
         if !core::may_hand_over(self.supervise_jobs, self.rts.values()) {
             warn!("{why}: a job runs in the agent itself, so it drains instead of handing the jobs over");
+            self.reload_drain = true;
             return self.on_signal();
         }
         info!(
@@ -461,6 +466,17 @@ impl Agent {
         );
         self.notify.stopping("handing the running jobs over to the next start", None);
         std::process::exit(HANDOVER_EXIT);
+    }
+
+    /// The end of a drain: a stop's exits 0; a reload's (one that drained because it could
+    /// not hand its jobs over) exits as a handover does, so that the service manager,
+    /// which restarts on failure, starts the agent again.
+    fn drained(&self) -> Result<(), Fatal> {
+        if self.reload_drain {
+            info!("the drain was a reload's: exiting with status {HANDOVER_EXIT} to be started again");
+            std::process::exit(HANDOVER_EXIT);
+        }
+        Ok(())
     }
 
     fn on_signal(&mut self) {
