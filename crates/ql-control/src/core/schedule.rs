@@ -183,10 +183,11 @@ pub(super) fn fire_due(rows: &Rows, now: Millis, missed_after_ms: u64, ids: &mut
         }
         // This time fired already: the clock went back since, and the schedule was resumed
         // or added again under its name. Never a second time (its fire row would clash and
-        // take the whole batch down with it): it goes on from after that fire.
+        // take the whole batch down with it): it goes on from the first time after that
+        // fire, which the next sweeps fire, or find late, as any other.
         if let Some(until) = fired_until.filter(|f| s.next_fire_at <= *f) {
             let mut moved = Schedule { updated_at: now, ..s.clone() };
-            match next_after(&s.cron, &s.tz, until.max(now)) {
+            match next_after(&s.cron, &s.tz, until) {
                 Some(next) => {
                     moved.next_fire_at = next;
                     moved.due_at = next + delay(s.random_delay_ms, ids);
@@ -435,6 +436,15 @@ mod tests {
         assert!(!d.writes.iter().any(|w| matches!(w, Write::Run(_))), "no second run");
         let moved = d.writes.iter().find_map(|w| if let Write::Schedule(x) = w { Some(x.clone()) } else { None });
         assert_eq!(moved.unwrap().next_fire_at, ms("2026-03-02T07:30:00Z"), "on from after that fire");
+        // Swept only two days later: the times after that fire are fired, or found late, as
+        // any others are (here missed, `--catch-up none`), never skipped unrecorded.
+        let later = ms("2026-03-03T08:00:00Z");
+        let d = fire_due(&rows, later, 60_000, &mut ids());
+        let moved = d.writes.iter().find_map(|w| if let Write::Schedule(x) = w { Some(x.clone()) } else { None });
+        let moved = moved.unwrap();
+        assert_eq!(moved.next_fire_at, ms("2026-03-02T07:30:00Z"));
+        let f = fires(&fire_due(&due(moved, None), later, 60_000, &mut ids()));
+        assert_eq!((f[0].fire_at, f[0].outcome), (ms("2026-03-02T07:30:00Z"), FireOutcome::Missed));
         // An earlier fire of the name holds nothing back.
         let rows = Rows { due_schedules: vec![(s, None, Some(fired_at - 86_400_000))], ..Rows::default() };
         assert_eq!(fires(&fire_due(&rows, fired_at, 60_000, &mut ids())).len(), 1);
