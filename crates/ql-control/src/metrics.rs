@@ -5,9 +5,9 @@
 //! route and status, their latency, each store command's latency, sweeps and what they
 //! changed, schedule fires, webhook sends, what the artifact store's collection removed,
 //! and PostgreSQL's group commit (brought up to the store's totals at each scrape).
-//! Read from the database at each scrape (so every replica tells the same): runs,
-//! sessions, leases, fires and deliveries by status, the oldest queued run's age, the
-//! bytes of the stored logs. Every label is a route, a command, a status, an outcome or a
+//! Read from the database (so every replica tells the same, each as of its last read) at
+//! most once per `metrics_stats_ms`: runs, sessions, leases, fires and deliveries by
+//! status, the oldest queued run's age, the bytes of the stored logs. Every label is a route, a command, a status, an outcome or a
 //! kind: a bounded set; no run, worker or session id is a label.
 
 use std::sync::atomic::AtomicU64;
@@ -96,9 +96,10 @@ pub struct Metrics {
     collections: Family<OutcomeLabels, Counter>,
     unanswered: Counter,
     groups: GroupFigures,
-    /// The database's figures as last read, and when ([`Metrics::stats_every`]); the lock
-    /// is held across the read, so scrapes that come together wait for one read.
-    stats: tokio::sync::Mutex<Option<(Instant, Vec<crate::store::Stat>)>>,
+    /// The database's figures as last read, and when ([`Metrics::stats_every`]).
+    stats: std::sync::Mutex<Option<(Instant, Vec<crate::store::Stat>)>>,
+    /// Held across a read of them: scrapes that come together wait for one read.
+    reading: tokio::sync::Mutex<()>,
     stats_every: Duration,
 }
 
@@ -180,7 +181,8 @@ impl Metrics {
             collections: Family::default(),
             unanswered: Counter::default(),
             groups: GroupFigures::default(),
-            stats: tokio::sync::Mutex::new(None),
+            stats: std::sync::Mutex::new(None),
+            reading: tokio::sync::Mutex::new(()),
             stats_every: Duration::ZERO,
         };
         registry.register("requests", "Worker requests answered, by route and HTTP status", m.requests.clone());
@@ -335,14 +337,30 @@ impl Metrics {
         Self { stats_every: every, ..self }
     }
 
-    /// The database's figures: the last read's while younger than `stats_every`.
+    /// The database's figures: the last read's while younger than `stats_every`, or while
+    /// another scrape reads them (a database slow to answer then holds one scrape, not a
+    /// queue of them); else read now.
     async fn stats<S: Store>(&self, store: &S) -> Result<Vec<crate::store::Stat>, StoreError> {
-        let mut last = self.stats.lock().await;
-        if let Some((_, stats)) = last.as_ref().filter(|(at, _)| at.elapsed() < self.stats_every) {
-            return Ok(stats.clone());
+        let last = |fresh: bool| {
+            let last = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+            last.as_ref().filter(|(at, _)| !fresh || at.elapsed() < self.stats_every).map(|(_, s)| s.clone())
+        };
+        if let Some(stats) = last(true) {
+            return Ok(stats);
+        }
+        let _reading = match self.reading.try_lock() {
+            Ok(guard) => guard,
+            Err(_) => match last(false) {
+                Some(stats) => return Ok(stats),
+                None => self.reading.lock().await,
+            },
+        };
+        // Read by the scrape this one waited for.
+        if let Some(stats) = last(true) {
+            return Ok(stats);
         }
         let stats = store.stats().await?;
-        *last = Some((Instant::now(), stats.clone()));
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), stats.clone()));
         Ok(stats)
     }
 
