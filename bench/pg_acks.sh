@@ -123,8 +123,9 @@ cycles_for() {
 }
 fresh_workers "$work/pg-state"
 "$bench" --dir "$work/pg-state" --url "$pg_url" --clients 8 --cycles 10 --renewals 5 --database "$QL_PG_URL" >/dev/null
-# ROUNDS rounds in turn (ACKs, store-level, pgbench for each client count): pgbench's own
-# rate moves between runs on a shared machine, so each ratio is of figures taken together.
+# ROUNDS rounds in turn (for each client count, slices of ACKs and of pgbench in turn, then
+# the store-level rate): pgbench's own rate moves between runs on a shared machine, so each
+# ratio is of figures taken together.
 rounds=${ROUNDS:-1}
 # Checkpoints the server has made so far: a phase with one inside pays for full-page
 # writes the others do not, so the summary marks such a round with `*`. (Forcing one
