@@ -36,16 +36,6 @@ impl Agent {
         let keys: Vec<JobKey> = self.state.jobs.keys().cloned().collect();
         for key in keys {
             while let Some(job) = self.state.jobs.get(&key) {
-                // A renewal that a lease_conflict proved applied goes into the journal
-                // before the next command: after a restart, only the last renewal sent can
-                // still be in doubt, which a resumed job allows for.
-                if let Some(doubt) = self.rts.get(&key).map(|rt| rt.renew_doubt).filter(|d| d.ahead > 0) {
-                    if let Some(record) = core::settled(&key, job, doubt) {
-                        self.commit(&record)?;
-                    }
-                    self.rt(&key).renew_doubt = RenewDoubt { ahead: 0, unsure: doubt.unsure };
-                    continue;
-                }
                 // Read per step: calls take time, and a claim's or renewal's age counts from
                 // when its request was sent.
                 let now = Instant::now();
@@ -59,6 +49,18 @@ impl Agent {
                     chunk_max: self.cfg.log_chunk_bytes,
                 };
                 let step = core::next(&key, job, rt, Now { at: now, drain_by: self.drain_by, log });
+                // Before a renewal with a version a lease_conflict proved (a renewal whose
+                // answer was lost did apply), the journal learns that version: this renewal
+                // may apply as well, and after a restart only it can still be in doubt,
+                // which a resumed job allows for. (Only renewals move the version on.)
+                let doubt = rt.renew_doubt;
+                if doubt.ahead > 0 && matches!(step, Step::Renew(_)) {
+                    if let Some(record) = core::settled(&key, job, doubt) {
+                        self.commit(&record)?;
+                    }
+                    self.rt(&key).renew_doubt = RenewDoubt { ahead: 0, unsure: doubt.unsure };
+                    continue;
+                }
                 if step.is_remote() && blocked {
                     break;
                 }

@@ -590,8 +590,8 @@ fn renewal_doubt_follows_lost_answers_and_conflicts() {
 
 /// Every way up to six steps can go: a renewal answered, applied with its answer lost, or
 /// lost on the way; or the agent restarting. The server's lease stays live throughout.
-/// The agent journals a version a `lease_conflict` proved (as `Agent::work` does before the
-/// next command). It never gives the job up, never presents a version the server has not
+/// The agent journals a version a `lease_conflict` proved before its next renewal (as
+/// `Agent::work` does). It never gives the job up, never presents a version the server has not
 /// reached, and its next answered renewal brings the journal level with the server. Two
 /// answers lost in a row once ended a healthy job here, and its run went back to the
 /// queue while it still ran.
@@ -619,6 +619,10 @@ fn lost_renewal_answers_never_end_a_job_whose_lease_is_live() {
                 doubt = Runtime::resumed().renew_doubt;
                 continue;
             }
+            if doubt.ahead > 0 {
+                journal = version_in_doubt(&at(journal), doubt).get();
+                doubt = RenewDoubt { ahead: 0, unsure: doubt.unsure };
+            }
             let presented = version_in_doubt(&at(journal), doubt).get();
             assert!(presented <= server, "path {n}: presented {presented}, the server is at {server}");
             let applies = presented == server && fate != Fate::NeverArrived;
@@ -638,10 +642,6 @@ fn lost_renewal_answers_never_end_a_job_whose_lease_is_live() {
                         .unwrap_or_else(|| panic!("path {n}: a live lease given up at step {i}"));
                 }
                 _ => doubt = renew_failed(doubt, None).expect("a lost answer never ends a job"),
-            }
-            if doubt.ahead > 0 {
-                journal = version_in_doubt(&at(journal), doubt).get();
-                doubt = RenewDoubt { ahead: 0, unsure: doubt.unsure };
             }
         }
         assert_eq!(journal, server, "path {n}");
