@@ -1228,8 +1228,9 @@ fn a_slow_supervisor_costs_its_own_job_a_supervisor_and_the_next_job_tries_again
 /// A reload (SIGHUP) while a job runs in the agent itself, its supervisor having been too
 /// slow: that job would end with the agent, so the agent drains instead of handing over,
 /// reports the job once, and exits with the handover's status, for the service manager
-/// (`Restart=on-failure`) to start it again. (It once handed over, and the job was lost
-/// and run again; then, draining, it exited 0 and stayed stopped.)
+/// (`Restart=on-failure`) to start it again; a second reload meanwhile changes nothing. (It
+/// once handed over, and the job was lost and run again; then, draining, it exited 0 and
+/// stayed stopped.)
 #[test]
 fn a_reload_while_a_job_runs_in_the_agent_itself_drains_it_and_exits_to_be_restarted() {
     let root = TempDir::new("reload-in-agent");
@@ -1250,6 +1251,9 @@ fn a_reload_while_a_job_runs_in_the_agent_itself_drains_it_and_exits_to_be_resta
     });
     common::signal(&agent.proc.0, rustix::process::Signal::HUP);
     common::wait_for("the drain", context, || agent.log().contains("drains instead of handing").then_some(()));
+    // A second reload (two settings committed in a row) neither stops the job nor hands it over.
+    common::signal(&agent.proc.0, rustix::process::Signal::HUP);
+    common::wait_for("the second reload seen", context, || agent.log().contains("already draining").then_some(()));
     fs::remove_file(&gate).unwrap();
     let status = agent.proc.0.wait().unwrap();
     let context = || format!("--- agent ---\n{}\n--- ql-control ---\n{}", agent.log(), control.log());

@@ -439,7 +439,11 @@ impl Agent {
         match signal {
             Some(Ok(Signal::Hup)) => self.hand_over("SIGHUP"),
             _ if self.reload_marked() => self.hand_over("SIGTERM for a reload"),
-            _ => self.on_signal(),
+            // A stop: whatever drain runs ends as a stop's, not to be started again.
+            _ => {
+                self.reload_drain = false;
+                self.on_signal();
+            }
         }
     }
 
@@ -456,6 +460,12 @@ impl Agent {
     /// for good or this once) would end with it: then this is an ordinary drain.
     fn hand_over(&mut self, why: &str) {
         if !core::may_hand_over(self.supervise_jobs, self.rts.values()) {
+            if self.drain_by.is_some() {
+                // A repeated reload (two settings committed in a row) changes nothing: it
+                // neither stops the job the drain waits for nor turns a stop into a reload.
+                info!("{why}: already draining");
+                return;
+            }
             warn!("{why}: a job runs in the agent itself, so it drains instead of handing the jobs over");
             self.reload_drain = true;
             return self.on_signal();
