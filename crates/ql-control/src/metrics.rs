@@ -337,26 +337,27 @@ impl Metrics {
         Self { stats_every: every, ..self }
     }
 
-    /// The database's figures: the last read's while younger than `stats_every`, or while
-    /// another scrape reads them (a database slow to answer then holds one scrape, not a
-    /// queue of them); else read now.
+    /// The database's figures: the last read's while younger than `stats_every`, or than
+    /// three times that while another scrape reads them (a database slow to answer then
+    /// holds one scrape, not a queue of them, and a read that hangs shows as failed
+    /// scrapes soon, not as figures that never move); else read now.
     async fn stats<S: Store>(&self, store: &S) -> Result<Vec<crate::store::Stat>, StoreError> {
-        let last = |fresh: bool| {
+        let last = |younger: Duration| {
             let last = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-            last.as_ref().filter(|(at, _)| !fresh || at.elapsed() < self.stats_every).map(|(_, s)| s.clone())
+            last.as_ref().filter(|(at, _)| at.elapsed() < younger).map(|(_, s)| s.clone())
         };
-        if let Some(stats) = last(true) {
+        if let Some(stats) = last(self.stats_every) {
             return Ok(stats);
         }
         let _reading = match self.reading.try_lock() {
             Ok(guard) => guard,
-            Err(_) => match last(false) {
+            Err(_) => match last(self.stats_every.saturating_mul(3)) {
                 Some(stats) => return Ok(stats),
                 None => self.reading.lock().await,
             },
         };
         // Read by the scrape this one waited for.
-        if let Some(stats) = last(true) {
+        if let Some(stats) = last(self.stats_every) {
             return Ok(stats);
         }
         let stats = store.stats().await?;
