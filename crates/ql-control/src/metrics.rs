@@ -7,8 +7,9 @@
 //! and PostgreSQL's group commit (brought up to the store's totals at each scrape).
 //! Read from the database (so every replica tells the same, each as of its last read) at
 //! most once per `metrics_stats_ms`: runs, sessions, leases, fires and deliveries by
-//! status, the oldest queued run's age, the bytes of the stored logs. Every label is a route, a command, a status, an outcome or a
-//! kind: a bounded set; no run, worker or session id is a label.
+//! status, the oldest queued run's age, the bytes of the stored logs. Every label is a
+//! route, a command, a status, an outcome or a kind: a bounded set; no run, worker or
+//! session id is a label.
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;

@@ -3,9 +3,10 @@
 //! The sweeper (any replica) fires what is due, in the transaction that locks the
 //! schedule: each fire is a row keyed by (schedule, fire time), written with its run, so
 //! two replicas and a restart never fire one time twice, nor a clock that went back (a
-//! schedule goes on from after the latest time fired under its name). Cron expressions take five fields
-//! or six (seconds first) and are evaluated by croner in the schedule's IANA time zone
-//! (jiff's bundled database), with its daylight-saving convention, which is Vixie cron's:
+//! schedule goes on from after the latest time fired under its name). Cron expressions
+//! take five fields or six (seconds first) and are evaluated by croner in the schedule's
+//! IANA time zone (jiff's bundled database), with its daylight-saving convention, which is
+//! Vixie cron's:
 //! a fixed time that falls in a gap (clocks forward) fires at the first instant after the
 //! gap, a fixed time that happens twice (clocks back) fires once, at the first; an interval
 //! (`*/15 * * * *`, seconds or minutes wildcards) fires at every instant it names.
@@ -102,6 +103,18 @@ fn delay(random_delay_ms: u64, ids: &mut IdGen) -> Millis {
     i64::try_from(ids.draw(most + 1)).unwrap_or(0)
 }
 
+/// Moves a schedule on to its first time after `from` (due after its delay), or pauses it
+/// when its expression names no later time.
+fn move_on(s: &mut Schedule, from: Millis, ids: &mut IdGen) {
+    match next_after(&s.cron, &s.tz, from) {
+        Some(next) => {
+            s.next_fire_at = next;
+            s.due_at = next + delay(s.random_delay_ms, ids);
+        }
+        None => s.paused = true,
+    }
+}
+
 /// Records a new schedule, its first fire the first time after `now`.
 pub(super) fn add(spec: &ScheduleSpec, rows: &Rows, now: Millis, ids: &mut IdGen) -> Decision {
     if check_name(&spec.name).is_err()
@@ -187,13 +200,7 @@ pub(super) fn fire_due(rows: &Rows, now: Millis, missed_after_ms: u64, ids: &mut
         // fire, which the next sweeps fire, or find late, as any other.
         if let Some(until) = fired_until.filter(|f| s.next_fire_at <= *f) {
             let mut moved = Schedule { updated_at: now, ..s.clone() };
-            match next_after(&s.cron, &s.tz, until) {
-                Some(next) => {
-                    moved.next_fire_at = next;
-                    moved.due_at = next + delay(s.random_delay_ms, ids);
-                }
-                None => moved.paused = true,
-            }
+            move_on(&mut moved, until, ids);
             writes.push(Write::Schedule(moved));
             continue;
         }
@@ -241,13 +248,7 @@ pub(super) fn fire_due(rows: &Rows, now: Millis, missed_after_ms: u64, ids: &mut
         }
         // From the fire time on, or from now after a late one: never a burst of the past.
         let from = if late { now } else { s.next_fire_at };
-        match next_after(&s.cron, &s.tz, from) {
-            Some(next) => {
-                next_schedule.next_fire_at = next;
-                next_schedule.due_at = next + delay(s.random_delay_ms, ids);
-            }
-            None => next_schedule.paused = true,
-        }
+        move_on(&mut next_schedule, from, ids);
         next_schedule.updated_at = now;
         writes.push(Write::Schedule(next_schedule));
         fired += 1;
