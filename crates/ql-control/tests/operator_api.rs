@@ -246,6 +246,21 @@ fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
     assert_eq!(workers["workers"][0]["access"], "disabled");
     let a = api.json("POST", "/v1/workers/w1:enable", &admin, json!({}));
     assert_eq!(a.body["message"], "w1 enabled");
+    // At most `limit` rows, workers without a session counted too, whether they have a
+    // record (labels), a certificate, or both.
+    for w in ["w0", "w4"] {
+        ql(&["enroll", w, "--dir", d, "--out", root.0.join(format!("creds-{w}")).to_str().unwrap()]);
+    }
+    for w in ["w2", "w3"] {
+        let a = api.json("PUT", &format!("/v1/workers/{w}/labels"), &admin, json!({ "labels": { "site": "cellar" } }));
+        assert_eq!(a.body["message"], format!("{w}: site=cellar"), "{}", a.body);
+    }
+    let listed = |limit: usize| -> Vec<String> {
+        let body = api.call("GET", &format!("/v1/workers?limit={limit}"), Some(&viewer), None).body;
+        body["workers"].as_array().unwrap().iter().map(|r| r["worker"].as_str().unwrap().to_owned()).collect()
+    };
+    assert_eq!(listed(50), ["w0", "w1", "w2", "w3", "w4"]);
+    assert_eq!(listed(2), ["w0", "w1"]);
     let a = api.json("POST", "/v1/workers/w1:revoke", &admin, json!({ "serial": "00ff" }));
     assert_eq!((a.status, a.body["error"].as_str()), (404, Some("not_found")), "{}", a.body);
 

@@ -2,7 +2,7 @@
 //! decision code ([`crate::core`]): what the CLI does with `--dir` or `--database`, and
 //! what the operator API does for a remote CLI.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use ql_wire::artifact::Receipt;
@@ -19,8 +19,16 @@ use super::{AccessChange, LogRequest, OpError, RunFilter, ScheduleAction, MAX_PA
 use crate::admin::labels_of;
 use crate::blob::{ArtifactKey, BlobStore};
 use crate::core::{Access, CancelOutcome, Command, Reply, ScheduleSpec, Submit};
-use crate::model::{Attempt, AttemptStatus, Notify, NotifyOn, RunStatus};
+use crate::model::{Attempt, AttemptStatus, Certificate, Notify, NotifyOn, RunStatus, Worker};
 use crate::store::{RunDetail, RunQuery, Store};
+
+/// What a worker's row says of it besides its session: see [`WorkerRow`].
+struct Standing {
+    access: String,
+    cert_not_after: Option<String>,
+    labels: BTreeMap<String, String>,
+    twins: u64,
+}
 
 /// The commands on `store` and `blobs`.
 #[derive(Debug, Clone)]
@@ -201,57 +209,68 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         said.map(Done::said).map_err(coded)
     }
 
-    /// Each session with its worker's standing, then the workers without a session; see
-    /// [`WorkerRow`].
+    /// Each session with its worker's standing, then the workers without a session, at
+    /// most `limit` rows in all; see [`WorkerRow`]. Each worker's records and
+    /// certificates are looked up once, so a fleet's list costs its size, not its square.
     pub async fn workers(&self, limit: usize) -> Result<WorkerList, OpError> {
         let limit = limit.clamp(1, MAX_PAGE);
         let sessions = self.store.sessions(limit).await?;
         let records = self.store.workers(limit).await?;
         let twins = self.store.twin_refusals(3_600_000).await?;
         let certificates = self.store.certificates(usize::MAX).await?;
-        let record = |w: &WorkerId| records.iter().find(|r| &r.id == w);
-        let trusted = |w: &WorkerId| record(w).map(|r| r.labels.clone()).unwrap_or_default();
-        // Revoked until a certificate is issued after the revocation (an enrolment again).
-        let enrolled_since = |w: &WorkerId, at: i64| {
-            certificates.iter().any(|c| &c.worker == w && c.revoked_at.is_none() && c.issued_at >= at)
+        let records: HashMap<&WorkerId, &Worker> = records.iter().map(|r| (&r.id, r)).collect();
+        let twins: HashMap<&WorkerId, u64> = twins.iter().map(|(w, n)| (w, *n)).collect();
+        let mut held: BTreeMap<&WorkerId, Vec<&Certificate>> = BTreeMap::new();
+        for c in &certificates {
+            held.entry(&c.worker).or_default().push(c);
+        }
+        let standing = |w: &WorkerId| {
+            let record = records.get(w);
+            let valid: Vec<&Certificate> = held
+                .get(w)
+                .map(|cs| cs.iter().copied().filter(|c| c.revoked_at.is_none()).collect())
+                .unwrap_or_default();
+            // Revoked until a certificate is issued after the revocation (an enrolment again).
+            let access = match record {
+                Some(r) if r.disabled_at.is_some() => "disabled",
+                Some(r) if r.revoked_at.is_some_and(|at| !valid.iter().any(|c| c.issued_at >= at)) => "revoked",
+                _ => "active",
+            };
+            Standing {
+                access: access.into(),
+                // The latest not-after among the worker's certificates still valid for it.
+                cert_not_after: valid.iter().map(|c| c.not_after).max().map(time),
+                labels: record.map(|r| r.labels.clone()).unwrap_or_default(),
+                twins: twins.get(w).copied().unwrap_or(0),
+            }
         };
-        let access = |w: &WorkerId| match record(w) {
-            Some(r) if r.disabled_at.is_some() => "disabled",
-            Some(r) if r.revoked_at.is_some_and(|at| !enrolled_since(w, at)) => "revoked",
-            _ => "active",
-        };
-        // The latest not-after among the worker's certificates still valid for it.
-        let not_after = |w: &WorkerId| {
-            certificates
-                .iter()
-                .filter(|c| &c.worker == w && c.revoked_at.is_none())
-                .map(|c| c.not_after)
-                .max()
-                .map(time)
-        };
-        let refused = |w: &WorkerId| twins.iter().find(|(t, _)| t == w).map_or(0, |(_, n)| *n);
         let mut rows: Vec<WorkerRow> = sessions
             .iter()
-            .map(|s| WorkerRow {
-                worker: s.worker.to_string(),
-                session: Some(s.id.to_string()),
-                generation: Some(s.generation.get()),
-                status: Some(s.state.as_str().into()),
-                capacity: Some(s.capacity),
-                last_seen: Some(time(s.seen_at)),
-                agent: Some(format!("{} {}", s.agent_version, s.arch)),
-                twins: refused(&s.worker),
-                access: access(&s.worker).into(),
-                cert_not_after: not_after(&s.worker),
-                labels: trusted(&s.worker),
-                declared: s.labels.clone(),
+            .map(|s| {
+                let st = standing(&s.worker);
+                WorkerRow {
+                    worker: s.worker.to_string(),
+                    session: Some(s.id.to_string()),
+                    generation: Some(s.generation.get()),
+                    status: Some(s.state.as_str().into()),
+                    capacity: Some(s.capacity),
+                    last_seen: Some(time(s.seen_at)),
+                    agent: Some(format!("{} {}", s.agent_version, s.arch)),
+                    twins: st.twins,
+                    access: st.access,
+                    cert_not_after: st.cert_not_after,
+                    labels: st.labels,
+                    declared: s.labels.clone(),
+                }
             })
             .collect();
-        let mut quiet: Vec<&WorkerId> = records.iter().map(|r| &r.id).collect();
-        quiet.extend(certificates.iter().map(|c| &c.worker));
+        let with_session: HashSet<&WorkerId> = sessions.iter().map(|s| &s.worker).collect();
+        let mut quiet: Vec<&WorkerId> = records.keys().copied().chain(held.keys().copied()).collect();
         quiet.sort();
         quiet.dedup();
-        for w in quiet.into_iter().filter(|w| !sessions.iter().any(|s| &s.worker == *w)) {
+        let room = limit.saturating_sub(rows.len());
+        for w in quiet.into_iter().filter(|w| !with_session.contains(w)).take(room) {
+            let st = standing(w);
             rows.push(WorkerRow {
                 worker: w.to_string(),
                 session: None,
@@ -260,10 +279,10 @@ impl<S: Store, B: BlobStore> Local<S, B> {
                 capacity: None,
                 last_seen: None,
                 agent: None,
-                twins: refused(w),
-                access: access(w).into(),
-                cert_not_after: not_after(w),
-                labels: trusted(w),
+                twins: st.twins,
+                access: st.access,
+                cert_not_after: st.cert_not_after,
+                labels: st.labels,
                 declared: BTreeMap::new(),
             });
         }

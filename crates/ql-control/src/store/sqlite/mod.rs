@@ -5,8 +5,9 @@
 //! One dedicated thread owns the one write connection and takes jobs from a channel;
 //! callers await the answer on a oneshot. SQLite admits one writer per file anyway, and a
 //! single owner means no connection pool, no lock contention inside the process, and
-//! statements prepared once. Reads for operators run on the same thread inside a read
-//! transaction, so they see one consistent state.
+//! statements prepared once. Reads for operators run on a thread and connection of their
+//! own ([`reader`]), each in a read transaction: one consistent state, and the writer
+//! never waits for them.
 //!
 //! # One command, one atomic unit; many commands, one fsync
 //!
@@ -68,6 +69,7 @@
 mod checkpoint;
 mod load;
 mod queue;
+mod reader;
 mod rows;
 mod schema;
 
@@ -179,6 +181,10 @@ struct Inner {
     path: PathBuf,
     jobs: mpsc::Sender<Job>,
     wakes: Arc<Wakes>,
+    /// Operators' reads ([`reader`]).
+    reads: mpsc::Sender<reader::ReadJob>,
+    /// DB time's offset, for reads.
+    clock_offset: Arc<AtomicI64>,
     /// Stops the checkpoint thread when the last clone is dropped.
     _checkpointer: Option<mpsc::Sender<()>>,
 }
@@ -301,6 +307,8 @@ impl SqliteStore {
             interval => Some(checkpoint::spawn(&path, options.busy_timeout, interval)?),
         };
         let wakes = Arc::new(Wakes::default());
+        let reads = reader::spawn(&path, options.busy_timeout)?;
+        let clock_offset = options.clock_offset.clone();
         let (jobs, queue) = mpsc::channel::<Job>();
         let mut writer = Writer {
             conn,
@@ -335,7 +343,7 @@ impl SqliteStore {
             .name("ql-sqlite-writer".to_owned())
             .spawn(move || writer.serve(queue, tick))
             .map_err(|e| StoreError(format!("starting the sqlite writer: {e}")))?;
-        Ok(Self { inner: Arc::new(Inner { path, jobs, wakes, _checkpointer: checkpointer }) })
+        Ok(Self { inner: Arc::new(Inner { path, jobs, wakes, reads, clock_offset, _checkpointer: checkpointer }) })
     }
 
     /// The database file.
@@ -366,6 +374,25 @@ impl SqliteStore {
             }
         });
         self.inner.jobs.send(job).map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// Runs `f` on the reader thread ([`reader`]), given DB time's offset, and awaits its
+    /// answer.
+    async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection, i64) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        let offset = self.inner.clock_offset.clone();
+        let job: reader::ReadJob = Box::new(move |conn| {
+            // The caller may have given up (a dropped request).
+            let _ = tx.send(match conn {
+                Ok(conn) => f(conn, offset.load(Ordering::SeqCst)),
+                Err(e) => Err(StoreError(e.0.clone())),
+            });
+        });
+        self.inner.reads.send(job).map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
     }
 }
@@ -848,9 +875,9 @@ impl Store for SqliteStore {
 
     async fn certificates(&self, limit: usize) -> Result<Vec<Certificate>, StoreError> {
         let n = self::limit(limit);
-        self.call(move |w| {
+        self.read(move |conn, _| {
             let q = format!("SELECT {CERTIFICATE_COLS} FROM certificates ORDER BY worker, issued_at DESC LIMIT ?1");
-            all(&w.conn, &q, [n], rows::read).map_err(sql)
+            all(conn, &q, [n], rows::read).map_err(sql)
         })
         .await
     }
@@ -881,9 +908,9 @@ impl Store for SqliteStore {
     }
 
     async fn twin_refusals(&self, within_ms: u64) -> Result<Vec<(WorkerId, u64)>, StoreError> {
-        self.call(move |w| {
-            let since = schema::db_now(&w.conn, w.offset()).map_err(sql)?.saturating_sub(clamp(within_ms));
-            let mut stmt = w.conn.prepare_cached(TWIN_REFUSALS).map_err(sql)?;
+        self.read(move |conn, offset| {
+            let since = schema::db_now(conn, offset).map_err(sql)?.saturating_sub(clamp(within_ms));
+            let mut stmt = conn.prepare_cached(TWIN_REFUSALS).map_err(sql)?;
             let found: Vec<(String, i64)> = stmt
                 .query_map([since], |r| Ok((r.get(0)?, r.get(1)?)))
                 .map_err(sql)?
@@ -900,23 +927,23 @@ impl Store for SqliteStore {
     }
 
     async fn audits(&self) -> Result<Vec<AuditRecord>, StoreError> {
-        self.call(|w| {
-            all(&w.conn, &format!("SELECT {AUDIT_COLS} FROM audit ORDER BY seq"), [], rows::read).map_err(sql)
+        self.read(|conn, _| {
+            all(conn, &format!("SELECT {AUDIT_COLS} FROM audit ORDER BY seq"), [], rows::read).map_err(sql)
         })
         .await
     }
 
     async fn workers(&self, n: usize) -> Result<Vec<Worker>, StoreError> {
-        self.call(move |w| {
+        self.read(move |conn, _| {
             let q = format!("SELECT {WORKER_COLS} FROM workers ORDER BY id LIMIT ?1");
-            all(&w.conn, &q, [limit(n)], rows::read).map_err(sql)
+            all(conn, &q, [limit(n)], rows::read).map_err(sql)
         })
         .await
     }
 
     async fn runs(&self, query: &RunQuery) -> Result<Vec<Run>, StoreError> {
         let query = query.clone();
-        self.call(move |w| {
+        self.read(move |conn, _| {
             let q = format!(
                 "SELECT {RUN_COLS} FROM runs WHERE (?1 IS NULL OR schedule = ?1) AND (?2 IS NULL OR status = ?2) \
                  AND (?4 IS NULL OR (created_at, id) < (SELECT created_at, id FROM runs WHERE id = ?4)) \
@@ -927,65 +954,65 @@ impl Store for SqliteStore {
             let worker = query.worker.as_ref().map(|w| w.as_str().to_owned());
             let status = query.status.map(|s| s.as_str());
             let params = (query.schedule.as_deref(), status, limit(query.limit), before, worker);
-            all(&w.conn, &q, params, rows::read).map_err(sql)
+            all(conn, &q, params, rows::read).map_err(sql)
         })
         .await
     }
 
     async fn schedules(&self) -> Result<Vec<Schedule>, StoreError> {
-        self.call(|w| {
-            all(&w.conn, &format!("SELECT {SCHEDULE_COLS} FROM schedules ORDER BY name"), [], rows::read).map_err(sql)
+        self.read(|conn, _| {
+            all(conn, &format!("SELECT {SCHEDULE_COLS} FROM schedules ORDER BY name"), [], rows::read).map_err(sql)
         })
         .await
     }
 
     async fn stats(&self) -> Result<Vec<crate::store::Stat>, StoreError> {
-        self.call(|w| {
-            let now = schema::db_now(&w.conn, w.offset()).map_err(sql)?;
+        self.read(|conn, offset| {
+            let now = schema::db_now(conn, offset).map_err(sql)?;
             let q = crate::store::STATS_SQL
                 .replace("{NOW}", &now.to_string())
                 .replace("{LENGTH}", "json_extract(artifact, '$.length')");
-            all(&w.conn, &q, [], |r| Ok(crate::store::Stat { kind: r.get(0)?, label: r.get(1)?, value: r.get(2)? }))
+            all(conn, &q, [], |r| Ok(crate::store::Stat { kind: r.get(0)?, label: r.get(1)?, value: r.get(2)? }))
                 .map_err(sql)
         })
         .await
     }
 
     async fn operators(&self) -> Result<Vec<Operator>, StoreError> {
-        self.call(|w| {
-            all(&w.conn, &format!("SELECT {OPERATOR_COLS} FROM operators ORDER BY name"), [], rows::read).map_err(sql)
+        self.read(|conn, _| {
+            all(conn, &format!("SELECT {OPERATOR_COLS} FROM operators ORDER BY name"), [], rows::read).map_err(sql)
         })
         .await
     }
 
     async fn fires(&self, schedule: &str, n: usize) -> Result<Vec<Fire>, StoreError> {
         let schedule = schedule.to_owned();
-        self.call(move |w| {
+        self.read(move |conn, _| {
             let q = format!("SELECT {FIRE_COLS} FROM fires WHERE schedule = ?1 ORDER BY fire_at DESC LIMIT ?2");
-            all(&w.conn, &q, (schedule.as_str(), limit(n)), rows::read).map_err(sql)
+            all(conn, &q, (schedule.as_str(), limit(n)), rows::read).map_err(sql)
         })
         .await
     }
 
     async fn run_detail(&self, run: &RunId) -> Result<Option<RunDetail>, StoreError> {
         let run = run.clone();
-        self.call(move |w| run_detail(&w.conn, &run).map_err(sql)).await
+        self.read(move |conn, _| run_detail(conn, &run).map_err(sql)).await
     }
 
     async fn log_chunks(&self, attempt: &AttemptId, within: Range<u64>) -> Result<Vec<LogChunk>, StoreError> {
         let attempt = attempt.clone();
         let [from, to] = super::log_chunk_bounds(&within);
-        self.call(move |w| {
+        self.read(move |conn, _| {
             let q = super::log_chunks_sql('?');
-            all(&w.conn, &q, rusqlite::params![attempt.as_str(), from, to], rows::read).map_err(sql)
+            all(conn, &q, rusqlite::params![attempt.as_str(), from, to], rows::read).map_err(sql)
         })
         .await
     }
 
     async fn sessions(&self, n: usize) -> Result<Vec<Session>, StoreError> {
-        self.call(move |w| {
+        self.read(move |conn, _| {
             let q = format!("SELECT {SESSION_COLS} FROM sessions ORDER BY created_at DESC, id DESC LIMIT ?1");
-            all(&w.conn, &q, [limit(n)], rows::read).map_err(sql)
+            all(conn, &q, [limit(n)], rows::read).map_err(sql)
         })
         .await
     }

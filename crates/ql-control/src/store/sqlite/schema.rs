@@ -28,6 +28,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0012_artifact_claim.sql"),
     include_str!("../../../migrations/sqlite/0013_certificate_lineage.sql"),
     include_str!("../../../migrations/sqlite/0014_session_pruning.sql"),
+    include_str!("../../../migrations/sqlite/0015_twin_refusals.sql"),
 ];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.

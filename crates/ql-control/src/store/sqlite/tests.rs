@@ -991,3 +991,66 @@ fn a_live_log_window_is_searched_on_the_chunks_key() {
     assert!(steps.iter().all(|s| !s.starts_with("SCAN")), "{steps:?}");
     assert!(steps.iter().all(|s| !s.contains("TEMP B-TREE")), "no sort of its own: {steps:?}");
 }
+
+/// The workers' list counts twin refusals over an hour through an index of the refusals
+/// alone: the hour's other audit records (every poll of a fleet) are never read.
+#[test]
+fn twin_refusals_are_counted_from_an_index_of_refusals_alone() {
+    let dir = TempDir::new("twins");
+    let c = conn(&dir);
+    let mut stmt = c.prepare(&format!("EXPLAIN QUERY PLAN {TWIN_REFUSALS}")).unwrap();
+    let steps: Vec<String> = stmt.query_map([0_i64], |r| r.get::<_, String>(3)).unwrap().map(Result::unwrap).collect();
+    assert!(steps.iter().any(|s| s.starts_with("SEARCH audit USING") && s.contains("INDEX audit_twins")), "{steps:?}");
+    assert!(steps.iter().all(|s| !s.starts_with("SCAN")), "{steps:?}");
+}
+
+/// An operator's read runs beside the writer: while one is held in the middle of its read
+/// transaction, an agent's command commits and is answered, and the read, once let go,
+/// still sees the state as of its start; the next read sees the command.
+#[tokio::test]
+async fn an_operators_read_never_holds_up_the_writer() {
+    let dir = TempDir::new("reader");
+    let store = SqliteStore::open(dir.db(), Timings::default()).unwrap();
+    let (entered, in_read) = std::sync::mpsc::channel::<()>();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let reading = store.clone();
+    let held = tokio::spawn(async move {
+        reading
+            .read(move |conn, _| {
+                let count = || conn.query_row("SELECT count(*) FROM audit", [], |r| r.get::<_, i64>(0)).map_err(sql);
+                let before = count()?;
+                entered.send(()).unwrap();
+                released.recv().unwrap();
+                Ok((before, count()?))
+            })
+            .await
+    });
+    tokio::task::spawn_blocking(move || in_read.recv().unwrap()).await.unwrap();
+    let record = AuditRecord {
+        at: 0,
+        principal: Some(WorkerId::parse("router-1").unwrap()),
+        route: "session.open".into(),
+        outcome: "admitted".into(),
+    };
+    // Were the writer waiting for the read, this would never be answered: the read is
+    // let go only after it.
+    let answered = tokio::time::timeout(Duration::from_secs(60), store.audit(record)).await;
+    answered.expect("the writer answers while a read is held").unwrap();
+    release.send(()).unwrap();
+    assert_eq!(held.await.unwrap().unwrap(), (0, 0), "one state for the whole read");
+    assert_eq!(store.audits().await.unwrap().len(), 1, "a later read sees the commit");
+}
+
+/// Nothing sent to the reader writes.
+#[tokio::test]
+async fn the_reader_cannot_write() {
+    let dir = TempDir::new("reader-only");
+    let store = SqliteStore::open(dir.db(), Timings::default()).unwrap();
+    let wrote = store
+        .read(|conn, _| {
+            conn.execute("INSERT INTO audit (at, route, outcome) VALUES (0, 'x', 'admitted')", []).map_err(sql)
+        })
+        .await;
+    assert!(wrote.is_err(), "{wrote:?}");
+    assert!(store.audits().await.unwrap().is_empty());
+}
