@@ -15,7 +15,9 @@
 //! the offer reaching its agent is the offer latency. Each offered run is cancelled at
 //! once, so the fleet stays idle. It prints, in one run: agents connected, the server's
 //! RSS before and with the fleet and per agent, idle CPU and requests a second, offer
-//! latency p50 / p99 / max and the CPU while offering, drops and reconnects.
+//! latency p50 / p99 / max and the CPU while offering, drops and reconnects. Last, the
+//! same K offers again while an operator lists the workers (500, as the dashboard does)
+//! one list after another: the lists' time and the offers' latency meanwhile.
 //!
 //! The cadence is the shipped agent's: a poll proves the session alive, so an idle agent
 //! sends one long-poll after another (`--poll-wait-ms`, default 25000). `--heartbeats` is
@@ -363,32 +365,7 @@ async fn run(a: Arc<Args>) {
         Arc::new(Remote::new(&options).expect("the operator API"))
     };
     let offers_started = Instant::now();
-    let mut cancels = Vec::new();
-    for k in 0..a.offers {
-        tokio::time::sleep_until((offers_started + Duration::from_millis(200) * k as u32).into()).await;
-        // A pseudo-random agent: a multiplicative hash of k.
-        let index = (k.wrapping_mul(2_654_435_761) ^ (k >> 3)) % a.agents;
-        let body = SubmitBody {
-            argv: Some(vec!["true".into()]),
-            agent_labels: BTreeMap::from([("fleet".into(), format!("a{index}"))]),
-            ..serde_json::from_str("{}").unwrap()
-        };
-        waiting.lock().unwrap().insert(index, Instant::now());
-        let (remote, waiting) = (remote.clone(), waiting.clone());
-        cancels.push(tokio::task::spawn_blocking(move || {
-            let done = remote.submit(&body).expect("submit");
-            let run = RunId::parse(done.run_id.expect("a run id")).expect("a run id");
-            // Cancelled once offered (or given up on), so the fleet stays idle.
-            let offered_by = Instant::now() + Duration::from_secs(10);
-            while waiting.lock().unwrap().contains_key(&index) && Instant::now() < offered_by {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = remote.cancel(&run);
-        }));
-    }
-    for cancel in cancels {
-        let _ = cancel.await;
-    }
+    offer(&a, &remote, &waiting).await;
     let offering = offers_started.elapsed();
     let (rss_end, cpu_end) = server_usage(a.server_pid);
     let offer_cpu = (cpu_end - cpu_idle).as_secs_f64() / offering.as_secs_f64() * 100.0;
@@ -421,4 +398,70 @@ async fn run(a: Arc<Args>) {
         tally.drops.load(Ordering::Relaxed),
         tally.reconnects.load(Ordering::Relaxed),
     );
+
+    // The same offers again while an operator lists the workers (the dashboard's 500),
+    // one list after another: what an operator's reads cost the fleet.
+    tally.latencies.lock().unwrap().clear();
+    let listing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let lister = {
+        let (remote, listing) = (remote.clone(), listing.clone());
+        tokio::task::spawn_blocking(move || {
+            let mut took = Vec::new();
+            while listing.load(Ordering::Relaxed) {
+                let started = Instant::now();
+                remote.workers(500).expect("the workers' list");
+                took.push(started.elapsed().as_micros() as u64);
+            }
+            took
+        })
+    };
+    offer(&a, &remote, &waiting).await;
+    listing.store(false, Ordering::Relaxed);
+    let mut lists = lister.await.unwrap();
+    lists.sort_unstable();
+    let mut latencies = tally.latencies.lock().unwrap().clone();
+    latencies.sort_unstable();
+    println!(
+        "while an operator lists 500 workers, one list after another ({} lists, p50 {:.0} / max {:.0} ms): {} offers reached {}, latency p50 {:.0} / p99 {:.0} / max {:.0} ms",
+        lists.len(),
+        percentile(&lists, 0.5),
+        percentile(&lists, 1.0),
+        a.offers,
+        latencies.len(),
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+        percentile(&latencies, 1.0),
+    );
+}
+
+/// Submits `a.offers` runs, one every 200 ms, each to an agent picked at random, and
+/// cancels each once offered (or given up on), so the fleet stays idle.
+async fn offer(a: &Args, remote: &Arc<Remote>, waiting: &Waiting) {
+    let offers_started = Instant::now();
+    let mut cancels = Vec::new();
+    for k in 0..a.offers {
+        tokio::time::sleep_until((offers_started + Duration::from_millis(200) * k as u32).into()).await;
+        // A pseudo-random agent: a multiplicative hash of k.
+        let index = (k.wrapping_mul(2_654_435_761) ^ (k >> 3)) % a.agents;
+        let body = SubmitBody {
+            argv: Some(vec!["true".into()]),
+            agent_labels: BTreeMap::from([("fleet".into(), format!("a{index}"))]),
+            ..serde_json::from_str("{}").unwrap()
+        };
+        waiting.lock().unwrap().insert(index, Instant::now());
+        let (remote, waiting) = (remote.clone(), waiting.clone());
+        cancels.push(tokio::task::spawn_blocking(move || {
+            let done = remote.submit(&body).expect("submit");
+            let run = RunId::parse(done.run_id.expect("a run id")).expect("a run id");
+            // Cancelled once offered (or given up on), so the fleet stays idle.
+            let offered_by = Instant::now() + Duration::from_secs(10);
+            while waiting.lock().unwrap().contains_key(&index) && Instant::now() < offered_by {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = remote.cancel(&run);
+        }));
+    }
+    for cancel in cancels {
+        let _ = cancel.await;
+    }
 }
