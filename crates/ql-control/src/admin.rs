@@ -173,6 +173,9 @@ impl Store for Authority {
     async fn run_detail(&self, run: &RunId) -> Result<Option<RunDetail>, StoreError> {
         either!(self, s => s.run_detail(run))
     }
+    async fn probe(&self) -> Result<(), StoreError> {
+        either!(self, s => s.probe())
+    }
     async fn stats(&self) -> Result<Vec<crate::store::Stat>, StoreError> {
         either!(self, s => s.stats())
     }

@@ -468,6 +468,9 @@ impl<S: Store> Store for Measured<S> {
     async fn run_detail(&self, run: &ql_wire::ids::RunId) -> Result<Option<crate::store::RunDetail>, StoreError> {
         self.inner.run_detail(run).await
     }
+    async fn probe(&self) -> Result<(), StoreError> {
+        self.inner.probe().await
+    }
     async fn log_chunks(
         &self,
         attempt: &ql_wire::ids::AttemptId,

@@ -21,7 +21,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use ql_notify::Notify;
-use ql_wire::ids::RunId;
 
 use crate::api::{self, ApiConfig};
 use crate::blob::any::Blobs;
@@ -207,29 +206,24 @@ fn notifying<T>(notify: &SharedNotify, f: impl FnOnce(&mut Notify) -> T) -> T {
     f(&mut notify.lock().unwrap_or_else(PoisonError::into_inner))
 }
 
-/// The run the watchdog looks up. Generated run ids are `run_` and random characters, so
-/// this one is never found: the lookup reads one primary-key index page and nothing more.
-const WATCHDOG_PROBE: &str = "watchdog-probe";
-
 /// Pings systemd's watchdog every `every` (half of `WatchdogSec=`), each time only after
-/// the store answered a cheap query — the lookup of a run that does not exist.
+/// the store answered its probe ([`Store::probe`]).
 ///
-/// The query takes the path every request takes, so the pings prove what a restart would
+/// The probe takes the path every command takes, so the pings prove what a restart would
 /// repair: the Tokio runtime still runs tasks, and the store still works through its queue
 /// — for SQLite the one writer thread (a stuck fsync or a write lock never released stops
 /// the pings), for PostgreSQL the pool (every connection hanging stops them). An error
 /// answer counts as an answer: PostgreSQL being down is not repaired by restarting us
 /// (requests answer 503 meanwhile; restarts would fail to connect until systemd's start
 /// limit gives up on the unit), and the SQLite writer thread cannot end while this task
-/// holds the store. Nothing here times the query: one that never returns is exactly what
+/// holds the store. Nothing here times the probe: one that never returns is exactly what
 /// the watchdog is for.
 async fn watchdog_forever<S: Store>(store: S, notify: SharedNotify, every: Duration) {
-    let probe = RunId::parse(WATCHDOG_PROBE).expect("the probe is a valid run id");
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let _answered = store.run_detail(&probe).await;
+        let _answered = store.probe().await;
         notifying(&notify, |n| n.watchdog(Instant::now()));
     }
 }

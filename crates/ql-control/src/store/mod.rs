@@ -289,6 +289,11 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Every row (tests and invariant checks).
     fn snapshot(&self) -> impl Future<Output = Result<Snapshot, StoreError>> + Send;
 
+    /// Answers once the path commands take works (the watchdog's probe): for SQLite a job
+    /// through the writer thread, which takes the file's write lock; for PostgreSQL a
+    /// lookup through the pool. An error is an answer too.
+    fn probe(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// A counter that rises whenever work may have appeared — in this process or, for
     /// shared databases, in another one. Long-polls wait on it.
     fn changes(&self) -> watch::Receiver<u64>;

@@ -1079,6 +1079,13 @@ impl Store for PgStore {
         Ok(found)
     }
 
+    async fn probe(&self) -> Result<(), StoreError> {
+        // Generated run ids are `run_` and random characters: this one is never found, and
+        // the lookup reads one primary-key index page and nothing more.
+        let probe = RunId::parse("watchdog-probe").expect("the probe is a valid run id");
+        self.run_detail(&probe).await.map(drop)
+    }
+
     async fn run_detail(&self, run: &RunId) -> Result<Option<RunDetail>, StoreError> {
         let id = run.as_str();
         let mut conn = self.reading().await?;

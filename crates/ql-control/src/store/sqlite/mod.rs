@@ -183,6 +183,8 @@ struct Inner {
     wakes: Arc<Wakes>,
     /// Operators' reads ([`reader`]).
     reads: mpsc::Sender<reader::ReadJob>,
+    /// What the writer has synced, which reads wait for.
+    durable: Arc<reader::Durable>,
     /// DB time's offset, for reads.
     clock_offset: Arc<AtomicI64>,
     /// Stops the checkpoint thread when the last clone is dropped.
@@ -266,6 +268,8 @@ struct Writer {
     /// Why a sync failed. What was committed may then not be on disk, and what it showed
     /// must not be answered from: every later job fails, until the server restarts.
     broken: Option<String>,
+    /// What has been synced, for the reader ([`reader::Durable`]).
+    durable: Arc<reader::Durable>,
 }
 
 fn sql(e: rusqlite::Error) -> StoreError {
@@ -308,6 +312,7 @@ impl SqliteStore {
         };
         let wakes = Arc::new(Wakes::default());
         let reads = reader::spawn(&path, options.busy_timeout)?;
+        let durable = Arc::new(reader::Durable::default());
         let clock_offset = options.clock_offset.clone();
         let (jobs, queue) = mpsc::channel::<Job>();
         let mut writer = Writer {
@@ -336,6 +341,7 @@ impl SqliteStore {
             held_batches: 0,
             hold_max: options.hold_batches.max(1),
             broken: None,
+            durable: durable.clone(),
         };
         writer.watch_foreign_commits();
         let tick = options.watch_tick.max(Duration::from_millis(1));
@@ -343,7 +349,9 @@ impl SqliteStore {
             .name("ql-sqlite-writer".to_owned())
             .spawn(move || writer.serve(queue, tick))
             .map_err(|e| StoreError(format!("starting the sqlite writer: {e}")))?;
-        Ok(Self { inner: Arc::new(Inner { path, jobs, wakes, reads, clock_offset, _checkpointer: checkpointer }) })
+        Ok(Self {
+            inner: Arc::new(Inner { path, jobs, wakes, reads, durable, clock_offset, _checkpointer: checkpointer }),
+        })
     }
 
     /// The database file.
@@ -384,13 +392,14 @@ impl SqliteStore {
         f: impl FnOnce(&Connection, i64) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (tx, rx) = oneshot::channel();
-        let offset = self.inner.clock_offset.clone();
+        let (offset, durable) = (self.inner.clock_offset.clone(), self.inner.durable.clone());
         let job: reader::ReadJob = Box::new(move |conn| {
-            // The caller may have given up (a dropped request).
-            let _ = tx.send(match conn {
+            let read = match conn {
                 Ok(conn) => f(conn, offset.load(Ordering::SeqCst)),
                 Err(e) => Err(StoreError(e.0.clone())),
-            });
+            };
+            // The caller may have given up (a dropped request).
+            let _ = tx.send(read.and_then(|read| durable.wait().map(|()| read)));
         });
         self.inner.reads.send(job).map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
@@ -546,10 +555,18 @@ impl Writer {
         }
         self.last_idle = idle;
         self.last_end = Some(Instant::now());
+        let deciding = self.conn.total_changes() != changes && (!lazy || self.lazy_sync.is_zero());
+        if deciding {
+            self.durable.committing();
+        }
         let committed = self.control("COMMIT");
         if committed.is_err() {
             let _ = self.conn.execute_batch("ROLLBACK");
             self.queue.drop_all();
+            if !self.decided {
+                // Every deciding commit before this one is synced, and this one is not there.
+                self.durable.synced();
+            }
         } else if self.conn.total_changes() != changes {
             // synchronous=NORMAL: SQLite wrote the WAL but did not sync it. A batch that
             // decided something is synced before any of its answers leaves
@@ -601,8 +618,14 @@ impl Writer {
     fn sync(&mut self) -> Result<(), StoreError> {
         let synced = self.sync_wal();
         match &synced {
-            Ok(()) => self.unsynced = None,
-            Err(e) => self.broken = Some(e.0.clone()),
+            Ok(()) => {
+                self.unsynced = None;
+                self.durable.synced();
+            }
+            Err(e) => {
+                self.durable.broken(&e.0);
+                self.broken = Some(e.0.clone());
+            }
         }
         synced
     }
@@ -1019,6 +1042,13 @@ impl Store for SqliteStore {
 
     async fn snapshot(&self) -> Result<Snapshot, StoreError> {
         self.call(|w| snapshot(&w.conn).map_err(sql)).await
+    }
+
+    async fn probe(&self) -> Result<(), StoreError> {
+        // A job of the writer's, in a batch of its own or another's: it answers once the
+        // writer took the file's write lock and committed, and a broken writer answers
+        // its error.
+        self.call(|_| Ok(())).await
     }
 
     fn changes(&self) -> watch::Receiver<u64> {

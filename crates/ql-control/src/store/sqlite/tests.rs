@@ -668,6 +668,7 @@ fn writer(dir: &TempDir) -> Writer {
         held_batches: 0,
         hold_max: HOLD_MAX,
         broken: None,
+        durable: Arc::default(),
     }
 }
 
@@ -938,6 +939,8 @@ fn a_commit_that_decides_nothing_waits_for_its_sync_and_one_that_decides_syncs_i
         "{failed:?}"
     );
     assert!(w.broken.is_some());
+    let refused = w.durable.wait().unwrap_err();
+    assert!(refused.0.contains("syncing the database's WAL failed"), "no read is answered either: {refused:?}");
     let committed_unsynced = audit_rows(&w);
     w.run_batch(vec![job(decided, tx.clone()), job(audit_only, tx.clone())]);
     let refused: Vec<Result<(), String>> = rx.try_iter().collect();
@@ -958,6 +961,7 @@ fn answers_wait_for_the_sync_that_covers_them_and_one_sync_covers_the_batches_he
 
     w.run_held(vec![job(decided, tx.clone())]);
     assert!(rx.try_recv().is_err(), "a decision's answer waits for its sync");
+    assert!(!durable_now(&w), "and so does a read that may have seen it");
     w.run_held(vec![job(audit_only, tx.clone())]);
     assert!(rx.try_recv().is_err(), "so does a later answer, which may have read that decision");
     assert_eq!((w.held.len(), w.held_batches), (2, 2));
@@ -965,11 +969,14 @@ fn answers_wait_for_the_sync_that_covers_them_and_one_sync_covers_the_batches_he
     w.release();
     let answers: Vec<Result<(), String>> = rx.try_iter().collect();
     assert_eq!(answers, vec![Ok(()), Ok(())]);
+    assert!(durable_now(&w), "the sync lets reads be answered");
     assert!(w.wal.is_some() && w.unsynced.is_none() && w.held.is_empty() && w.held_batches == 0);
 
-    // With no decision waiting, an answer that decides nothing leaves at once.
+    // With no decision waiting, an answer that decides nothing leaves at once, and so
+    // does a read that saw it.
     w.run_held(vec![job(audit_only, tx.clone())]);
     assert_eq!(rx.try_iter().count(), 1);
+    assert!(durable_now(&w));
     assert!(w.held.is_empty() && w.unsynced.is_some());
 }
 
@@ -1053,4 +1060,44 @@ async fn the_reader_cannot_write() {
         .await;
     assert!(wrote.is_err(), "{wrote:?}");
     assert!(store.audits().await.unwrap().is_empty());
+}
+
+/// Whether a read begun now would be answered at once: every deciding commit counted is
+/// synced, so the reader's [`reader::Durable::wait`] would not block.
+fn durable_now(w: &Writer) -> bool {
+    let (committing, synced) = w.durable.counts();
+    synced >= committing
+}
+
+/// The watchdog's probe waits for the writer: held while the writer is held, when a read
+/// sent after it is answered, and answered once the writer goes on.
+#[tokio::test]
+async fn the_watchdogs_probe_goes_through_the_writer() {
+    use std::future::Future as _;
+    use std::task::Poll;
+    let dir = TempDir::new("probe");
+    let store = SqliteStore::open(dir.db(), Timings::default()).unwrap();
+    let (entered, in_job) = std::sync::mpsc::channel::<()>();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let holding = store.clone();
+    let held = tokio::spawn(async move {
+        holding
+            .call(move |_| {
+                entered.send(()).unwrap();
+                released.recv().unwrap();
+                Ok(())
+            })
+            .await
+    });
+    tokio::task::spawn_blocking(move || in_job.recv().unwrap()).await.unwrap();
+    let mut probe = Box::pin(store.probe());
+    let once = std::future::poll_fn(|cx| Poll::Ready(probe.as_mut().poll(cx))).await;
+    assert!(once.is_pending(), "sent, not answered");
+    let query = RunQuery { limit: 1, ..RunQuery::default() };
+    assert!(store.runs(&query).await.unwrap().is_empty(), "the reader answers meanwhile");
+    let again = std::future::poll_fn(|cx| Poll::Ready(probe.as_mut().poll(cx))).await;
+    assert!(again.is_pending(), "the probe still waits for the writer");
+    release.send(()).unwrap();
+    held.await.unwrap().unwrap();
+    assert!(probe.await.is_ok());
 }
