@@ -209,13 +209,14 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         said.map(Done::said).map_err(coded)
     }
 
-    /// Each session with its worker's standing, then the workers without a session, at
-    /// most `limit` rows in all; see [`WorkerRow`]. Each worker's records and
-    /// certificates are looked up once, so a fleet's list costs its size, not its square.
+    /// The newest `limit` sessions, each with its worker's standing, then the workers with
+    /// a record or a certificate and none of those sessions, by id: at most `limit` rows in
+    /// all; see [`WorkerRow`]. Every record and certificate is read and each worker's
+    /// looked up once, so a fleet's list costs its size, not its square.
     pub async fn workers(&self, limit: usize) -> Result<WorkerList, OpError> {
         let limit = limit.clamp(1, MAX_PAGE);
         let sessions = self.store.sessions(limit).await?;
-        let records = self.store.workers(limit).await?;
+        let records = self.store.workers(usize::MAX).await?;
         let twins = self.store.twin_refusals(3_600_000).await?;
         let certificates = self.store.certificates(usize::MAX).await?;
         let records: HashMap<&WorkerId, &Worker> = records.iter().map(|r| (&r.id, r)).collect();

@@ -209,3 +209,26 @@ fn a_revoked_worker_is_refused_on_its_open_connection_and_another_finishes_its_r
     let end = server.snapshot();
     assert_eq!(end.runs[0].status, RunStatus::Succeeded);
 }
+
+/// The workers' list gives each session its worker's own standing, however many workers
+/// have records: a disabled worker's session says so when its record is not among the
+/// first ones by id, and its trusted labels with it.
+#[test]
+fn the_workers_list_gives_each_session_its_own_workers_standing() {
+    use ql_control::core::Access;
+    let server = Server::start("workers-list");
+    let w1 = server.client("router-1");
+    w1.open(1);
+    let ops = ql_control::ops::Local { store: server.store.clone(), blobs: server.blobs.clone() };
+    for w in ["a-0", "a-1", "a-2", "router-1"] {
+        let labelled = server.rt.block_on(ops.label(&wid(w), &["site=attic".to_owned()]));
+        assert!(labelled.is_ok(), "{labelled:?}");
+    }
+    let disabled = server.rt.block_on(server.store.execute(Command::SetAccess(wid("router-1"), Access::Disable)));
+    assert!(matches!(disabled, Ok(Ok(Reply::AccessChanged(_)))), "{disabled:?}");
+    let list = server.rt.block_on(ops.workers(2)).unwrap();
+    let rows: Vec<(&str, Option<&str>, &str)> =
+        list.workers.iter().map(|r| (r.worker.as_str(), r.status.as_deref(), r.access.as_str())).collect();
+    assert_eq!(rows, [("router-1", Some("closed"), "disabled"), ("a-0", None, "active")]);
+    assert_eq!(list.workers[0].labels.get("site").map(String::as_str), Some("attic"));
+}
