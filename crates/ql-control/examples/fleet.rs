@@ -409,7 +409,7 @@ async fn run(a: Arc<Args>) {
             let mut took = Vec::new();
             while listing.load(Ordering::Relaxed) {
                 let started = Instant::now();
-                remote.workers(500).expect("the workers' list");
+                remote.workers(500, None).expect("the workers' list");
                 took.push(started.elapsed().as_micros() as u64);
             }
             took

@@ -185,6 +185,13 @@ impl Store for Authority {
     async fn sessions(&self, limit: usize) -> Result<Vec<crate::model::Session>, StoreError> {
         either!(self, s => s.sessions(limit))
     }
+    async fn worker_page(
+        &self,
+        after: Option<&WorkerId>,
+        limit: usize,
+    ) -> Result<Vec<(WorkerId, Option<crate::model::Session>)>, StoreError> {
+        either!(self, s => s.worker_page(after, limit))
+    }
     async fn workers(&self, limit: usize) -> Result<Vec<crate::model::Worker>, StoreError> {
         either!(self, s => s.workers(limit))
     }

@@ -261,6 +261,15 @@ fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
     };
     assert_eq!(listed(50), ["w0", "w1", "w2", "w3", "w4"]);
     assert_eq!(listed(2), ["w0", "w1"]);
+    let page = api.call("GET", "/v1/workers?limit=2", Some(&viewer), None).body;
+    assert_eq!(page["next"], "w1", "{page}");
+    let page = api.call("GET", "/v1/workers?limit=2&after=w1", Some(&viewer), None).body;
+    let ids: Vec<&str> = page["workers"].as_array().unwrap().iter().map(|r| r["worker"].as_str().unwrap()).collect();
+    assert_eq!((ids, &page["next"]), (vec!["w2", "w3"], &json!("w3")));
+    let page = api.call("GET", "/v1/workers?after=w4", Some(&viewer), None).body;
+    assert_eq!((page["workers"].as_array().map(Vec::len), &page["next"]), (Some(0), &Value::Null), "{page}");
+    let bad = api.call("GET", "/v1/workers?after=Not_A_Worker", Some(&viewer), None);
+    assert_eq!((bad.status, bad.body["error"].as_str()), (400, Some("invalid_request")), "{}", bad.body);
     let a = api.json("POST", "/v1/workers/w1:revoke", &admin, json!({ "serial": "00ff" }));
     assert_eq!((a.status, a.body["error"].as_str()), (404, Some("not_found")), "{}", a.body);
 

@@ -11,7 +11,7 @@
 //! | GET | `/v1/runs/{run}` | read | show |
 //! | POST | `/v1/runs/{run}:cancel` | admin | cancel |
 //! | GET | `/v1/runs/{run}/log?attempt=&offset=&limit=&follow=&waitMs=` | read | logs |
-//! | GET | `/v1/workers?limit=` | read | workers |
+//! | GET | `/v1/workers?limit=&after=` | read | workers |
 //! | POST | `/v1/workers/{w}:disable`, `:enable`, `:revoke` | admin | workers disable, ... |
 //! | PUT | `/v1/workers/{w}/labels` | admin | label |
 //! | GET | `/v1/certificates` | read | workers certificates |
@@ -308,7 +308,7 @@ async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, request: Request<
         },
         Route::Log(run) => log(shared, &run, &q).await,
         Route::Workers => match number(&q, "limit", 50) {
-            Ok(limit) => answer(local.workers(limit).await),
+            Ok(limit) => answer(local.workers(limit, q.get("after").map(String::as_str)).await),
             Err(e) => refuse(&e),
         },
         Route::Access(worker, access) => match body::<AccessBody>(request, cap).await {

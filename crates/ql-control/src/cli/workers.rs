@@ -27,8 +27,8 @@ pub(crate) struct Label {
     database: Option<String>,
 }
 
-/// List worker sessions (generation, status, capacity, last heartbeat, access, the
-/// certificate's not-after); or disable, enable or revoke a worker.
+/// List workers by id, each with its newest session (generation, status, capacity, last
+/// heartbeat), access and the certificate's not-after; or disable, enable or revoke one.
 #[derive(FromArgs)]
 #[argh(subcommand, name = "workers")]
 pub(crate) struct Workers {
@@ -44,6 +44,9 @@ pub(crate) struct Workers {
     /// how many (default 50)
     #[argh(option, default = "50")]
     limit: usize,
+    /// only workers whose id comes after this one (the next page)
+    #[argh(option)]
+    after: Option<String>,
 }
 
 #[derive(FromArgs)]
@@ -149,7 +152,7 @@ pub(crate) fn workers(reach: &Reach, cmd: Workers) -> Result<(), String> {
                 t.set_access(&worker, change).await?.message + "\n"
             }
             (Some(WorkersAction::Certificates(_)), None) => text::certificates(&t.certificates().await?),
-            (_, None) => text::workers(&t.workers(cmd.limit).await?),
+            (_, None) => text::workers(&t.workers(cmd.limit, cmd.after.as_deref()).await?),
         })
     })?;
     print!("{out}");

@@ -2,7 +2,7 @@
 //! decision code ([`crate::core`]): what the CLI does with `--dir` or `--database`, and
 //! what the operator API does for a remote CLI.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use ql_wire::artifact::Receipt;
@@ -19,16 +19,8 @@ use super::{AccessChange, LogRequest, OpError, RunFilter, ScheduleAction, MAX_PA
 use crate::admin::labels_of;
 use crate::blob::{ArtifactKey, BlobStore};
 use crate::core::{Access, CancelOutcome, Command, Reply, ScheduleSpec, Submit};
-use crate::model::{Attempt, AttemptStatus, Certificate, Notify, NotifyOn, RunStatus, Worker};
+use crate::model::{Attempt, AttemptStatus, Certificate, Notify, NotifyOn, RunStatus, Session, Worker};
 use crate::store::{RunDetail, RunQuery, Store};
-
-/// What a worker's row says of it besides its session: see [`WorkerRow`].
-struct Standing {
-    access: String,
-    cert_not_after: Option<String>,
-    labels: BTreeMap<String, String>,
-    twins: u64,
-}
 
 /// The commands on `store` and `blobs`.
 #[derive(Debug, Clone)]
@@ -209,23 +201,25 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         said.map(Done::said).map_err(coded)
     }
 
-    /// The newest `limit` sessions, each with its worker's standing, then the workers with
-    /// a record or a certificate and none of those sessions, by id: at most `limit` rows in
-    /// all; see [`WorkerRow`]. Every record and certificate is read and each worker's
-    /// looked up once, so a fleet's list costs its size, not its square.
-    pub async fn workers(&self, limit: usize) -> Result<WorkerList, OpError> {
+    /// The workers the store knows (a record, a certificate or a session) after `after`,
+    /// by id, at most `limit`, each with its newest session and its standing; see
+    /// [`WorkerRow`]. Every record and certificate is read and each worker's looked up
+    /// once, so a page costs the fleet's size, not its square.
+    pub async fn workers(&self, limit: usize, after: Option<&str>) -> Result<WorkerList, OpError> {
         let limit = limit.clamp(1, MAX_PAGE);
-        let sessions = self.store.sessions(limit).await?;
+        let after =
+            after.map(|w| WorkerId::parse(w).map_err(|e| OpError::invalid(format!("after {w:?}: {e}")))).transpose()?;
+        let page = self.store.worker_page(after.as_ref(), limit).await?;
         let records = self.store.workers(usize::MAX).await?;
         let twins = self.store.twin_refusals(3_600_000).await?;
         let certificates = self.store.certificates(usize::MAX).await?;
         let records: HashMap<&WorkerId, &Worker> = records.iter().map(|r| (&r.id, r)).collect();
         let twins: HashMap<&WorkerId, u64> = twins.iter().map(|(w, n)| (w, *n)).collect();
-        let mut held: BTreeMap<&WorkerId, Vec<&Certificate>> = BTreeMap::new();
+        let mut held: HashMap<&WorkerId, Vec<&Certificate>> = HashMap::new();
         for c in &certificates {
             held.entry(&c.worker).or_default().push(c);
         }
-        let standing = |w: &WorkerId| {
+        let row = |(w, session): &(WorkerId, Option<Session>)| {
             let record = records.get(w);
             let valid: Vec<&Certificate> = held
                 .get(w)
@@ -237,57 +231,24 @@ impl<S: Store, B: BlobStore> Local<S, B> {
                 Some(r) if r.revoked_at.is_some_and(|at| !valid.iter().any(|c| c.issued_at >= at)) => "revoked",
                 _ => "active",
             };
-            Standing {
+            WorkerRow {
+                worker: w.to_string(),
+                session: session.as_ref().map(|s| s.id.to_string()),
+                generation: session.as_ref().map(|s| s.generation.get()),
+                status: session.as_ref().map(|s| s.state.as_str().into()),
+                capacity: session.as_ref().map(|s| s.capacity),
+                last_seen: session.as_ref().map(|s| time(s.seen_at)),
+                agent: session.as_ref().map(|s| format!("{} {}", s.agent_version, s.arch)),
+                twins: twins.get(w).copied().unwrap_or(0),
                 access: access.into(),
                 // The latest not-after among the worker's certificates still valid for it.
                 cert_not_after: valid.iter().map(|c| c.not_after).max().map(time),
                 labels: record.map(|r| r.labels.clone()).unwrap_or_default(),
-                twins: twins.get(w).copied().unwrap_or(0),
+                declared: session.as_ref().map(|s| s.labels.clone()).unwrap_or_default(),
             }
         };
-        let mut rows: Vec<WorkerRow> = sessions
-            .iter()
-            .map(|s| {
-                let st = standing(&s.worker);
-                WorkerRow {
-                    worker: s.worker.to_string(),
-                    session: Some(s.id.to_string()),
-                    generation: Some(s.generation.get()),
-                    status: Some(s.state.as_str().into()),
-                    capacity: Some(s.capacity),
-                    last_seen: Some(time(s.seen_at)),
-                    agent: Some(format!("{} {}", s.agent_version, s.arch)),
-                    twins: st.twins,
-                    access: st.access,
-                    cert_not_after: st.cert_not_after,
-                    labels: st.labels,
-                    declared: s.labels.clone(),
-                }
-            })
-            .collect();
-        let with_session: HashSet<&WorkerId> = sessions.iter().map(|s| &s.worker).collect();
-        let mut quiet: Vec<&WorkerId> = records.keys().copied().chain(held.keys().copied()).collect();
-        quiet.sort();
-        quiet.dedup();
-        let room = limit.saturating_sub(rows.len());
-        for w in quiet.into_iter().filter(|w| !with_session.contains(w)).take(room) {
-            let st = standing(w);
-            rows.push(WorkerRow {
-                worker: w.to_string(),
-                session: None,
-                generation: None,
-                status: None,
-                capacity: None,
-                last_seen: None,
-                agent: None,
-                twins: st.twins,
-                access: st.access,
-                cert_not_after: st.cert_not_after,
-                labels: st.labels,
-                declared: BTreeMap::new(),
-            });
-        }
-        Ok(WorkerList { workers: rows })
+        let next = (page.len() == limit).then(|| page.last().map(|(w, _)| w.to_string())).flatten();
+        Ok(WorkerList { workers: page.iter().map(row).collect(), next })
     }
 
     /// The recorded certificates.

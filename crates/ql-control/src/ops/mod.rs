@@ -194,9 +194,9 @@ impl Target {
     pub async fn log(&self, run: &RunId, request: &LogRequest) -> Result<LogWindow, OpError> {
         forward!(self.log(run, request))
     }
-    /// The workers.
-    pub async fn workers(&self, limit: usize) -> Result<WorkerList, OpError> {
-        forward!(self.workers(limit))
+    /// A page of workers, by id, after `after`.
+    pub async fn workers(&self, limit: usize, after: Option<&str>) -> Result<WorkerList, OpError> {
+        forward!(self.workers(limit, after))
     }
     /// The recorded certificates.
     pub async fn certificates(&self) -> Result<CertificateList, OpError> {

@@ -221,9 +221,11 @@ impl Remote {
         Ok(window)
     }
 
-    /// The workers.
-    pub fn workers(&self, limit: usize) -> Result<WorkerList, OpError> {
-        self.json("GET", "/v1/workers", &[("limit", limit.to_string())], None)
+    /// A page of workers, by id, after `after`.
+    pub fn workers(&self, limit: usize, after: Option<&str>) -> Result<WorkerList, OpError> {
+        let mut query = vec![("limit", limit.to_string())];
+        query.extend(after.map(|a| ("after", a.to_owned())));
+        self.json("GET", "/v1/workers", &query, None)
     }
 
     /// The recorded certificates.

@@ -77,6 +77,9 @@ pub fn workers(list: &WorkerList) -> String {
         out += "TWINS: session opens refused in the last hour because another agent with the same worker id \
                 held the session: two ql-agents share one certificate\n";
     }
+    if let Some(next) = &list.next {
+        out += &format!("(more: --after {next})\n");
+    }
     out
 }
 

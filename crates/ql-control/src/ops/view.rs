@@ -441,8 +441,11 @@ pub struct WorkerRow {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct WorkerList {
-    /// One row per session, then the workers without one.
+    /// One row per worker, by id, each with its newest session.
     pub workers: Vec<WorkerRow>,
+    /// The last worker of a full page: pass it as `after` for the next one.
+    #[serde(default)]
+    pub next: Option<String>,
 }
 
 /// One recorded certificate.

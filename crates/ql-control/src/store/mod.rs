@@ -146,6 +146,35 @@ pub fn log_chunks_sql(mark: char) -> String {
     )
 }
 
+/// A page of workers' ids ([`Store::worker_page`]): those with a record, a certificate or
+/// a session, after `{mark}1` (text), by id, at most `{mark}2`. Each source is read by its
+/// own index up to the page's size, so a page reads about three pages of keys, not the
+/// fleet.
+#[doc(hidden)]
+pub fn worker_ids_sql(mark: char) -> String {
+    format!(
+        "SELECT id FROM (\
+         SELECT id FROM (SELECT id FROM workers WHERE id > {mark}1 ORDER BY id LIMIT {mark}2) a \
+         UNION SELECT worker FROM (SELECT DISTINCT worker FROM certificates WHERE worker > {mark}1 \
+         ORDER BY worker LIMIT {mark}2) b \
+         UNION SELECT worker FROM (SELECT DISTINCT worker FROM sessions WHERE worker > {mark}1 \
+         ORDER BY worker LIMIT {mark}2) c\
+         ) u ORDER BY id LIMIT {mark}2"
+    )
+}
+
+/// Each id of a [`Store::worker_page`] with its newest session among `newest`.
+pub(crate) fn paired(ids: Vec<String>, newest: Vec<Session>) -> Result<Vec<(WorkerId, Option<Session>)>, StoreError> {
+    let mut newest: std::collections::HashMap<String, Session> =
+        newest.into_iter().map(|s| (s.worker.as_str().to_owned(), s)).collect();
+    ids.into_iter()
+        .map(|id| {
+            let session = newest.remove(&id);
+            Ok((WorkerId::parse(id).map_err(|e| StoreError(e.to_string()))?, session))
+        })
+        .collect()
+}
+
 /// The window's bounds as [`log_chunks_sql`] takes them.
 #[doc(hidden)]
 pub fn log_chunk_bounds(within: &Range<u64>) -> [i64; 2] {
@@ -285,6 +314,14 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Sessions, newest first, at most `limit`.
     fn sessions(&self, limit: usize) -> impl Future<Output = Result<Vec<Session>, StoreError>> + Send;
+
+    /// The workers the store knows (a record, a certificate or a session) with ids after
+    /// `after`, by id, at most `limit`, each with its newest session.
+    fn worker_page(
+        &self,
+        after: Option<&WorkerId>,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<(WorkerId, Option<Session>)>, StoreError>> + Send;
 
     /// Every row (tests and invariant checks).
     fn snapshot(&self) -> impl Future<Output = Result<Snapshot, StoreError>> + Send;

@@ -271,7 +271,7 @@ pub(crate) async fn handle<S: Store, B: BlobStore>(
                 Err(e) => error_page(&e),
             }
         }
-        (&Method::GET, ["workers"]) => match local.workers(500).await {
+        (&Method::GET, ["workers"]) => match local.workers(500, query.get("after").map(String::as_str)).await {
             Ok(list) => page(StatusCode::OK, pages::workers(&view, &list)),
             Err(e) => error_page(&e),
         },

@@ -216,6 +216,10 @@ pub(super) fn workers(v: &Viewer<'_>, list: &WorkerList) -> String {
         );
     }
     body += "</tbody></table>";
+    if let Some(next) = &list.next {
+        let q = format!("after={}", percent_encoding::utf8_percent_encode(next, percent_encoding::NON_ALPHANUMERIC));
+        body += &format!("<p><a rel=\"next\" href=\"/ui/workers?{}\">More workers</a></p>", a(&q));
+    }
     layout("Workers", Some(v), &body)
 }
 
@@ -291,5 +295,9 @@ mod tests {
         assert!(!html.contains("\"'&\""), "{html}");
         assert_eq!(html.matches("<script").count(), 1, "only the page's own script: {html}");
         assert!(error(evil).contains("&lt;script&gt;"));
+        let list = WorkerList { workers: Vec::new(), next: Some(evil.into()) };
+        let html = workers(&viewer, &list);
+        assert!(!html.contains("<script>alert") && !html.contains("\"'&\""), "{html}");
+        assert!(html.contains("href=\"/ui/workers?after=%3Cscript%3E"), "{html}");
     }
 }

@@ -296,3 +296,40 @@ pub async fn an_enrolment_token_is_spent_once<B: Backend>(b: B) {
     let raw = [&token, &short, &before, &disabled, &again].map(|t| t.expose().to_owned());
     assert!(!texts.iter().any(|t| raw.iter().any(|r| t.contains(r.as_str()))), "no raw token stored");
 }
+
+/// The workers' pages: every worker the store knows — by a session, a record (labels) or
+/// a certificate — once, by id, after the last of the page before, each with its newest
+/// session.
+pub async fn the_worker_page_lists_each_known_worker_once_by_id<B: Backend>(b: B) {
+    let store = b.store();
+    open(&store, "s-2").await;
+    let newest = open(&store, "s-2").await;
+    open(&store, "s-0").await;
+    exec(&store, Command::RecordCertificate(cert("c-1", "01"), Issuer::Operator)).await.unwrap();
+    exec(&store, Command::RecordCertificate(cert("c-1", "02"), Issuer::Operator)).await.unwrap();
+    exec(&store, Command::RecordCertificate(cert("s-0", "03"), Issuer::Operator)).await.unwrap();
+    let labels = std::collections::BTreeMap::from([("site".to_owned(), "attic".to_owned())]);
+    exec(&store, Command::LabelWorker(worker("l-3"), labels.clone())).await.unwrap();
+    exec(&store, Command::LabelWorker(worker("s-2"), labels)).await.unwrap();
+
+    let all = page(&store, None, 10).await;
+    let ids: Vec<&str> = all.iter().map(|(w, _)| w.as_str()).collect();
+    assert_eq!(ids, ["c-1", "l-3", "s-0", "s-2"], "each once, by id");
+    assert_eq!(all[3].1.as_ref(), Some(&newest.session), "the newest of its sessions");
+    assert!(all[0].1.is_none() && all[1].1.is_none() && all[2].1.is_some());
+    assert_eq!(page(&store, None, 2).await, all[..2].to_vec());
+    assert_eq!(page(&store, Some("l-3"), 2).await, all[2..].to_vec());
+    assert_eq!(page(&store, Some("s-2"), 2).await, vec![], "nothing after the last");
+    assert_eq!(page(&store, Some("a"), 1).await, all[..1].to_vec(), "after any text, not only a known id");
+}
+
+/// A worker page's ids, each with its session's id.
+async fn page<S: Store>(
+    store: &S,
+    after: Option<&str>,
+    limit: usize,
+) -> Vec<(String, Option<ql_wire::ids::SessionId>)> {
+    let after = after.map(worker);
+    let found = store.worker_page(after.as_ref(), limit).await.unwrap();
+    found.into_iter().map(|(w, s)| (w.as_str().to_owned(), s.map(|s| s.id))).collect()
+}

@@ -210,11 +210,11 @@ fn a_revoked_worker_is_refused_on_its_open_connection_and_another_finishes_its_r
     assert_eq!(end.runs[0].status, RunStatus::Succeeded);
 }
 
-/// The workers' list gives each session its worker's own standing, however many workers
-/// have records: a disabled worker's session says so when its record is not among the
-/// first ones by id, and its trusted labels with it.
+/// The workers' list pages through every worker the store knows, by id, each with its
+/// newest session and its own standing: a disabled worker's row says so, with its trusted
+/// labels, wherever its record falls among the others.
 #[test]
-fn the_workers_list_gives_each_session_its_own_workers_standing() {
+fn the_workers_list_pages_by_id_and_gives_each_worker_its_own_standing() {
     use ql_control::core::Access;
     let server = Server::start("workers-list");
     let w1 = server.client("router-1");
@@ -226,9 +226,19 @@ fn the_workers_list_gives_each_session_its_own_workers_standing() {
     }
     let disabled = server.rt.block_on(server.store.execute(Command::SetAccess(wid("router-1"), Access::Disable)));
     assert!(matches!(disabled, Ok(Ok(Reply::AccessChanged(_)))), "{disabled:?}");
-    let list = server.rt.block_on(ops.workers(2)).unwrap();
-    let rows: Vec<(&str, Option<&str>, &str)> =
-        list.workers.iter().map(|r| (r.worker.as_str(), r.status.as_deref(), r.access.as_str())).collect();
-    assert_eq!(rows, [("router-1", Some("closed"), "disabled"), ("a-0", None, "active")]);
-    assert_eq!(list.workers[0].labels.get("site").map(String::as_str), Some("attic"));
+    let page = |after: Option<&str>| server.rt.block_on(ops.workers(2, after)).unwrap();
+    let rows = |list: &ql_control::ops::view::WorkerList| -> Vec<(String, Option<u64>, String)> {
+        list.workers.iter().map(|r| (r.worker.clone(), r.generation, r.access.clone())).collect()
+    };
+    let first = page(None);
+    assert_eq!(rows(&first), [("a-0".into(), None, "active".into()), ("a-1".into(), None, "active".into())]);
+    assert_eq!(first.next.as_deref(), Some("a-1"));
+    let second = page(first.next.as_deref());
+    assert_eq!(rows(&second), [("a-2".into(), None, "active".into()), ("router-1".into(), Some(1), "disabled".into())]);
+    assert_eq!(second.workers[1].labels.get("site").map(String::as_str), Some("attic"));
+    assert_eq!(second.workers[1].status.as_deref(), Some("closed"), "its newest session, closed by the disable");
+    let last = page(second.next.as_deref());
+    assert!(last.workers.is_empty() && last.next.is_none(), "{last:?}");
+    let bad = server.rt.block_on(ops.workers(2, Some("Not A Worker")));
+    assert!(bad.is_err(), "{bad:?}");
 }

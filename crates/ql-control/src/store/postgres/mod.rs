@@ -1126,6 +1126,28 @@ impl Store for PgStore {
         Ok(found)
     }
 
+    async fn worker_page(
+        &self,
+        after: Option<&WorkerId>,
+        n: usize,
+    ) -> Result<Vec<(WorkerId, Option<Session>)>, StoreError> {
+        let after = after.map_or("", |w| w.as_str());
+        let newest = format!(
+            "SELECT {} FROM sessions s WHERE s.worker = ANY($1::text[]) \
+             AND s.generation = (SELECT max(m.generation) FROM sessions m WHERE m.worker = s.worker)",
+            *SESSION_COLS
+        );
+        let mut conn = self.reading().await?;
+        let ids: Vec<String> = {
+            let mut tx = Tx { conn: &mut conn };
+            let found = tx.all(&super::worker_ids_sql('$'), &[&after, &limit(n)]).await?;
+            found.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(Error::Pg)?
+        };
+        let sessions = map_all(Tx { conn: &mut conn }.all(&newest, &[&ids]).await?, rows::read)?;
+        Self::done(conn).await?;
+        super::paired(ids, sessions)
+    }
+
     async fn certificates(&self, n: usize) -> Result<Vec<Certificate>, StoreError> {
         let sql = format!("SELECT {CERTIFICATE_COLS} FROM certificates ORDER BY worker, issued_at DESC LIMIT $1");
         let mut conn = self.reading().await?;

@@ -1040,6 +1040,26 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn worker_page(
+        &self,
+        after: Option<&WorkerId>,
+        n: usize,
+    ) -> Result<Vec<(WorkerId, Option<Session>)>, StoreError> {
+        let after = after.map_or_else(String::new, |w| w.as_str().to_owned());
+        self.read(move |conn, _| {
+            let ids: Vec<String> =
+                all(conn, &super::worker_ids_sql('?'), (after.as_str(), limit(n)), |r| r.get(0)).map_err(sql)?;
+            let named = serde_json::to_string(&ids).map_err(|e| StoreError(e.to_string()))?;
+            let q = format!(
+                "SELECT {SESSION_COLS} FROM sessions s WHERE s.worker IN (SELECT value FROM json_each(?1)) \
+                 AND s.generation = (SELECT max(generation) FROM sessions WHERE worker = s.worker)"
+            );
+            let newest: Vec<Session> = all(conn, &q, [named], rows::read).map_err(sql)?;
+            super::paired(ids, newest)
+        })
+        .await
+    }
+
     async fn snapshot(&self) -> Result<Snapshot, StoreError> {
         self.call(|w| snapshot(&w.conn).map_err(sql)).await
     }
