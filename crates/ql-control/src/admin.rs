@@ -182,14 +182,11 @@ impl Store for Authority {
     async fn operators(&self) -> Result<Vec<crate::model::Operator>, StoreError> {
         either!(self, s => s.operators())
     }
-    async fn sessions(&self, limit: usize) -> Result<Vec<crate::model::Session>, StoreError> {
-        either!(self, s => s.sessions(limit))
-    }
     async fn worker_page(
         &self,
         after: Option<&WorkerId>,
         limit: usize,
-    ) -> Result<Vec<(WorkerId, Option<crate::model::Session>)>, StoreError> {
+    ) -> Result<Vec<crate::store::WorkerEntry>, StoreError> {
         either!(self, s => s.worker_page(after, limit))
     }
     async fn workers(&self, limit: usize) -> Result<Vec<crate::model::Worker>, StoreError> {

@@ -490,14 +490,11 @@ impl<S: Store> Store for Measured<S> {
     async fn operators(&self) -> Result<Vec<crate::model::Operator>, StoreError> {
         self.inner.operators().await
     }
-    async fn sessions(&self, limit: usize) -> Result<Vec<crate::model::Session>, StoreError> {
-        self.inner.sessions(limit).await
-    }
     async fn worker_page(
         &self,
         after: Option<&ql_wire::ids::WorkerId>,
         limit: usize,
-    ) -> Result<Vec<(ql_wire::ids::WorkerId, Option<crate::model::Session>)>, StoreError> {
+    ) -> Result<Vec<crate::store::WorkerEntry>, StoreError> {
         self.inner.worker_page(after, limit).await
     }
     async fn snapshot(&self) -> Result<crate::store::Snapshot, StoreError> {

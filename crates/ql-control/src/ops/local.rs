@@ -19,8 +19,8 @@ use super::{AccessChange, LogRequest, OpError, RunFilter, ScheduleAction, MAX_PA
 use crate::admin::labels_of;
 use crate::blob::{ArtifactKey, BlobStore};
 use crate::core::{Access, CancelOutcome, Command, Reply, ScheduleSpec, Submit};
-use crate::model::{Attempt, AttemptStatus, Certificate, Notify, NotifyOn, RunStatus, Session, Worker};
-use crate::store::{RunDetail, RunQuery, Store};
+use crate::model::{Attempt, AttemptStatus, Certificate, Notify, NotifyOn, RunStatus};
+use crate::store::{RunDetail, RunQuery, Store, WorkerEntry};
 
 /// The commands on `store` and `blobs`.
 #[derive(Debug, Clone)]
@@ -203,51 +203,40 @@ impl<S: Store, B: BlobStore> Local<S, B> {
 
     /// The workers the store knows (a record, a certificate or a session) after `after`,
     /// by id, at most `limit`, each with its newest session and its standing; see
-    /// [`WorkerRow`]. Every record and certificate is read and each worker's looked up
-    /// once, so a page costs the fleet's size, not its square.
+    /// [`WorkerRow`]. A page reads its workers' rows alone.
     pub async fn workers(&self, limit: usize, after: Option<&str>) -> Result<WorkerList, OpError> {
         let limit = limit.clamp(1, MAX_PAGE);
         let after =
             after.map(|w| WorkerId::parse(w).map_err(|e| OpError::invalid(format!("after {w:?}: {e}")))).transpose()?;
         let page = self.store.worker_page(after.as_ref(), limit).await?;
-        let records = self.store.workers(usize::MAX).await?;
         let twins = self.store.twin_refusals(3_600_000).await?;
-        let certificates = self.store.certificates(usize::MAX).await?;
-        let records: HashMap<&WorkerId, &Worker> = records.iter().map(|r| (&r.id, r)).collect();
         let twins: HashMap<&WorkerId, u64> = twins.iter().map(|(w, n)| (w, *n)).collect();
-        let mut held: HashMap<&WorkerId, Vec<&Certificate>> = HashMap::new();
-        for c in &certificates {
-            held.entry(&c.worker).or_default().push(c);
-        }
-        let row = |(w, session): &(WorkerId, Option<Session>)| {
-            let record = records.get(w);
-            let valid: Vec<&Certificate> = held
-                .get(w)
-                .map(|cs| cs.iter().copied().filter(|c| c.revoked_at.is_none()).collect())
-                .unwrap_or_default();
+        let row = |w: &WorkerEntry| {
+            let valid: Vec<&Certificate> = w.certificates.iter().filter(|c| c.revoked_at.is_none()).collect();
             // Revoked until a certificate is issued after the revocation (an enrolment again).
-            let access = match record {
+            let access = match &w.record {
                 Some(r) if r.disabled_at.is_some() => "disabled",
                 Some(r) if r.revoked_at.is_some_and(|at| !valid.iter().any(|c| c.issued_at >= at)) => "revoked",
                 _ => "active",
             };
+            let session = w.session.as_ref();
             WorkerRow {
-                worker: w.to_string(),
-                session: session.as_ref().map(|s| s.id.to_string()),
-                generation: session.as_ref().map(|s| s.generation.get()),
-                status: session.as_ref().map(|s| s.state.as_str().into()),
-                capacity: session.as_ref().map(|s| s.capacity),
-                last_seen: session.as_ref().map(|s| time(s.seen_at)),
-                agent: session.as_ref().map(|s| format!("{} {}", s.agent_version, s.arch)),
-                twins: twins.get(w).copied().unwrap_or(0),
+                worker: w.id.to_string(),
+                session: session.map(|s| s.id.to_string()),
+                generation: session.map(|s| s.generation.get()),
+                status: session.map(|s| s.state.as_str().into()),
+                capacity: session.map(|s| s.capacity),
+                last_seen: session.map(|s| time(s.seen_at)),
+                agent: session.map(|s| format!("{} {}", s.agent_version, s.arch)),
+                twins: twins.get(&w.id).copied().unwrap_or(0),
                 access: access.into(),
                 // The latest not-after among the worker's certificates still valid for it.
                 cert_not_after: valid.iter().map(|c| c.not_after).max().map(time),
-                labels: record.map(|r| r.labels.clone()).unwrap_or_default(),
-                declared: session.as_ref().map(|s| s.labels.clone()).unwrap_or_default(),
+                labels: w.record.as_ref().map(|r| r.labels.clone()).unwrap_or_default(),
+                declared: session.map(|s| s.labels.clone()).unwrap_or_default(),
             }
         };
-        let next = (page.len() == limit).then(|| page.last().map(|(w, _)| w.to_string())).flatten();
+        let next = (page.len() == limit).then(|| page.last().map(|w| w.id.to_string())).flatten();
         Ok(WorkerList { workers: page.iter().map(row).collect(), next })
     }
 

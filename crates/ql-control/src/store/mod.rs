@@ -44,6 +44,19 @@ impl std::fmt::Display for StoreError {
 
 impl std::error::Error for StoreError {}
 
+/// A worker as a page of them lists it ([`Store::worker_page`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerEntry {
+    /// Its id.
+    pub id: WorkerId,
+    /// Its record (trusted labels, access), if it has one.
+    pub record: Option<Worker>,
+    /// Its newest session, if it ever opened one.
+    pub session: Option<Session>,
+    /// Its recorded certificates, newest first.
+    pub certificates: Vec<Certificate>,
+}
+
 /// A run with everything recorded about it, for operators.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunDetail {
@@ -163,14 +176,31 @@ pub fn worker_ids_sql(mark: char) -> String {
     )
 }
 
-/// Each id of a [`Store::worker_page`] with its newest session among `newest`.
-pub(crate) fn paired(ids: Vec<String>, newest: Vec<Session>) -> Result<Vec<(WorkerId, Option<Session>)>, StoreError> {
-    let mut newest: std::collections::HashMap<String, Session> =
-        newest.into_iter().map(|s| (s.worker.as_str().to_owned(), s)).collect();
+/// The entries of a [`Store::worker_page`]: each id with its rows among those read for
+/// the page.
+pub(crate) fn entries(
+    ids: Vec<String>,
+    sessions: Vec<Session>,
+    records: Vec<Worker>,
+    certificates: Vec<Certificate>,
+) -> Result<Vec<WorkerEntry>, StoreError> {
+    let mut sessions: std::collections::HashMap<WorkerId, Session> =
+        sessions.into_iter().map(|s| (s.worker.clone(), s)).collect();
+    let mut records: std::collections::HashMap<WorkerId, Worker> =
+        records.into_iter().map(|r| (r.id.clone(), r)).collect();
+    let mut held: std::collections::HashMap<WorkerId, Vec<Certificate>> = std::collections::HashMap::new();
+    for c in certificates {
+        held.entry(c.worker.clone()).or_default().push(c);
+    }
     ids.into_iter()
         .map(|id| {
-            let session = newest.remove(&id);
-            Ok((WorkerId::parse(id).map_err(|e| StoreError(e.to_string()))?, session))
+            let id = WorkerId::parse(id).map_err(|e| StoreError(e.to_string()))?;
+            Ok(WorkerEntry {
+                record: records.remove(&id),
+                session: sessions.remove(&id),
+                certificates: held.remove(&id).unwrap_or_default(),
+                id,
+            })
         })
         .collect()
 }
@@ -312,16 +342,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Operator credentials, by name.
     fn operators(&self) -> impl Future<Output = Result<Vec<Operator>, StoreError>> + Send;
 
-    /// Sessions, newest first, at most `limit`.
-    fn sessions(&self, limit: usize) -> impl Future<Output = Result<Vec<Session>, StoreError>> + Send;
-
     /// The workers the store knows (a record, a certificate or a session) with ids after
-    /// `after`, by id, at most `limit`, each with its newest session.
+    /// `after`, by id, at most `limit`, each with its record, its newest session and its
+    /// certificates: one page reads the rows of its workers alone.
     fn worker_page(
         &self,
         after: Option<&WorkerId>,
         limit: usize,
-    ) -> impl Future<Output = Result<Vec<(WorkerId, Option<Session>)>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Vec<WorkerEntry>, StoreError>> + Send;
 
     /// Every row (tests and invariant checks).
     fn snapshot(&self) -> impl Future<Output = Result<Snapshot, StoreError>> + Send;

@@ -321,6 +321,13 @@ pub async fn the_worker_page_lists_each_known_worker_once_by_id<B: Backend>(b: B
     assert_eq!(page(&store, Some("l-3"), 2).await, all[2..].to_vec());
     assert_eq!(page(&store, Some("s-2"), 2).await, vec![], "nothing after the last");
     assert_eq!(page(&store, Some("a"), 1).await, all[..1].to_vec(), "after any text, not only a known id");
+
+    // Each with its own rows: its record and its certificates, newest first.
+    let entries = store.worker_page(None, 10).await.unwrap();
+    let serials = |i: usize| entries[i].certificates.iter().map(|c| c.serial.as_str()).collect::<Vec<_>>();
+    assert_eq!((serials(0), serials(1), serials(2), serials(3)), (vec!["02", "01"], vec![], vec!["03"], vec![]));
+    let labelled = |i: usize| entries[i].record.as_ref().map(|r| r.labels.len());
+    assert_eq!((labelled(0), labelled(1), labelled(2), labelled(3)), (None, Some(1), None, Some(1)));
 }
 
 /// A worker page's ids, each with its session's id.
@@ -331,5 +338,5 @@ async fn page<S: Store>(
 ) -> Vec<(String, Option<ql_wire::ids::SessionId>)> {
     let after = after.map(worker);
     let found = store.worker_page(after.as_ref(), limit).await.unwrap();
-    found.into_iter().map(|(w, s)| (w.as_str().to_owned(), s.map(|s| s.id))).collect()
+    found.into_iter().map(|w| (w.id.as_str().to_owned(), w.session.map(|s| s.id))).collect()
 }

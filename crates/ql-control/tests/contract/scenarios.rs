@@ -1062,11 +1062,12 @@ pub async fn operator_reads_are_ordered_and_bounded<B: Backend>(b: B) {
     let listed: Vec<RunId> =
         store.runs(&ql_control::store::RunQuery::latest(2)).await.unwrap().into_iter().map(|r| r.id).collect();
     assert_eq!(listed, vec![runs[2].clone(), runs[1].clone()]);
-    open(&store, "router-1").await;
+    let first = open(&store, "router-1").await;
     b.advance(10);
-    let newest = open(&store, "router-2").await;
-    let sessions = store.sessions(1).await.unwrap();
-    assert_eq!(sessions.iter().map(|s| &s.id).collect::<Vec<_>>(), vec![&newest.session]);
+    open(&store, "router-2").await;
+    let workers = store.worker_page(None, 1).await.unwrap();
+    let listed: Vec<_> = workers.iter().map(|w| (&w.id, w.session.as_ref().map(|s| &s.id))).collect();
+    assert_eq!(listed, vec![(&first.worker, Some(&first.session))], "by id, bounded");
     assert_eq!(store.run_detail(&RunId::parse("run_missing").unwrap()).await.unwrap(), None);
 
     let rec = AuditRecord {

@@ -115,9 +115,7 @@ use super::records::{
 use super::wakes::Wakes;
 use super::{Audit, AuditRetention, RunDetail, RunQuery, SessionRetention, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
-use crate::model::{
-    Attempt, AuditRecord, Certificate, Fire, LogChunk, Millis, Operator, Run, Schedule, Session, Worker,
-};
+use crate::model::{Attempt, AuditRecord, Certificate, Fire, LogChunk, Millis, Operator, Run, Schedule, Worker};
 use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
 use pool::{Pool, Pooled};
 use rows::{ATTEMPT_COLS, LEASE_COLS, OFFER_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS};
@@ -1118,34 +1116,25 @@ impl Store for PgStore {
         Ok(found)
     }
 
-    async fn sessions(&self, n: usize) -> Result<Vec<Session>, StoreError> {
-        let sql = format!("SELECT {} FROM sessions ORDER BY created_at DESC, id DESC LIMIT $1", *SESSION_COLS);
-        let mut conn = self.reading().await?;
-        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::read)?;
-        Self::done(conn).await?;
-        Ok(found)
-    }
-
-    async fn worker_page(
-        &self,
-        after: Option<&WorkerId>,
-        n: usize,
-    ) -> Result<Vec<(WorkerId, Option<Session>)>, StoreError> {
+    async fn worker_page(&self, after: Option<&WorkerId>, n: usize) -> Result<Vec<super::WorkerEntry>, StoreError> {
         let after = after.map_or("", |w| w.as_str());
-        let newest = format!(
+        let sessions = format!(
             "SELECT {} FROM sessions s WHERE s.worker = ANY($1::text[]) \
              AND s.generation = (SELECT max(m.generation) FROM sessions m WHERE m.worker = s.worker)",
             *SESSION_COLS
         );
+        let records = format!("SELECT {} FROM workers WHERE id = ANY($1::text[])", *WORKER_COLS);
+        let certificates =
+            format!("SELECT {CERTIFICATE_COLS} FROM certificates WHERE worker = ANY($1::text[]) ORDER BY issued_at DESC, serial DESC");
         let mut conn = self.reading().await?;
-        let ids: Vec<String> = {
-            let mut tx = Tx { conn: &mut conn };
-            let found = tx.all(&super::worker_ids_sql('$'), &[&after, &limit(n)]).await?;
-            found.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(Error::Pg)?
-        };
-        let sessions = map_all(Tx { conn: &mut conn }.all(&newest, &[&ids]).await?, rows::read)?;
+        let mut tx = Tx { conn: &mut conn };
+        let found = tx.all(&super::worker_ids_sql('$'), &[&after, &limit(n)]).await?;
+        let ids: Vec<String> = found.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(Error::Pg)?;
+        let sessions = map_all(tx.all(&sessions, &[&ids]).await?, rows::read)?;
+        let records = map_all(tx.all(&records, &[&ids]).await?, rows::read)?;
+        let certificates = map_all(tx.all(&certificates, &[&ids]).await?, rows::read)?;
         Self::done(conn).await?;
-        super::paired(ids, sessions)
+        super::entries(ids, sessions, records, certificates)
     }
 
     async fn certificates(&self, n: usize) -> Result<Vec<Certificate>, StoreError> {

@@ -96,7 +96,7 @@ use super::records::{
 use super::wakes::Wakes;
 use super::{Audit, AuditRetention, RunDetail, RunQuery, SessionRetention, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
-use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Session, Worker};
+use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Worker};
 
 pub use schema::SCHEMA_VERSION;
 
@@ -1032,30 +1032,25 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn sessions(&self, n: usize) -> Result<Vec<Session>, StoreError> {
-        self.read(move |conn, _| {
-            let q = format!("SELECT {SESSION_COLS} FROM sessions ORDER BY created_at DESC, id DESC LIMIT ?1");
-            all(conn, &q, [limit(n)], rows::read).map_err(sql)
-        })
-        .await
-    }
-
-    async fn worker_page(
-        &self,
-        after: Option<&WorkerId>,
-        n: usize,
-    ) -> Result<Vec<(WorkerId, Option<Session>)>, StoreError> {
+    async fn worker_page(&self, after: Option<&WorkerId>, n: usize) -> Result<Vec<super::WorkerEntry>, StoreError> {
         let after = after.map_or_else(String::new, |w| w.as_str().to_owned());
         self.read(move |conn, _| {
             let ids: Vec<String> =
                 all(conn, &super::worker_ids_sql('?'), (after.as_str(), limit(n)), |r| r.get(0)).map_err(sql)?;
             let named = serde_json::to_string(&ids).map_err(|e| StoreError(e.to_string()))?;
+            let page = "IN (SELECT value FROM json_each(?1))";
             let q = format!(
-                "SELECT {SESSION_COLS} FROM sessions s WHERE s.worker IN (SELECT value FROM json_each(?1)) \
+                "SELECT {SESSION_COLS} FROM sessions s WHERE s.worker {page} \
                  AND s.generation = (SELECT max(generation) FROM sessions WHERE worker = s.worker)"
             );
-            let newest: Vec<Session> = all(conn, &q, [named], rows::read).map_err(sql)?;
-            super::paired(ids, newest)
+            let sessions = all(conn, &q, [&named], rows::read).map_err(sql)?;
+            let q = format!("SELECT {WORKER_COLS} FROM workers WHERE id {page}");
+            let records = all(conn, &q, [&named], rows::read).map_err(sql)?;
+            let q = format!(
+                "SELECT {CERTIFICATE_COLS} FROM certificates WHERE worker {page} ORDER BY issued_at DESC, serial DESC"
+            );
+            let certificates = all(conn, &q, [&named], rows::read).map_err(sql)?;
+            super::entries(ids, sessions, records, certificates)
         })
         .await
     }
