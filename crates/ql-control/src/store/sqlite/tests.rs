@@ -1101,3 +1101,18 @@ async fn the_watchdogs_probe_goes_through_the_writer() {
     held.await.unwrap().unwrap();
     assert!(probe.await.is_ok());
 }
+
+/// A page of workers reads each source by its index from the cursor on: no table is
+/// scanned, whatever the fleet's size.
+#[test]
+fn a_page_of_workers_searches_each_source_by_index() {
+    let dir = TempDir::new("worker-page");
+    let c = conn(&dir);
+    let mut stmt = c.prepare(&format!("EXPLAIN QUERY PLAN {}", crate::store::worker_ids_sql('?'))).unwrap();
+    let steps: Vec<String> =
+        stmt.query_map(rusqlite::params!["", 50], |r| r.get::<_, String>(3)).unwrap().map(Result::unwrap).collect();
+    for table in ["workers", "certificates", "sessions"] {
+        assert!(steps.iter().any(|s| s.starts_with(&format!("SEARCH {table} USING"))), "{table}: {steps:?}");
+        assert!(!steps.iter().any(|s| s.starts_with(&format!("SCAN {table}"))), "{table}: {steps:?}");
+    }
+}
