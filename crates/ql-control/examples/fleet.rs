@@ -16,8 +16,9 @@
 //! once, so the fleet stays idle. It prints, in one run: agents connected, the server's
 //! RSS before and with the fleet and per agent, idle CPU and requests a second, offer
 //! latency p50 / p99 / max and the CPU while offering, drops and reconnects. Last, the
-//! same K offers again while an operator lists the workers (500, as the dashboard does)
-//! one list after another: the lists' time and the offers' latency meanwhile.
+//! same K offers again while an operator pages through the workers (500 a page, as the
+//! dashboard shows them), one page after another, from the first again after the last:
+//! the pages' time and the offers' latency meanwhile.
 //!
 //! The cadence is the shipped agent's: a poll proves the session alive, so an idle agent
 //! sends one long-poll after another (`--poll-wait-ms`, default 25000). `--heartbeats` is
@@ -399,18 +400,19 @@ async fn run(a: Arc<Args>) {
         tally.reconnects.load(Ordering::Relaxed),
     );
 
-    // The same offers again while an operator lists the workers (the dashboard's 500),
-    // one list after another: what an operator's reads cost the fleet.
+    // The same offers again while an operator pages through the workers (the dashboard's
+    // 500 a page), one page after another: what an operator's reads cost the fleet.
     tally.latencies.lock().unwrap().clear();
     let listing = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let lister = {
         let (remote, listing) = (remote.clone(), listing.clone());
         tokio::task::spawn_blocking(move || {
-            let mut took = Vec::new();
+            let (mut took, mut after) = (Vec::new(), None);
             while listing.load(Ordering::Relaxed) {
                 let started = Instant::now();
-                remote.workers(500, None).expect("the workers' list");
+                let page = remote.workers(500, after.as_deref()).expect("the workers' list");
                 took.push(started.elapsed().as_micros() as u64);
+                after = page.next;
             }
             took
         })
@@ -422,7 +424,7 @@ async fn run(a: Arc<Args>) {
     let mut latencies = tally.latencies.lock().unwrap().clone();
     latencies.sort_unstable();
     println!(
-        "while an operator lists 500 workers, one list after another ({} lists, p50 {:.0} / max {:.0} ms): {} offers reached {}, latency p50 {:.0} / p99 {:.0} / max {:.0} ms",
+        "while an operator pages through the workers, 500 a page ({} pages, p50 {:.0} / max {:.0} ms): {} offers reached {}, latency p50 {:.0} / p99 {:.0} / max {:.0} ms",
         lists.len(),
         percentile(&lists, 0.5),
         percentile(&lists, 1.0),

@@ -189,9 +189,6 @@ impl Store for Authority {
     ) -> Result<Vec<crate::store::WorkerEntry>, StoreError> {
         either!(self, s => s.worker_page(after, limit))
     }
-    async fn workers(&self, limit: usize) -> Result<Vec<crate::model::Worker>, StoreError> {
-        either!(self, s => s.workers(limit))
-    }
     async fn log_chunks(
         &self,
         attempt: &ql_wire::ids::AttemptId,

@@ -478,9 +478,6 @@ impl<S: Store> Store for Measured<S> {
     ) -> Result<Vec<crate::model::LogChunk>, StoreError> {
         self.inner.log_chunks(attempt, within).await
     }
-    async fn workers(&self, limit: usize) -> Result<Vec<crate::model::Worker>, StoreError> {
-        self.inner.workers(limit).await
-    }
     async fn certificates(&self, limit: usize) -> Result<Vec<crate::model::Certificate>, StoreError> {
         self.inner.certificates(limit).await
     }

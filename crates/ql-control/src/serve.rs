@@ -215,9 +215,9 @@ fn notifying<T>(notify: &SharedNotify, f: impl FnOnce(&mut Notify) -> T) -> T {
 /// the pings), for PostgreSQL the pool (every connection hanging stops them). An error
 /// answer counts as an answer: PostgreSQL being down is not repaired by restarting us
 /// (requests answer 503 meanwhile; restarts would fail to connect until systemd's start
-/// limit gives up on the unit), and the SQLite writer thread cannot end while this task
-/// holds the store. Nothing here times the probe: one that never returns is exactly what
-/// the watchdog is for.
+/// limit gives up on the unit). A SQLite writer that failed a sync or stopped is repaired
+/// only by a restart, and its probe never answers. Nothing here times the probe: one that
+/// never returns is exactly what the watchdog is for.
 async fn watchdog_forever<S: Store>(store: S, notify: SharedNotify, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

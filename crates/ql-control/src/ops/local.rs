@@ -203,11 +203,14 @@ impl<S: Store, B: BlobStore> Local<S, B> {
 
     /// The workers the store knows (a record, a certificate or a session) after `after`,
     /// by id, at most `limit`, each with its newest session and its standing; see
-    /// [`WorkerRow`]. A page reads its workers' rows alone.
+    /// [`WorkerRow`]. A page reads its workers' rows, and the hour's twin refusals (an
+    /// index of refusals alone). An empty `after` is the first page.
     pub async fn workers(&self, limit: usize, after: Option<&str>) -> Result<WorkerList, OpError> {
         let limit = limit.clamp(1, MAX_PAGE);
-        let after =
-            after.map(|w| WorkerId::parse(w).map_err(|e| OpError::invalid(format!("after {w:?}: {e}")))).transpose()?;
+        let after = after
+            .filter(|w| !w.is_empty())
+            .map(|w| WorkerId::parse(w).map_err(|e| OpError::invalid(format!("after {w:?}: {e}"))))
+            .transpose()?;
         let page = self.store.worker_page(after.as_ref(), limit).await?;
         let twins = self.store.twin_refusals(3_600_000).await?;
         let twins: HashMap<&WorkerId, u64> = twins.iter().map(|(w, n)| (w, *n)).collect();

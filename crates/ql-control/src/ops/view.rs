@@ -407,13 +407,13 @@ impl From<&RunDetail> for RunView {
     }
 }
 
-/// One worker: its latest sessions' facts, its access and certificates, its labels.
+/// One worker: its newest session's facts, its access and certificates, its labels.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct WorkerRow {
     /// The worker.
     pub worker: String,
-    /// A session of it (none: a worker known by its record or certificates only).
+    /// Its newest session (none: a worker known by its record or certificates only).
     pub session: Option<String>,
     /// The session's generation.
     pub generation: Option<u64>,

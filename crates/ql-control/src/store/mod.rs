@@ -161,8 +161,8 @@ pub fn log_chunks_sql(mark: char) -> String {
 
 /// A page of workers' ids ([`Store::worker_page`]): those with a record, a certificate or
 /// a session, after `{mark}1` (text), by id, at most `{mark}2`. Each source is read by its
-/// own index up to the page's size, so a page reads about three pages of keys, not the
-/// fleet.
+/// own index from the cursor on, up to the page's size in workers (their sessions' and
+/// certificates' entries), not the fleet.
 #[doc(hidden)]
 pub fn worker_ids_sql(mark: char) -> String {
     format!(
@@ -328,9 +328,6 @@ pub trait Store: Clone + Send + Sync + 'static {
         attempt: &AttemptId,
         within: Range<u64>,
     ) -> impl Future<Output = Result<Vec<LogChunk>, StoreError>> + Send;
-
-    /// Workers' records (their trusted labels), by id, at most `limit`.
-    fn workers(&self, limit: usize) -> impl Future<Output = Result<Vec<Worker>, StoreError>> + Send;
 
     /// Certificates recorded, by worker then newest first, at most `limit`.
     fn certificates(&self, limit: usize) -> impl Future<Output = Result<Vec<Certificate>, StoreError>> + Send;

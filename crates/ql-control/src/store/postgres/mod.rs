@@ -1145,14 +1145,6 @@ impl Store for PgStore {
         Ok(found)
     }
 
-    async fn workers(&self, n: usize) -> Result<Vec<Worker>, StoreError> {
-        let sql = format!("SELECT {} FROM workers ORDER BY id LIMIT $1", *WORKER_COLS);
-        let mut conn = self.reading().await?;
-        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::read)?;
-        Self::done(conn).await?;
-        Ok(found)
-    }
-
     async fn snapshot(&self) -> Result<Snapshot, StoreError> {
         let mut conn = self.reading().await?;
         let mut tx = Tx { conn: &mut conn };

@@ -96,7 +96,7 @@ use super::records::{
 use super::wakes::Wakes;
 use super::{Audit, AuditRetention, RunDetail, RunQuery, SessionRetention, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
-use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule, Worker};
+use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule};
 
 pub use schema::SCHEMA_VERSION;
 
@@ -347,7 +347,12 @@ impl SqliteStore {
         let tick = options.watch_tick.max(Duration::from_millis(1));
         std::thread::Builder::new()
             .name("ql-sqlite-writer".to_owned())
-            .spawn(move || writer.serve(queue, tick))
+            .spawn(move || {
+                // However the thread ends (the store dropped, or a panic outside a job), no
+                // read is left waiting for a sync that will not come.
+                let _stopped = reader::Stopped(writer.durable.clone());
+                writer.serve(queue, tick);
+            })
             .map_err(|e| StoreError(format!("starting the sqlite writer: {e}")))?;
         Ok(Self {
             inner: Arc::new(Inner { path, jobs, wakes, reads, durable, clock_offset, _checkpointer: checkpointer }),
@@ -956,14 +961,6 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn workers(&self, n: usize) -> Result<Vec<Worker>, StoreError> {
-        self.read(move |conn, _| {
-            let q = format!("SELECT {WORKER_COLS} FROM workers ORDER BY id LIMIT ?1");
-            all(conn, &q, [limit(n)], rows::read).map_err(sql)
-        })
-        .await
-    }
-
     async fn runs(&self, query: &RunQuery) -> Result<Vec<Run>, StoreError> {
         let query = query.clone();
         self.read(move |conn, _| {
@@ -1061,9 +1058,21 @@ impl Store for SqliteStore {
 
     async fn probe(&self) -> Result<(), StoreError> {
         // A job of the writer's, in a batch of its own or another's: it answers once the
-        // writer took the file's write lock and committed, and a broken writer answers
-        // its error.
-        self.call(|_| Ok(())).await
+        // writer took the file's write lock and committed. It decides nothing and sees
+        // nothing, as an idle poll: it neither costs a batch of idle polls a sync nor ends
+        // their idle window.
+        let answered = self
+            .call(|w| {
+                (w.job_lazy, w.job_seen) = (true, true);
+                Ok(())
+            })
+            .await;
+        match answered {
+            // Only a restart repairs a writer that failed a sync or stopped: the probe
+            // then never answers, and the watchdog lets systemd restart the server.
+            Err(_) if self.inner.durable.is_broken() => std::future::pending().await,
+            answered => answered,
+        }
     }
 
     fn changes(&self) -> watch::Receiver<u64> {

@@ -7,9 +7,10 @@
 //! state as of its start, and the writer never waits for it. It sees what was committed
 //! before it began, as another process reading the file (the operator CLI) does.
 //!
-//! But a read is answered as the writer's own answers are: only once every commit that
-//! decided something, and that it may have seen, is synced ([`Durable`]), and not at all
-//! once the writer failed to sync. What an operator is shown (a run recorded, which lets
+//! But a read is answered as the writer's own answers are: only once every commit of this
+//! writer's that decided something, and that it may have seen, is synced ([`Durable`]),
+//! and not at all once the writer failed to sync or stopped. (Another process writing the
+//! same file, the operator CLI, syncs its own commits.) What an operator is shown (a run recorded, which lets
 //! the artifact store's collection remove its chunks) is then never undone by a power
 //! cut. A commit that only saw sessions or refused is read before its sync, as the writer
 //! answers it.
@@ -18,7 +19,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
-use std::sync::{mpsc, Condvar, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use rusqlite::Connection;
@@ -65,6 +66,15 @@ fn run(conn: &Connection, job: ReadJob) {
     }
 }
 
+/// Marks the writer stopped when dropped: held by the writer's thread.
+pub(super) struct Stopped(pub(super) Arc<Durable>);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        self.0.broken("the sqlite writer thread has stopped");
+    }
+}
+
 /// What the writer has made durable, shared with the reader ([`Durable::wait`]).
 #[derive(Debug, Default)]
 pub(super) struct Durable {
@@ -104,6 +114,11 @@ impl Durable {
     pub(super) fn broken(&self, why: &str) {
         self.state().broken = Some(why.to_owned());
         self.moved.notify_all();
+    }
+
+    /// Whether the writer failed a sync or stopped.
+    pub(super) fn is_broken(&self) -> bool {
+        self.state().broken.is_some()
     }
 
     /// Deciding commits counted, and how many of them are synced.

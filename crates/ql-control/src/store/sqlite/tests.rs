@@ -1116,3 +1116,35 @@ fn a_page_of_workers_searches_each_source_by_index() {
         assert!(!steps.iter().any(|s| s.starts_with(&format!("SCAN {table}"))), "{table}: {steps:?}");
     }
 }
+
+/// A writer that failed a sync answers no read, and the watchdog's probe, which a restart
+/// alone can satisfy, never answers: the writer's error is not an answer.
+#[tokio::test]
+async fn a_writer_that_failed_a_sync_stops_the_watchdogs_probe_and_answers_no_read() {
+    use std::future::Future as _;
+    use std::task::Poll;
+    let dir = TempDir::new("broken");
+    let store = SqliteStore::open(dir.db(), Timings::default()).unwrap();
+    let query = RunQuery { limit: 1, ..RunQuery::default() };
+    assert!(store.runs(&query).await.is_ok());
+    // What a failed fdatasync leaves (see `Writer::sync`).
+    store
+        .call(|w| {
+            let why = "syncing the database's WAL failed: injected; restart ql-control".to_owned();
+            w.durable.broken(&why);
+            w.broken = Some(why);
+            Ok(())
+        })
+        .await
+        .unwrap();
+    let refused = store.runs(&query).await.unwrap_err();
+    assert!(refused.0.contains("restart ql-control"), "{refused:?}");
+    let mut probe = Box::pin(store.probe());
+    let first = std::future::poll_fn(|cx| Poll::Ready(probe.as_mut().poll(cx))).await;
+    assert!(first.is_pending());
+    // The writer answers in order: once this is answered, so was the probe's job.
+    let record = AuditRecord { at: 0, principal: None, route: "x".into(), outcome: "admitted".into() };
+    assert!(store.audit(record).await.is_err());
+    let then = std::future::poll_fn(|cx| Poll::Ready(probe.as_mut().poll(cx))).await;
+    assert!(then.is_pending(), "the writer's error is not an answer");
+}
