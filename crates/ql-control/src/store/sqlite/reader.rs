@@ -1,4 +1,5 @@
-//! Operators' reads off the writer's path: a thread of its own with its own connection.
+//! Reads that change nothing, off the writer's path: a thread of its own with its own
+//! connection.
 //!
 //! The writer commits every agent's command; a read on its thread (a page of runs, the
 //! workers' list, an hour of audit records counted) made every agent wait behind it, and
@@ -10,10 +11,10 @@
 //! But a read is answered as the writer's own answers are: only once every commit of this
 //! writer's that decided something, and that it may have seen, is synced ([`Durable`]),
 //! and not at all once the writer failed to sync or stopped. (Another process writing the
-//! same file, the operator CLI, syncs its own commits.) What an operator is shown (a run recorded, which lets
-//! the artifact store's collection remove its chunks) is then never undone by a power
-//! cut. A commit that only saw sessions or refused is read before its sync, as the writer
-//! answers it.
+//! same file, the operator CLI, syncs its own commits.) What an operator is shown (a run
+//! recorded, which lets the artifact store's collection remove its chunks) is then never
+//! undone by a power cut. A commit that only saw sessions or refused is read before its
+//! sync, as the writer answers it.
 //!
 //! The connection is `query_only`: nothing sent here can write.
 
