@@ -5,9 +5,9 @@
 //! One dedicated thread owns the one write connection and takes jobs from a channel;
 //! callers await the answer on a oneshot. SQLite admits one writer per file anyway, and a
 //! single owner means no connection pool, no lock contention inside the process, and
-//! statements prepared once. Reads for operators run on a thread and connection of their
-//! own ([`reader`]), each in a read transaction: one consistent state, and the writer
-//! never waits for them.
+//! statements prepared once. Reads that change nothing (operators', a completion's run, a
+//! log's chunks) run on a thread and connection of their own ([`reader`]), each in a read
+//! transaction: one consistent state, and the writer never waits for them.
 //!
 //! # One command, one atomic unit; many commands, one fsync
 //!
@@ -181,7 +181,7 @@ struct Inner {
     path: PathBuf,
     jobs: mpsc::Sender<Job>,
     wakes: Arc<Wakes>,
-    /// Operators' reads ([`reader`]).
+    /// Reads that change nothing ([`reader`]).
     reads: mpsc::Sender<reader::ReadJob>,
     /// What the writer has synced, which reads wait for.
     durable: Arc<reader::Durable>,
