@@ -152,8 +152,13 @@ impl Store for Authority {
     async fn prune_sessions(&self, retention: crate::store::SessionRetention) -> Result<u64, StoreError> {
         either!(self, s => s.prune_sessions(retention))
     }
-    async fn certificates(&self, limit: usize) -> Result<Vec<crate::model::Certificate>, StoreError> {
-        either!(self, s => s.certificates(limit))
+    async fn certificates(
+        &self,
+        worker: Option<&WorkerId>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<crate::model::Certificate>, StoreError> {
+        either!(self, s => s.certificates(worker, after, limit))
     }
     async fn twin_refusals(&self, within_ms: u64) -> Result<Vec<(WorkerId, u64)>, StoreError> {
         either!(self, s => s.twin_refusals(within_ms))

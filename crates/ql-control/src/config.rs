@@ -37,6 +37,9 @@ pub struct Config {
     pub operator_listen: String,
     /// Operator API connections served at once.
     pub operator_max_connections: u64,
+    /// Of those, how many one address (an IPv6 peer's /64) holds: one peer cannot keep
+    /// the operators out.
+    pub operator_max_connections_per_ip: u64,
     /// The longest wait of an operator API log follow (`waitMs`).
     pub operator_log_wait_ms: u64,
     /// How long a dashboard sign-in lasts.
@@ -214,6 +217,7 @@ impl Default for Config {
             s3_list_page: 1_000,
             operator_listen: "127.0.0.1:8444".into(),
             operator_max_connections: 64,
+            operator_max_connections_per_ip: 16,
             operator_log_wait_ms: 25_000,
             dashboard_session_ms: 12 * 3_600_000,
             dashboard_secret_file: "dashboard.key".into(),
@@ -422,6 +426,7 @@ impl Config {
             ("enrolment_token_ttl_ms", self.enrolment_token_ttl_ms),
             ("schedule_missed_after_ms", self.schedule_missed_after_ms),
             ("operator_max_connections", self.operator_max_connections),
+            ("operator_max_connections_per_ip", self.operator_max_connections_per_ip),
             ("webhook_timeout_ms", self.webhook_timeout_ms),
             ("operator_body_timeout_ms", self.operator_body_timeout_ms),
             ("dashboard_session_ms", self.dashboard_session_ms),

@@ -92,6 +92,7 @@ pub struct Metrics {
     connections_open: Gauge,
     connections_max: Gauge,
     turned_away: Family<ReasonLabels, Counter>,
+    operator_turned_away: Family<ReasonLabels, Counter>,
     collected: Family<KindLabels, Counter>,
     collected_bytes: Family<KindLabels, Counter>,
     collections: Family<OutcomeLabels, Counter>,
@@ -177,6 +178,7 @@ impl Metrics {
             connections_open: Gauge::default(),
             connections_max: Gauge::default(),
             turned_away: Family::default(),
+            operator_turned_away: Family::default(),
             collected: Family::default(),
             collected_bytes: Family::default(),
             collections: Family::default(),
@@ -219,6 +221,11 @@ impl Metrics {
             "worker_connections_turned_away",
             "Worker connections closed unserved at a limit, by reason (handshakes, slots, anonymous, accept)",
             m.turned_away.clone(),
+        );
+        registry.register(
+            "operator_connections_turned_away",
+            "Operator API connections closed unserved at a limit, by reason (address, all)",
+            m.operator_turned_away.clone(),
         );
         registry.register(
             "artifact_collected",
@@ -294,6 +301,13 @@ impl Metrics {
     /// failed: out of descriptors, say).
     pub fn turned_away(&self, reason: &'static str) {
         self.turned_away.get_or_create(&ReasonLabels { reason: reason.to_owned() }).inc();
+    }
+
+    /// An operator API connection closed unserved: `address` (its address holds
+    /// `operator_max_connections_per_ip`) or `all` (every place taken, by no address
+    /// holding two more).
+    pub fn operator_turned_away(&self, reason: &'static str) {
+        self.operator_turned_away.get_or_create(&ReasonLabels { reason: reason.to_owned() }).inc();
     }
 
     /// One worker request answered with `status` after `took`.
@@ -478,8 +492,13 @@ impl<S: Store> Store for Measured<S> {
     ) -> Result<Vec<crate::model::LogChunk>, StoreError> {
         self.inner.log_chunks(attempt, within).await
     }
-    async fn certificates(&self, limit: usize) -> Result<Vec<crate::model::Certificate>, StoreError> {
-        self.inner.certificates(limit).await
+    async fn certificates(
+        &self,
+        worker: Option<&ql_wire::ids::WorkerId>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<crate::model::Certificate>, StoreError> {
+        self.inner.certificates(worker, after, limit).await
     }
     async fn stats(&self) -> Result<Vec<crate::store::Stat>, StoreError> {
         self.inner.stats().await

@@ -284,6 +284,8 @@ pub fn api_config(config: &Config) -> ApiConfig {
         handshake_timeout: Duration::from_millis(config.handshake_timeout_ms),
         header_read_timeout: Duration::from_millis(config.header_timeout_ms),
         max_connections: usize::try_from(config.operator_max_connections).unwrap_or(usize::MAX),
+        max_connections_per_ip: usize::try_from(config.operator_max_connections_per_ip).unwrap_or(usize::MAX),
+        report_every: Duration::from_millis(config.refusal_report_ms),
         max_log_wait: Duration::from_millis(config.operator_log_wait_ms),
         body_timeout: Duration::from_millis(config.operator_body_timeout_ms),
         ..ApiConfig::default()

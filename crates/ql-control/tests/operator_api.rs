@@ -236,6 +236,22 @@ fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
     assert_eq!(workers["workers"][0]["access"], "active");
     let certs = api.call("GET", "/v1/certificates", Some(&viewer), None).body;
     assert_eq!(certs["certificates"].as_array().unwrap().len(), 1, "{certs}");
+    assert!(certs["next"].is_null(), "a page not full has no next: {certs}");
+    let one = api.call("GET", "/v1/certificates?worker=w1&limit=1", Some(&viewer), None).body;
+    assert_eq!(one["certificates"], certs["certificates"], "{one}");
+    let serial = one["certificates"][0]["serial"].as_str().unwrap().to_owned();
+    assert_eq!(one["next"], serial.as_str(), "a full page names its last serial");
+    let rest = api.call("GET", &format!("/v1/certificates?after={serial}"), Some(&viewer), None).body;
+    assert_eq!(rest["certificates"], json!([]), "{rest}");
+    let none = api.call("GET", "/v1/certificates?worker=w2", Some(&viewer), None).body;
+    assert_eq!(none["certificates"], json!([]), "{none}");
+    let before = snapshot(&dir);
+    for bad in ["after=zz", "after=0x1", "worker=Not_A_Worker", "limit=x"] {
+        let a = api.call("GET", &format!("/v1/certificates?{bad}"), Some(&viewer), None);
+        assert_eq!((a.status, a.body["error"].as_str()), (400, Some("invalid_request")), "{bad}: {}", a.body);
+        assert!(a.body["message"].is_string(), "{bad}: {}", a.body);
+    }
+    assert_eq!(snapshot(&dir), before);
     let a = api.json("PUT", "/v1/workers/w1/labels", &admin, json!({ "labels": { "site": "attic" } }));
     assert_eq!(a.body["message"], "w1: site=attic", "{}", a.body);
     let a = api.json("PUT", "/v1/workers/w1/labels", &admin, json!({ "labels": { "A": "b" } }));
@@ -357,4 +373,83 @@ fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
     ql(&["operator", "remove", "viewer", "--dir", d]);
     assert_eq!(api.call("GET", "/v1/runs", Some(&viewer), None).status, 401);
     assert_eq!(api.call("GET", "/v1/runs", Some(&admin), None).status, 200);
+}
+
+/// One address holds at most its share of the listener, from its first byte and before
+/// any token: its next connection is closed at once while an operator from another
+/// address is served; with every place taken a newcomer is turned away unless the
+/// heaviest address holds two more than its own, whose oldest connection then closes.
+#[test]
+fn one_address_cannot_keep_the_operators_out() {
+    let root = TempDir(std::env::temp_dir().join(format!("ql-operator-door-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&root.0);
+    let dir = root.0.join("state");
+    let d = dir.to_str().unwrap();
+    ql(&["init", "--host", "127.0.0.1", "--dir", d]);
+    let config = dir.join("control.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    c["operator_max_connections"] = json!(4);
+    c["operator_max_connections_per_ip"] = json!(2);
+    // Connections that never start their handshake stay until closed by the limits alone.
+    c["handshake_timeout_ms"] = json!(600_000);
+    c["header_timeout_ms"] = json!(600_000);
+    std::fs::write(&config, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+    let admin = add_operator(&dir, "boss", "admin");
+    let (_serve, url) = serve(&dir);
+    let api = Api::new(&dir.join("pki").join("ca.crt"), url.clone());
+    let port: u16 = url.rsplit_once(':').unwrap().1.trim_end_matches('/').parse().unwrap();
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    // A bare TCP connection from `from` (another loopback address), no handshake.
+    let connect = |from: &str| {
+        rt.block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+            socket.connect(([127, 0, 0, 1], port).into()).await.unwrap()
+        })
+    };
+    // Whether the server closed `stream`: its read ends (EOF or reset) within the deadline.
+    let closed = |stream: &mut tokio::net::TcpStream| {
+        use tokio::io::AsyncReadExt as _;
+        let mut byte = [0u8; 1];
+        rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), stream.read(&mut byte)).await })
+            .map(|read| !matches!(read, Ok(n) if n > 0))
+            .unwrap_or(false)
+    };
+    // A connection still open: the server has not closed it (the server sends nothing first).
+    let open = |stream: &tokio::net::TcpStream| {
+        let mut byte = [0u8; 1];
+        matches!(stream.try_read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    };
+
+    let mut x1 = connect("127.0.0.2");
+    let x2 = connect("127.0.0.2");
+    let mut x3 = connect("127.0.0.2");
+    assert!(closed(&mut x3), "an address's third connection is closed unserved");
+    // The operator, from 127.0.0.1, is served meanwhile (and keeps its connection).
+    assert_eq!(api.call("GET", "/v1/runs", Some(&admin), None).status, 200);
+    let y1 = connect("127.0.0.3");
+    // All four places taken: 127.0.0.3 holds one, the heaviest two, one fewer is not enough.
+    let mut y2 = connect("127.0.0.3");
+    assert!(closed(&mut y2), "no place for an address holding only one fewer than the heaviest");
+    // 127.0.0.4 holds none: the heaviest address's oldest connection makes room for it.
+    let z1 = connect("127.0.0.4");
+    assert!(closed(&mut x1), "the heaviest address's oldest connection closed for the newcomer");
+    // The metrics read now fills no new place: the operator's connection is kept alive.
+    let text = api
+        .agent
+        .get(format!("{url}/metrics"))
+        .header("Authorization", format!("Bearer {admin}"))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    for reason in ["address", "all"] {
+        let line = format!("ql_operator_connections_turned_away_total{{reason=\"{reason}\"}} 1");
+        assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
+    }
+    assert!(open(&x2) && open(&y1) && open(&z1), "the connections within the limits stay");
+    let said = std::fs::read_to_string(dir.join("serve.err")).unwrap();
+    assert!(said.contains("operator connection(s) turned away") && said.contains("from 127.0.0.2"), "{said}");
 }

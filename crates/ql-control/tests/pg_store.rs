@@ -915,7 +915,7 @@ async fn a_renewal_racing_the_revocation_of_its_line_never_outlives_it() {
         let revocation = exec(&replica, Command::RevokeCertificate(worker("router-1"), old.clone(), true));
         let (renewed, revoked) = tokio::join!(renewal, revocation);
         assert!(matches!(revoked, Ok(Reply::CertificateRevoked(..))), "round {round}: {revoked:?}");
-        let all = store.certificates(1_000).await.unwrap();
+        let all = store.certificates(None, None, 1_000).await.unwrap();
         let recorded = all.iter().find(|c| c.serial == new);
         match renewed {
             Ok(Reply::CertificateRecorded(_)) => {

@@ -157,6 +157,7 @@ contract_suite!(
         admission_follows_the_worker_and_its_certificates,
         revoking_a_certificate_revokes_what_was_renewed_from_it,
         the_worker_page_lists_each_known_worker_once_by_id,
+        the_certificate_pages_list_each_once_by_worker_newest_first,
         a_worker_renews_at_most_once_an_interval,
         ended_sessions_never_offered_work_are_pruned,
         revoking_a_worker_ends_what_it_holds_and_requeues_its_runs,

@@ -7,8 +7,12 @@
 //!
 //! Per connection: the TLS handshake within [`ApiConfig::handshake_timeout`], request
 //! heads within [`ApiConfig::header_read_timeout`], bodies of at most
-//! [`ApiConfig::max_body_bytes`], at most [`ApiConfig::max_connections`] at once (beyond
-//! that a connection is closed at once).
+//! [`ApiConfig::max_body_bytes`]. At most [`ApiConfig::max_connections`] at once, of which
+//! one address holds at most [`ApiConfig::max_connections_per_ip`]: beyond that a
+//! connection is closed at once, unless every place is taken and an address holding at
+//! least two more than the newcomer's gives up its oldest ([`crate::http::occupancy`]).
+//! Anyone who reaches the port holds a place from its first byte, before any token is
+//! shown, so one address cannot keep the operators out.
 
 mod routes;
 
@@ -22,11 +26,13 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use rustls::ServerConfig;
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
 use crate::blob::BlobStore;
+use crate::http::occupancy::{Door, Full};
+use crate::http::report::Report;
 use crate::ops::Local;
 use crate::store::Store;
 
@@ -43,6 +49,10 @@ pub struct ApiConfig {
     pub body_timeout: Duration,
     /// Connections served at once.
     pub max_connections: usize,
+    /// Of those, how many one address holds (an IPv6 peer's /64).
+    pub max_connections_per_ip: usize,
+    /// At most one line per this about connections turned away.
+    pub report_every: Duration,
     /// The longest wait of a log follow, whatever `waitMs` asks.
     pub max_log_wait: Duration,
     /// The most log bytes one answer carries.
@@ -57,6 +67,8 @@ impl Default for ApiConfig {
             max_body_bytes: 1024 * 1024,
             body_timeout: Duration::from_secs(10),
             max_connections: 64,
+            max_connections_per_ip: 16,
+            report_every: Duration::from_secs(60),
             max_log_wait: Duration::from_secs(25),
             max_log_window: 4 * 1024 * 1024,
         }
@@ -107,7 +119,8 @@ async fn accept_loop<S: Store, B: BlobStore>(
     config: ApiConfig,
     mut stopped: watch::Receiver<bool>,
 ) {
-    let slots = Arc::new(Semaphore::new(config.max_connections));
+    let door = Arc::new(Door::default());
+    let turned_away = Report::new("operator connection(s) turned away", config.report_every);
     let mut connections = tokio::task::JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -115,35 +128,66 @@ async fn accept_loop<S: Store, B: BlobStore>(
             _ = stopped.changed() => break,
         };
         while connections.try_join_next().is_some() {}
-        let Ok((tcp, _peer)) = accepted else {
+        let Ok((tcp, peer)) = accepted else {
             // Out of descriptors, most likely: pause rather than spin.
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            drop(tcp);
-            continue;
+        // The place is taken here, in the order connections arrive.
+        let ip = peer.ip();
+        let place = match door.enter(ip, config.max_connections_per_ip, config.max_connections) {
+            Ok(place) => place,
+            Err(full) => {
+                let (reason, line) = match full {
+                    Full::Address => (
+                        "address",
+                        format!(
+                            "from {ip}: its {} connections (operator_max_connections_per_ip) taken",
+                            config.max_connections_per_ip
+                        ),
+                    ),
+                    Full::All => (
+                        "all",
+                        format!(
+                            "from {ip}: all {} connections (operator_max_connections) taken, \
+                             by no address holding two more",
+                            config.max_connections
+                        ),
+                    ),
+                };
+                turned_away.event(&line);
+                if let Some(metrics) = &shared.metrics {
+                    metrics.operator_turned_away(reason);
+                }
+                continue;
+            }
         };
         let (acceptor, shared, config, mut stopped) =
             (acceptor.clone(), shared.clone(), config.clone(), stopped.clone());
         connections.spawn(async move {
-            let _slot = slot;
-            let Ok(Ok(tls)) = tokio::time::timeout(config.handshake_timeout, acceptor.accept(tcp)).await else {
-                return;
+            let evicted = place.evicted.clone();
+            let served = async {
+                let Ok(Ok(tls)) = tokio::time::timeout(config.handshake_timeout, acceptor.accept(tcp)).await else {
+                    return;
+                };
+                let service = hyper::service::service_fn(move |request| {
+                    let shared = shared.clone();
+                    async move { Ok::<_, std::convert::Infallible>(routes::answered(&shared, request).await) }
+                });
+                let connection = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(config.header_read_timeout)
+                    .serve_connection(TokioIo::new(tls), service);
+                connection.await.ok();
             };
-            let service = hyper::service::service_fn(move |request| {
-                let shared = shared.clone();
-                async move { Ok::<_, std::convert::Infallible>(routes::answered(&shared, request).await) }
-            });
-            let connection = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(config.header_read_timeout)
-                .serve_connection(TokioIo::new(tls), service);
-            tokio::pin!(connection);
+            // A place taken by a newcomer from an address holding fewer ends the
+            // connection, in its handshake or between requests alike.
             tokio::select! {
-                _ = connection.as_mut() => {}
+                _ = served => {}
+                _ = evicted.notified() => {}
                 _ = stopped.changed() => {}
             }
+            drop(place);
         });
     }
     connections.abort_all();

@@ -14,7 +14,7 @@
 //! | GET | `/v1/workers?limit=&after=` | read | workers |
 //! | POST | `/v1/workers/{w}:disable`, `:enable`, `:revoke` | admin | workers disable, ... |
 //! | PUT | `/v1/workers/{w}/labels` | admin | label |
-//! | GET | `/v1/certificates` | read | workers certificates |
+//! | GET | `/v1/certificates?worker=&limit=&after=` | read | workers certificates |
 //! | GET | `/v1/schedules` | read | schedule list |
 //! | POST | `/v1/schedules` | admin | schedule add |
 //! | GET | `/v1/schedules/{name}` | read | schedule show |
@@ -325,7 +325,13 @@ async fn handle<S: Store, B: BlobStore>(shared: &Shared<S, B>, request: Request<
             },
             Err(e) => refuse(&e),
         },
-        Route::Certificates => answer(local.certificates().await),
+        Route::Certificates => match number(&q, "limit", 50) {
+            Ok(limit) => {
+                let (worker, after) = (q.get("worker").map(String::as_str), q.get("after").map(String::as_str));
+                answer(local.certificates(worker, after, limit).await)
+            }
+            Err(e) => refuse(&e),
+        },
         Route::Schedules => answer(local.schedules().await),
         Route::AddSchedule => match body(request, cap).await {
             Ok(b) => answer(local.add_schedule(&b).await),

@@ -113,7 +113,8 @@ struct Enable {
     database: Option<String>,
 }
 
-/// List the recorded worker certificates: serial, issued, not-after, revoked.
+/// List the recorded worker certificates by worker, newest first: serial, issued,
+/// not-after, revoked, renewed from.
 #[derive(FromArgs)]
 #[argh(subcommand, name = "certificates")]
 struct Certificates {
@@ -123,6 +124,15 @@ struct Certificates {
     #[argh(option)]
     /// the authority's PostgreSQL URL (or $QL_CONTROL_DATABASE)
     database: Option<String>,
+    /// only this worker's certificates
+    #[argh(option)]
+    worker: Option<String>,
+    /// how many (default 50)
+    #[argh(option, default = "50")]
+    limit: usize,
+    /// only the certificates listed after the one with this serial (the next page)
+    #[argh(option)]
+    after: Option<String>,
 }
 
 pub(crate) fn workers(reach: &Reach, cmd: Workers) -> Result<(), String> {
@@ -151,7 +161,9 @@ pub(crate) fn workers(reach: &Reach, cmd: Workers) -> Result<(), String> {
                 let change = ql_control::ops::AccessChange { access, serial: serial.as_deref(), with_renewals };
                 t.set_access(&worker, change).await?.message + "\n"
             }
-            (Some(WorkersAction::Certificates(_)), None) => text::certificates(&t.certificates().await?),
+            (Some(WorkersAction::Certificates(c)), None) => {
+                text::certificates(&t.certificates(c.worker.as_deref(), c.after.as_deref(), c.limit).await?)
+            }
             (_, None) => text::workers(&t.workers(cmd.limit, cmd.after.as_deref()).await?),
         })
     })?;

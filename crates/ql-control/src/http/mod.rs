@@ -47,8 +47,8 @@ mod head;
 pub mod identity;
 mod ingress;
 mod log;
-mod occupancy;
-mod report;
+pub(crate) mod occupancy;
+pub(crate) mod report;
 pub mod tls;
 mod trail;
 

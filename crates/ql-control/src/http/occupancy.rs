@@ -1,6 +1,7 @@
 //! Who holds what of the worker ingress, to enforce the limits of the [module doc](super):
 //! the places of handshakes in progress and of connections without a certificate, each
-//! shared among addresses ([`Places`]), and each worker's connections ([`Occupancy::hold`]).
+//! shared among addresses ([`Door`]), and each worker's connections ([`Occupancy::hold`]).
+//! The operator API holds its connections through a [`Door`] of its own.
 //!
 //! Places are scarce on purpose and anyone who reaches the port can ask for one, so with
 //! every place taken an address holding at least two fewer than the one holding most
@@ -26,7 +27,7 @@ pub(super) struct Places {
 
 /// Why no place was given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Full {
+pub(crate) enum Full {
     /// The address holds its own share.
     Address,
     /// Every place is taken, by no address holding two more than this one.
@@ -81,29 +82,48 @@ impl Places {
 /// tells it to close, and whether a request of it succeeded (it was admitted).
 type Connections = VecDeque<(u64, String, Arc<Notify>, Arc<AtomicBool>)>;
 
+/// Places of one kind shared among addresses ([`Places::take`]), each given as a [`Place`].
+#[derive(Default)]
+pub(crate) struct Door {
+    places: Mutex<Places>,
+    next: AtomicUsize,
+}
+
+impl Door {
+    /// A place for `ip` (its [`address_of`]) if it holds fewer than `per_ip` and either
+    /// fewer than `all` are taken or an address holding at least two more gives up its
+    /// oldest.
+    pub(crate) fn enter(self: &Arc<Self>, ip: IpAddr, per_ip: usize, all: usize) -> Result<Place, Full> {
+        let ip = address_of(ip);
+        let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
+        let evicted = self.places.lock().unwrap_or_else(|e| e.into_inner()).take(ip, per_ip, all, id)?;
+        Ok(Place { door: self.clone(), ip, id, evicted })
+    }
+}
+
 /// Who holds what (see the module doc).
 #[derive(Default)]
 pub(crate) struct Occupancy {
     /// Handshakes in progress.
-    handshakes: Mutex<Places>,
+    handshakes: Arc<Door>,
     /// Connections without a certificate.
-    anonymous: Mutex<Places>,
+    anonymous: Arc<Door>,
     workers: Mutex<HashMap<ql_wire::ids::WorkerId, Connections>>,
     next: AtomicUsize,
 }
 
 /// A place held, given back when dropped; its `evicted` fires when a newcomer from an
 /// address holding fewer took it.
-pub(super) struct Place<'a> {
-    places: &'a Mutex<Places>,
+pub(crate) struct Place {
+    door: Arc<Door>,
     ip: IpAddr,
     id: u64,
-    pub(super) evicted: Arc<Notify>,
+    pub(crate) evicted: Arc<Notify>,
 }
 
-impl Drop for Place<'_> {
+impl Drop for Place {
     fn drop(&mut self) {
-        self.places.lock().unwrap_or_else(|e| e.into_inner()).give_back(self.ip, self.id);
+        self.door.places.lock().unwrap_or_else(|e| e.into_inner()).give_back(self.ip, self.id);
     }
 }
 
@@ -130,28 +150,15 @@ impl Drop for Held<'_> {
 }
 
 impl Occupancy {
-    fn place<'a>(
-        &'a self,
-        places: &'a Mutex<Places>,
-        ip: IpAddr,
-        per_ip: usize,
-        all: usize,
-    ) -> Result<Place<'a>, Full> {
-        let ip = address_of(ip);
-        let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
-        let evicted = places.lock().unwrap_or_else(|e| e.into_inner()).take(ip, per_ip, all, id)?;
-        Ok(Place { places, ip, id, evicted })
-    }
-
     /// A place for a handshake from `ip`, if the limits leave one ([`Places::take`]).
-    pub(super) fn handshake(&self, ip: IpAddr, cfg: &IngressConfig) -> Result<Place<'_>, Full> {
-        self.place(&self.handshakes, ip, cfg.max_handshakes_per_ip, cfg.max_handshakes)
+    pub(super) fn handshake(&self, ip: IpAddr, cfg: &IngressConfig) -> Result<Place, Full> {
+        self.handshakes.enter(ip, cfg.max_handshakes_per_ip, cfg.max_handshakes)
     }
 
     /// A place for a connection without a certificate from `ip`, if the limits leave one
     /// ([`Places::take`]; `max_anonymous_connections` 0: never).
-    pub(super) fn anonymous(&self, ip: IpAddr, cfg: &IngressConfig) -> Result<Place<'_>, Full> {
-        self.place(&self.anonymous, ip, cfg.max_anonymous_connections_per_ip, cfg.max_anonymous_connections)
+    pub(super) fn anonymous(&self, ip: IpAddr, cfg: &IngressConfig) -> Result<Place, Full> {
+        self.anonymous.enter(ip, cfg.max_anonymous_connections_per_ip, cfg.max_anonymous_connections)
     }
 
     /// Records a connection of `worker` on the certificate `serial`. Beyond the limit it

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 /// One kind of event, reported at most once per `every`.
 #[derive(Debug)]
-pub(super) struct Report {
+pub(crate) struct Report {
     what: &'static str,
     every: Duration,
     /// When the last line went out, and how many events since.
@@ -21,7 +21,7 @@ pub(super) struct Report {
 }
 
 impl Report {
-    pub(super) fn new(what: &'static str, every: Duration) -> Self {
+    pub(crate) fn new(what: &'static str, every: Duration) -> Self {
         Self { what, every, state: Mutex::new((None, 0)) }
     }
 
@@ -39,7 +39,7 @@ impl Report {
     }
 
     /// Counts one event and prints the line when one is due.
-    pub(super) fn event(&self, detail: &str) {
+    pub(crate) fn event(&self, detail: &str) {
         if let Some(line) = self.note(detail) {
             eprintln!("{line}");
         }

@@ -243,10 +243,29 @@ impl<S: Store, B: BlobStore> Local<S, B> {
         Ok(WorkerList { workers: page.iter().map(row).collect(), next })
     }
 
-    /// The recorded certificates.
-    pub async fn certificates(&self) -> Result<CertificateList, OpError> {
-        let all = self.store.certificates(usize::MAX).await?;
-        Ok(CertificateList { certificates: all.iter().map(CertificateRow::from).collect() })
+    /// A page of the recorded certificates (only `worker`'s, when given), by worker then
+    /// newest first, after the certificate `after` names; with the last serial of a full
+    /// page as `next`.
+    pub async fn certificates(
+        &self,
+        worker: Option<&str>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<CertificateList, OpError> {
+        let limit = limit.clamp(1, MAX_PAGE);
+        let worker = worker
+            .filter(|w| !w.is_empty())
+            .map(|w| WorkerId::parse(w).map_err(|e| OpError::invalid(format!("worker {w:?}: {e}"))))
+            .transpose()?;
+        let after = after.filter(|a| !a.is_empty());
+        if let Some(a) = after {
+            if a.len() > 64 || !a.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(OpError::invalid(format!("after {a:?}: a certificate's serial (hex) is expected")));
+            }
+        }
+        let page = self.store.certificates(worker.as_ref(), after, limit).await?;
+        let next = (page.len() == limit).then(|| page.last().map(|c| c.serial.clone())).flatten();
+        Ok(CertificateList { certificates: page.iter().map(CertificateRow::from).collect(), next })
     }
 
     /// The schedules.

@@ -198,9 +198,14 @@ impl Target {
     pub async fn workers(&self, limit: usize, after: Option<&str>) -> Result<WorkerList, OpError> {
         forward!(self.workers(limit, after))
     }
-    /// The recorded certificates.
-    pub async fn certificates(&self) -> Result<CertificateList, OpError> {
-        forward!(self.certificates())
+    /// A page of the recorded certificates ([`crate::ops::Local::certificates`]).
+    pub async fn certificates(
+        &self,
+        worker: Option<&str>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<CertificateList, OpError> {
+        forward!(self.certificates(worker, after, limit))
     }
     /// Changes a worker's access ([`AccessChange`]).
     pub async fn set_access(&self, worker: &WorkerId, change: AccessChange<'_>) -> Result<Done, OpError> {

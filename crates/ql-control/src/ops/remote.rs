@@ -228,9 +228,17 @@ impl Remote {
         self.json("GET", "/v1/workers", &query, None)
     }
 
-    /// The recorded certificates.
-    pub fn certificates(&self) -> Result<CertificateList, OpError> {
-        self.json("GET", "/v1/certificates", &[], None)
+    /// A page of the recorded certificates.
+    pub fn certificates(
+        &self,
+        worker: Option<&str>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<CertificateList, OpError> {
+        let mut query = vec![("limit", limit.to_string())];
+        query.extend(worker.map(|w| ("worker", w.to_owned())));
+        query.extend(after.map(|a| ("after", a.to_owned())));
+        self.json("GET", "/v1/certificates", &query, None)
     }
 
     /// Changes a worker's access ([`AccessChange`]).

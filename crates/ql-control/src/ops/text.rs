@@ -91,6 +91,9 @@ pub fn certificates(list: &CertificateList) -> String {
         let (revoked, from) = (or_dash(c.revoked_at.as_deref()), or_dash(c.renewed_from.as_deref()));
         out += &line([&c.worker, &c.serial, &c.issued_at, &c.not_after, revoked, from]);
     }
+    if let Some(next) = &list.next {
+        out += &format!("(more: --after {next})\n");
+    }
     out
 }
 

@@ -487,6 +487,9 @@ impl From<&Certificate> for CertificateRow {
 pub struct CertificateList {
     /// By worker, newest first.
     pub certificates: Vec<CertificateRow>,
+    /// The last serial of a full page: pass it as `after` for the next one.
+    #[serde(default)]
+    pub next: Option<String>,
 }
 
 /// One schedule.

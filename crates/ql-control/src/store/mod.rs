@@ -176,6 +176,34 @@ pub fn worker_ids_sql(mark: char) -> String {
     )
 }
 
+/// A page of [`Store::certificates`], by worker, then newest first (the serial breaking
+/// ties): the parameters are, in order, the worker when `worker`, the cursor's serial when
+/// `after`, and the limit. The cursor's row is found by its serial, and the page is read
+/// from the cursor's worker on through `certificates_worker`, not the whole table.
+#[doc(hidden)]
+pub fn certificates_sql(mark: char, worker: bool, after: bool) -> String {
+    let mut n = 0;
+    let mut next = || {
+        n += 1;
+        format!("{mark}{n}")
+    };
+    let mut from = "certificates c".to_owned();
+    let mut conditions = Vec::new();
+    if worker {
+        conditions.push(format!("c.worker = {}", next()));
+    }
+    if after {
+        from += &format!(", (SELECT worker kw, issued_at ki, serial ks FROM certificates WHERE serial = {}) k", next());
+        conditions.push(
+            "c.worker >= k.kw AND (c.worker > k.kw OR c.issued_at < k.ki OR (c.issued_at = k.ki AND c.serial < k.ks))"
+                .to_owned(),
+        );
+    }
+    let filter = if conditions.is_empty() { String::new() } else { format!(" WHERE {}", conditions.join(" AND ")) };
+    let cols = records::CERTIFICATE_COLS.split(", ").map(|c| format!("c.{c}")).collect::<Vec<_>>().join(", ");
+    format!("SELECT {cols} FROM {from}{filter} ORDER BY c.worker, c.issued_at DESC, c.serial DESC LIMIT {}", next())
+}
+
 /// The entries of a [`Store::worker_page`]: each id with its rows among those read for
 /// the page.
 pub(crate) fn entries(
@@ -329,8 +357,15 @@ pub trait Store: Clone + Send + Sync + 'static {
         within: Range<u64>,
     ) -> impl Future<Output = Result<Vec<LogChunk>, StoreError>> + Send;
 
-    /// Certificates recorded, by worker then newest first, at most `limit`.
-    fn certificates(&self, limit: usize) -> impl Future<Output = Result<Vec<Certificate>, StoreError>> + Send;
+    /// Certificates recorded, by worker then newest first ([`certificates_sql`]): only
+    /// `worker`'s when given, only those after the certificate whose serial is `after`
+    /// (none when no certificate has that serial), at most `limit`.
+    fn certificates(
+        &self,
+        worker: Option<&WorkerId>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Certificate>, StoreError>> + Send;
 
     /// Counts of the rows by status, the oldest queued run's age and the bytes of the
     /// stored logs, for metrics ([`Stat`]).

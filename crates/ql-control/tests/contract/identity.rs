@@ -109,7 +109,7 @@ pub async fn revoking_a_certificate_revokes_what_was_renewed_from_it<B: Backend>
     let lineage = |all: &[Certificate]| -> Vec<(String, Option<String>, bool)> {
         all.iter().map(|c| (c.serial.clone(), c.renewed_from.clone(), c.revoked_at.is_some())).collect()
     };
-    let mut before = lineage(&store.certificates(100).await.unwrap());
+    let mut before = lineage(&store.certificates(None, None, 100).await.unwrap());
     before.sort();
     let from = |s: &str| Some(s.to_owned());
     assert_eq!(
@@ -146,10 +146,10 @@ pub async fn revoking_a_certificate_revokes_what_was_renewed_from_it<B: Backend>
     }
     assert_eq!(admit(&store, "router-2", "20").await, None, "another worker's certificate");
 
-    let after = store.certificates(100).await.unwrap();
+    let after = store.certificates(None, None, 100).await.unwrap();
     let reply = exec(&store, Command::RevokeCertificate(worker("router-1"), "10".into(), true)).await.unwrap();
     assert!(matches!(&reply, Reply::CertificateRevoked(c, 0) if c.serial == "10"), "{reply:?}");
-    assert_eq!(store.certificates(100).await.unwrap(), after, "a repeat changes nothing");
+    assert_eq!(store.certificates(None, None, 100).await.unwrap(), after, "a repeat changes nothing");
 }
 
 /// A worker renews at most once an interval, whichever of its certificates asks: a second
@@ -176,7 +176,7 @@ pub async fn a_worker_renews_at_most_once_an_interval<B: Backend>(b: B) {
     b.advance(RENEW_INTERVAL_MS as i64 / 2);
     exec(&store, renewal("router-1", "32", "31")).await.expect("an interval later");
     let mut lines: Vec<(String, Option<String>)> =
-        store.certificates(100).await.unwrap().into_iter().map(|c| (c.serial, c.renewed_from)).collect();
+        store.certificates(None, None, 100).await.unwrap().into_iter().map(|c| (c.serial, c.renewed_from)).collect();
     lines.sort();
     let from = |s: &str| Some(s.to_owned());
     let want = [("30", None), ("31", from("30")), ("32", from("31")), ("33", None), ("40", None), ("41", from("40"))];
@@ -328,6 +328,43 @@ pub async fn the_worker_page_lists_each_known_worker_once_by_id<B: Backend>(b: B
     assert_eq!((serials(0), serials(1), serials(2), serials(3)), (vec!["02", "01"], vec![], vec!["03"], vec![]));
     let labelled = |i: usize| entries[i].record.as_ref().map(|r| r.labels.len());
     assert_eq!((labelled(0), labelled(1), labelled(2), labelled(3)), (None, Some(1), None, Some(1)));
+}
+
+/// The certificates' pages: by worker, then newest first (the serial breaking a tie),
+/// each once across pages of any size, after the certificate the cursor names; one
+/// worker's alone; nothing after a serial no certificate has.
+pub async fn the_certificate_pages_list_each_once_by_worker_newest_first<B: Backend>(b: B) {
+    let store = b.store();
+    // Recorded at DB time: three moments, the last two of `a`'s at the same one.
+    for batch in
+        [[("a", "0a"), ("c", "10")].as_slice(), &[("c", "11"), ("b", "ff"), ("a", "01")], &[("a", "0b"), ("a", "0c")]]
+    {
+        for (w, serial) in batch {
+            exec(&store, Command::RecordCertificate(cert(w, serial), Issuer::Operator)).await.unwrap();
+        }
+        b.advance(1_000);
+    }
+    let serials = |page: Vec<Certificate>| page.into_iter().map(|c| c.serial).collect::<Vec<_>>();
+    let all = serials(store.certificates(None, None, 100).await.unwrap());
+    assert_eq!(all, ["0c", "0b", "01", "0a", "ff", "11", "10"]);
+    for size in 1..=all.len() {
+        let (mut seen, mut after) = (Vec::new(), None::<String>);
+        loop {
+            let page = serials(store.certificates(None, after.as_deref(), size).await.unwrap());
+            assert!(page.len() <= size);
+            if page.is_empty() {
+                break;
+            }
+            after = page.last().cloned();
+            seen.extend(page);
+        }
+        assert_eq!(seen, all, "pages of {size}");
+    }
+    let c = worker("c");
+    assert_eq!(serials(store.certificates(Some(&c), None, 100).await.unwrap()), ["11", "10"]);
+    assert_eq!(serials(store.certificates(Some(&c), Some("11"), 100).await.unwrap()), ["10"]);
+    assert_eq!(serials(store.certificates(Some(&worker("d")), None, 100).await.unwrap()), Vec::<String>::new());
+    assert_eq!(serials(store.certificates(None, Some("dead"), 100).await.unwrap()), Vec::<String>::new());
 }
 
 /// A worker page's ids, each with its session's id.

@@ -1029,8 +1029,7 @@ impl Store for PgStore {
         let before = query.before.as_ref().map(|r| r.as_str());
         let mut conn = self.reading().await?;
         let worker = query.worker.as_ref().map(|w| w.as_str());
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-            [&schedule, &status, &limit(query.limit), &before, &worker];
+        let params: [&(dyn ToSql + Sync); 5] = [&schedule, &status, &limit(query.limit), &before, &worker];
         let found = map_all(Tx { conn: &mut conn }.all(&sql, &params).await?, rows::read)?;
         Self::done(conn).await?;
         Ok(found)
@@ -1137,10 +1136,20 @@ impl Store for PgStore {
         super::entries(ids, sessions, records, certificates)
     }
 
-    async fn certificates(&self, n: usize) -> Result<Vec<Certificate>, StoreError> {
-        let sql = format!("SELECT {CERTIFICATE_COLS} FROM certificates ORDER BY worker, issued_at DESC LIMIT $1");
+    async fn certificates(
+        &self,
+        worker: Option<&WorkerId>,
+        after: Option<&str>,
+        n: usize,
+    ) -> Result<Vec<Certificate>, StoreError> {
+        let sql = super::certificates_sql('$', worker.is_some(), after.is_some());
+        let (worker, n) = (worker.map(|w| w.to_string()), limit(n));
+        let mut params: Vec<&(dyn ToSql + Sync)> = Vec::new();
+        params.extend(worker.as_ref().map(|w| w as &(dyn ToSql + Sync)));
+        params.extend(after.as_ref().map(|a| a as &(dyn ToSql + Sync)));
+        params.push(&n);
         let mut conn = self.reading().await?;
-        let found = map_all(Tx { conn: &mut conn }.all(&sql, &[&limit(n)]).await?, rows::read)?;
+        let found = map_all(Tx { conn: &mut conn }.all(&sql, &params).await?, rows::read)?;
         Self::done(conn).await?;
         Ok(found)
     }

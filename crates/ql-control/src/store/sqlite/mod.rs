@@ -901,13 +901,18 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn certificates(&self, limit: usize) -> Result<Vec<Certificate>, StoreError> {
-        let n = self::limit(limit);
-        self.read(move |conn, _| {
-            let q = format!("SELECT {CERTIFICATE_COLS} FROM certificates ORDER BY worker, issued_at DESC LIMIT ?1");
-            all(conn, &q, [n], rows::read).map_err(sql)
-        })
-        .await
+    async fn certificates(
+        &self,
+        worker: Option<&WorkerId>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Certificate>, StoreError> {
+        let q = super::certificates_sql('?', worker.is_some(), after.is_some());
+        let mut params: Vec<rusqlite::types::Value> = Vec::new();
+        params.extend(worker.map(|w| w.to_string().into()));
+        params.extend(after.map(|a| a.to_owned().into()));
+        params.push(self::limit(limit).into());
+        self.read(move |conn, _| all(conn, &q, rusqlite::params_from_iter(params), rows::read).map_err(sql)).await
     }
 
     async fn prune_audit(&self, retention: AuditRetention) -> Result<u64, StoreError> {
