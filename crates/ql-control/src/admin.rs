@@ -152,6 +152,15 @@ impl Store for Authority {
     async fn prune_sessions(&self, retention: crate::store::SessionRetention) -> Result<u64, StoreError> {
         either!(self, s => s.prune_sessions(retention))
     }
+    async fn prunable_runs(
+        &self,
+        retention: crate::store::RunRetention,
+    ) -> Result<Vec<(ql_wire::ids::ProjectId, RunId)>, StoreError> {
+        either!(self, s => s.prunable_runs(retention))
+    }
+    async fn prune_runs(&self, runs: Vec<RunId>, retention: crate::store::RunRetention) -> Result<u64, StoreError> {
+        either!(self, s => s.prune_runs(runs, retention))
+    }
     async fn certificates(
         &self,
         worker: Option<&WorkerId>,

@@ -171,6 +171,12 @@ pub struct Config {
     pub ended_sessions_kept: u64,
     /// The most sessions one sweep prunes (0: none).
     pub session_prune_batch: u64,
+    /// How long an ended run stays, with its attempts, events and stored log, from when it
+    /// ended (0: for ever). The sweeper removes the oldest first, and none whose webhook
+    /// is still waiting to be delivered.
+    pub run_retention_ms: u64,
+    /// The most ended runs removed in one sweep (0: none).
+    pub run_prune_batch: u64,
     /// How often the artifact store is searched for what uploads that never completed
     /// left, and for live-log chunks of recorded logs (0: never).
     pub artifact_collect_ms: u64,
@@ -267,6 +273,8 @@ impl Default for Config {
             audit_max_records: 1_000_000,
             ended_sessions_kept: 16,
             session_prune_batch: 1_000,
+            run_retention_ms: 30 * 24 * 3_600_000,
+            run_prune_batch: 100,
             artifact_collect_ms: 6 * 3_600_000,
             artifact_leftover_age_ms: 24 * 3_600_000,
             artifact_collect_remember: 100_000,
@@ -395,6 +403,12 @@ impl Config {
     /// What the sweeper keeps of the ended sessions.
     pub fn session_retention(&self) -> crate::store::SessionRetention {
         crate::store::SessionRetention { kept: self.ended_sessions_kept, batch: self.session_prune_batch }
+    }
+
+    /// What the sweeper keeps of the ended runs: `None` keeps them all.
+    pub fn run_retention(&self) -> Option<crate::store::RunRetention> {
+        (self.run_retention_ms > 0 && self.run_prune_batch > 0)
+            .then_some(crate::store::RunRetention { max_age_ms: self.run_retention_ms, batch: self.run_prune_batch })
     }
 
     /// Refuses settings that cannot work together.

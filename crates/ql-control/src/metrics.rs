@@ -93,6 +93,7 @@ pub struct Metrics {
     connections_max: Gauge,
     turned_away: Family<ReasonLabels, Counter>,
     operator_turned_away: Family<ReasonLabels, Counter>,
+    runs_pruned: Counter,
     collected: Family<KindLabels, Counter>,
     collected_bytes: Family<KindLabels, Counter>,
     collections: Family<OutcomeLabels, Counter>,
@@ -179,6 +180,7 @@ impl Metrics {
             connections_max: Gauge::default(),
             turned_away: Family::default(),
             operator_turned_away: Family::default(),
+            runs_pruned: Counter::default(),
             collected: Family::default(),
             collected_bytes: Family::default(),
             collections: Family::default(),
@@ -226,6 +228,11 @@ impl Metrics {
             "operator_connections_turned_away",
             "Operator API connections closed unserved at a limit, by reason (address, all)",
             m.operator_turned_away.clone(),
+        );
+        registry.register(
+            "runs_pruned",
+            "Ended runs this replica removed past run_retention_ms, with their rows and stored logs",
+            m.runs_pruned.clone(),
         );
         registry.register(
             "artifact_collected",
@@ -463,6 +470,21 @@ impl<S: Store> Store for Measured<S> {
     }
     async fn prune_sessions(&self, retention: crate::store::SessionRetention) -> Result<u64, StoreError> {
         self.inner.prune_sessions(retention).await
+    }
+    async fn prunable_runs(
+        &self,
+        retention: crate::store::RunRetention,
+    ) -> Result<Vec<(ql_wire::ids::ProjectId, ql_wire::ids::RunId)>, StoreError> {
+        self.inner.prunable_runs(retention).await
+    }
+    async fn prune_runs(
+        &self,
+        runs: Vec<ql_wire::ids::RunId>,
+        retention: crate::store::RunRetention,
+    ) -> Result<u64, StoreError> {
+        let gone = self.inner.prune_runs(runs, retention).await?;
+        self.metrics.runs_pruned.inc_by(gone);
+        Ok(gone)
     }
     async fn twin_refusals(&self, within_ms: u64) -> Result<Vec<(ql_wire::ids::WorkerId, u64)>, StoreError> {
         self.inner.twin_refusals(within_ms).await

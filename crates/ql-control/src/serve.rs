@@ -31,7 +31,7 @@ use crate::http::{self, IngressConfig};
 use crate::metrics::Metrics;
 use crate::store::postgres::{PgOptions, PgStore};
 use crate::store::sqlite::{SqliteOptions, SqliteStore};
-use crate::store::{AuditRetention, SessionRetention, Store};
+use crate::store::{AuditRetention, RunRetention, SessionRetention, Store};
 
 /// The ingress settings a [`Config`] implies.
 pub fn ingress_config(config: &Config) -> IngressConfig {
@@ -70,9 +70,48 @@ pub async fn sweep_once<S: Store>(store: &S) {
     }
 }
 
-/// Sweeps lapsed offers, sessions and leases every `every`, and prunes the audit records
-/// beyond `retention` and the ended sessions beyond `sessions`, for ever.
-pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: AuditRetention, sessions: SessionRetention) {
+/// What the sweeper keeps: audit records, ended sessions, ended runs (`None`: all).
+#[derive(Debug, Clone, Copy)]
+pub struct Retention {
+    /// Audit records.
+    pub audit: AuditRetention,
+    /// Ended sessions.
+    pub sessions: SessionRetention,
+    /// Ended runs.
+    pub runs: Option<RunRetention>,
+}
+
+impl Retention {
+    /// As `config` says.
+    pub fn of(config: &Config) -> Self {
+        Self { audit: config.audit_retention(), sessions: config.session_retention(), runs: config.run_retention() }
+    }
+}
+
+/// Removes the oldest ended runs past `retention` ([`Store::prunable_runs`]): each
+/// one's stored logs from `blobs` first, then the rows of those whose logs went. A run
+/// whose logs could not be removed keeps its rows, so the next sweep tries it again
+/// rather than leaving files no row names. Returns how many runs went.
+pub async fn prune_runs<S: Store, B: BlobStore>(store: &S, blobs: &B, retention: RunRetention) -> Result<u64, String> {
+    let ended = store.prunable_runs(retention).await.map_err(|e| e.to_string())?;
+    let mut gone = Vec::with_capacity(ended.len());
+    let mut failed = None;
+    for (project, run) in ended {
+        match blobs.remove_run(&project, &run).await {
+            Ok(_) => gone.push(run),
+            Err(e) => failed = Some(format!("removing the stored logs of {run}: {e}")),
+        }
+    }
+    let pruned = store.prune_runs(gone, retention).await.map_err(|e| e.to_string())?;
+    match failed {
+        Some(e) => Err(format!("{e} (its rows stay until a sweep removes them; {pruned} other run(s) removed)")),
+        None => Ok(pruned),
+    }
+}
+
+/// Sweeps lapsed offers, sessions and leases every `every`, and prunes what `retention`
+/// does not keep, for ever.
+pub async fn sweep_forever<S: Store, B: BlobStore>(store: S, blobs: B, every: Duration, retention: Retention) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -83,11 +122,16 @@ pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: Audit
         if let Err(e) = store.execute(Command::FireSchedules).await {
             eprintln!("ql-control: firing schedules failed: {e}");
         }
-        if let Err(e) = store.prune_audit(retention).await {
+        if let Err(e) = store.prune_audit(retention.audit).await {
             eprintln!("ql-control: pruning audit records failed: {e}");
         }
-        if let Err(e) = store.prune_sessions(sessions).await {
+        if let Err(e) = store.prune_sessions(retention.sessions).await {
             eprintln!("ql-control: pruning ended sessions failed: {e}");
+        }
+        if let Some(runs) = retention.runs {
+            if let Err(e) = prune_runs(&store, &blobs, runs).await {
+                eprintln!("ql-control: pruning ended runs failed: {e}");
+            }
         }
     }
 }
@@ -435,7 +479,7 @@ async fn serve_on<S: Store>(
     // Which store this replica writes to is the first thing to check when replicas
     // disagree about a log.
     eprintln!("ql-control: artifacts in {}", blobs.describe());
-    let leftovers = blobs.clone();
+    let (leftovers, retained) = (blobs.clone(), blobs.clone());
     let ingress = http::spawn(listener, tls, store.clone(), blobs.clone(), ingress_cfg)
         .map_err(|e| format!("starting the ingress: {e}"))?;
     let api = match operators {
@@ -479,8 +523,7 @@ async fn serve_on<S: Store>(
         tokio::spawn(crate::notifier::notify_forever(store.clone(), Arc::new(notifier), every))
     };
     let every = Duration::from_millis(config.sweep_interval_ms);
-    let sweeper =
-        tokio::spawn(sweep_forever(store.clone(), every, config.audit_retention(), config.session_retention()));
+    let sweeper = tokio::spawn(sweep_forever(store.clone(), retained, every, Retention::of(config)));
     let collector = Collection::of(config)
         .map(|collection| tokio::spawn(collect_forever(leftovers, store.clone(), collection, Some(metrics.clone()))));
     shutdown.await;

@@ -310,6 +310,21 @@ async fn contract<B: BlobStore>(store: B, stored: impl Fn(&str) -> Vec<(String, 
     assert!(told.contains(&now), "stored {now:?}, told {told:?}");
     let content = store.read(&race, 0, 10).await.unwrap().unwrap();
     assert_eq!(Digest::of(&content), now.sha256);
+
+    // A run removed (its retention past): every attempt's files under it go, another
+    // run's stay, and removing it again is nothing to do.
+    let other = ArtifactKey { run: RunId::parse("run_2").unwrap(), ..key("att_other", "log") };
+    assert!(matches!(put(&store, &other, b"kept", false).await, PutOutcome::Stored(_)));
+    // `stored` of no attempt: everything the store holds for the run.
+    let before = stored("").len();
+    assert!(before > 0);
+    let (project, run) = (k.project.clone(), k.run.clone());
+    assert_eq!(store.remove_run(&project, &run).await.unwrap(), before as u64, "each file or object once");
+    assert_eq!(stored(""), Vec::new(), "nothing of the run is left");
+    assert_eq!(store.inspect(&k).await.unwrap(), None);
+    assert!(store.inspect(&other).await.unwrap().is_some(), "another run's stays");
+    assert_eq!(store.read(&other, 0, 10).await.unwrap().as_deref(), Some(&b"kept"[..]));
+    assert_eq!(store.remove_run(&project, &run).await.unwrap(), 0, "gone already");
 }
 
 #[tokio::test]

@@ -240,6 +240,52 @@ fn serve_removes_what_uploads_that_never_completed_left_once_old_enough() {
     assert!(young.exists(), "the young one stays: its upload may still be under way");
 }
 
+#[test]
+fn serve_removes_ended_runs_past_their_retention_with_their_stored_logs() {
+    let (_root, dir) = initialised("retention");
+    let run_of = |out: Output| {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_owned()
+    };
+    let ended = run_of(cli(&dir, &["submit", "--", "true"]));
+    assert!(cli(&dir, &["cancel", &ended]).status.success());
+    let queued = run_of(cli(&dir, &["submit", "--", "true"]));
+    // What each run stored (as a completion's log would be).
+    let (gone, kept) = (dir.join("artifacts/default").join(&ended), dir.join("artifacts/default").join(&queued));
+    for place in [&gone, &kept] {
+        std::fs::create_dir_all(place.join("att_1")).unwrap();
+        std::fs::write(place.join("att_1/log.receipt"), b"{}").unwrap();
+    }
+    let config = dir.join("control.json");
+    let mut settings: serde_json::Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    settings["run_retention_ms"] = 1.into();
+    settings["sweep_interval_ms"] = 50.into();
+    std::fs::write(&config, serde_json::to_vec_pretty(&settings).unwrap()).unwrap();
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--operator-listen", "", "--dir"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Waits for the run to go, asking every 50 ms for a minute at most.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let shown = loop {
+        let shown = cli(&dir, &["show", &ended]);
+        if !shown.status.success() || std::time::Instant::now() > deadline {
+            break shown;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let said = String::from_utf8_lossy(&shown.stderr);
+    assert!(said.contains(&format!("no run {ended}")), "the ended run went: {said}");
+    assert!(!gone.exists(), "and what it stored with it");
+    assert!(kept.join("att_1/log.receipt").exists(), "a queued run's stays");
+    assert!(cli(&dir, &["show", &queued]).status.success(), "a queued run stays");
+}
+
 /// `ql-control <words> --dir <dir> <rest>`: a subcommand's own `--dir`.
 fn sub(dir: &Path, words: &[&str], rest: &[&str]) -> Output {
     Command::new(BIN).args(words).arg("--dir").arg(dir).args(rest).output().unwrap()

@@ -166,6 +166,7 @@ contract_suite!(
         an_operator_credential_is_added_once_and_removed_once,
         a_webhook_delivery_is_claimed_once_and_retried_until_delivered,
         stats_count_the_rows_by_status,
+        ended_runs_past_their_retention_go_with_every_row_that_names_them,
         each_fire_time_fires_once_whoever_sweeps,
         overlap_catch_up_and_pause_decide_each_fire,
         a_clock_gone_back_never_fires_a_time_twice,

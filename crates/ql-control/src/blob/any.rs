@@ -257,6 +257,13 @@ impl BlobStore for Blobs {
         }
     }
 
+    async fn remove_run(&self, project: &ql_wire::ids::ProjectId, run: &ql_wire::ids::RunId) -> Result<u64, BlobError> {
+        match self {
+            Self::Files(s) => s.remove_run(project, run).await,
+            Self::S3(s) => s.remove_run(project, run).await,
+        }
+    }
+
     async fn collect<R: super::Recorded>(
         &self,
         before: std::time::SystemTime,

@@ -55,7 +55,7 @@ use tokio::io::AsyncWriteExt;
 
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
-use ql_wire::ids::ArtifactId;
+use ql_wire::ids::{ArtifactId, ProjectId, RunId};
 use ql_wire::limits::ARTIFACT_CONTENT_MAX;
 
 use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Recording, Upload};
@@ -332,6 +332,34 @@ fn collect_in(walk: &Walk<'_>, dir: &Path, ask: &mut Ask<'_>, collected: &mut Co
 }
 
 /// The key of the chunk file `name` in the attempt directory `dir`, if it is one.
+/// Removes `dir` and everything under it, counting the files; a `dir` that is not there
+/// is nothing to remove. Ids make every part of a run's place, so nothing under it is a
+/// link out of the store.
+fn remove_tree(dir: &Path) -> std::io::Result<u64> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let mut files = 0;
+    for entry in entries {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            files += remove_tree(&entry.path())?;
+        } else {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => files += 1,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    match std::fs::remove_dir(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(files),
+    }
+}
+
 fn chunk_of(root: &Path, dir: &Path, name: &str) -> Option<ArtifactKey> {
     let artifact = super::chunk_artifact(name)?;
     let mut parts = dir.strip_prefix(root).ok()?.iter().map(|p| p.to_str());
@@ -521,6 +549,15 @@ impl BlobStore for FsBlobStore {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
             _ => Ok(()),
         }
+    }
+
+    async fn remove_run(&self, project: &ProjectId, run: &RunId) -> Result<u64, BlobError> {
+        let dir = self.root.join(project.as_str()).join(run.as_str());
+        // Not fsynced, as a chunk's removal: one a power cut undoes leaves files no row names.
+        tokio::task::spawn_blocking(move || remove_tree(&dir))
+            .await
+            .map_err(|e| err(format!("removing a run: {e}")))?
+            .map_err(|e| err(format!("removing a run: {e}")))
     }
 
     async fn collect<R: Recorded>(&self, before: SystemTime, recorded: &R) -> Result<Collected, BlobError> {

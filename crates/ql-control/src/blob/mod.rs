@@ -259,6 +259,13 @@ pub trait BlobStore: Clone + Send + Sync + 'static {
         sha256: &Digest,
     ) -> impl Future<Output = Result<(), BlobError>> + Send;
 
+    /// Removes everything stored for the run `run` of `project`: every attempt's
+    /// artifacts, receipts, live-log chunks and leftovers. Returns how many files or
+    /// objects went; a run with nothing stored is no error. The authority calls it for an
+    /// ended run past its retention, before it removes the run's rows, so a failure keeps
+    /// both for the next sweep.
+    fn remove_run(&self, project: &ProjectId, run: &RunId) -> impl Future<Output = Result<u64, BlobError>> + Send;
+
     /// Removes what uploads that never completed left behind, last written before
     /// `before`: content no receipt names and temporary files. `before` must be older than
     /// any upload in progress can be (the caller's bound); then nothing removed can ever be

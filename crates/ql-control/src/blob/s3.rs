@@ -52,6 +52,7 @@ use tokio::sync::mpsc;
 
 use ql_wire::artifact::Receipt;
 use ql_wire::capability::Digest;
+use ql_wire::ids::{ProjectId, RunId};
 use ql_wire::limits::ARTIFACT_CONTENT_MAX;
 
 use super::{ArtifactKey, BlobError, BlobStore, Collected, PutOutcome, Recorded, Recording, Upload};
@@ -369,8 +370,14 @@ impl S3BlobStore {
 
     /// One page of the objects under the store's prefix (ListObjectsV2), from `token`.
     async fn list(&self, token: Option<&str>) -> Result<ListPage, BlobError> {
+        self.list_under("", token).await
+    }
+
+    /// One page of the objects under `under` (empty, or ending in `/`) within the store's
+    /// prefix, from `token`.
+    async fn list_under(&self, under: &str, token: Option<&str>) -> Result<ListPage, BlobError> {
         let prefix = &self.inner.options.prefix;
-        let prefix = if prefix.is_empty() { String::new() } else { format!("{prefix}/") };
+        let prefix = if prefix.is_empty() { under.to_owned() } else { format!("{prefix}/{under}") };
         let encode = |v: &str| percent_encoding::utf8_percent_encode(v, QUERY_VALUE).to_string();
         let page = self.inner.options.list_page;
         let mut query = format!("?list-type=2&max-keys={page}&prefix={}", encode(&prefix));
@@ -692,6 +699,28 @@ impl BlobStore for S3BlobStore {
             // S3 answers 204 whether or not the object was there; some services 404.
             200 | 204 | 404 => Ok(()),
             _ => Err(Self::refused("removing a chunk", &answer)),
+        }
+    }
+
+    async fn remove_run(&self, project: &ProjectId, run: &RunId) -> Result<u64, BlobError> {
+        let under = format!("{project}/{run}/");
+        let mut removed = 0;
+        let mut token = None;
+        loop {
+            let page = self.list_under(&under, token.as_deref()).await?;
+            for object in &page.contents {
+                let answer = self.send("DELETE", &object.key, vec![], Payload::Empty).await?;
+                match answer.status {
+                    200 | 204 => removed += 1,
+                    // Another replica's sweep was first.
+                    404 => {}
+                    _ => return Err(Self::refused("removing a run's object", &answer)),
+                }
+            }
+            match page.next_continuation_token {
+                Some(next) if page.is_truncated => token = Some(next),
+                _ => return Ok(removed),
+            }
         }
     }
 

@@ -20,7 +20,7 @@ pub mod wakes;
 use std::future::Future;
 use std::ops::Range;
 
-use ql_wire::ids::{AttemptId, RunId};
+use ql_wire::ids::{AttemptId, ProjectId, RunId};
 use ql_wire::ErrorCode;
 use tokio::sync::watch;
 
@@ -275,6 +275,34 @@ pub struct SessionRetention {
     pub batch: u64,
 }
 
+/// Which ended runs the sweeper removes ([`Store::prunable_runs`], [`Store::prune_runs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunRetention {
+    /// How long an ended run stays, in milliseconds from when it ended.
+    pub max_age_ms: u64,
+    /// The most removed in one sweep.
+    pub batch: u64,
+}
+
+/// The oldest ended runs past their retention ([`Store::prunable_runs`]), their project
+/// and id: ended before `{cutoff}` (an expression of DB time less the retention), at most
+/// `{limit}`, and none whose webhook is still waiting to be delivered. `runs_ended`
+/// holds the ended runs by when they ended.
+#[doc(hidden)]
+pub fn prunable_runs_sql(cutoff: &str, limit: &str) -> String {
+    format!(
+        "SELECT project, id FROM runs WHERE status IN ('succeeded', 'failed', 'cancelled', 'timed_out') \
+         AND finished_at < {cutoff} AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.run_id = runs.id \
+         AND d.state IN ('waiting', 'pending')) ORDER BY finished_at LIMIT {limit}"
+    )
+}
+
+/// An ended run's project and id as [`prunable_runs_sql`] reads them back.
+pub(crate) fn ended_run(project: &str, run: &str) -> Result<(ProjectId, RunId), StoreError> {
+    let bad = |e: ql_wire::ids::Invalid| StoreError(format!("a stored run: {e}"));
+    Ok((ProjectId::parse(project).map_err(bad)?, RunId::parse(run).map_err(bad)?))
+}
+
 /// The audit of the request a command answers ([`Store::execute_audited`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Audit {
@@ -328,6 +356,26 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// returns how many went. Nothing names such a session,
     /// and a worker opening sessions in a loop would otherwise leave a row each.
     fn prune_sessions(&self, retention: SessionRetention) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// The oldest ended runs that ended more than `retention.max_age_ms` ago by DB time
+    /// and whose webhook is not waiting to be delivered, at most `retention.batch`: each
+    /// one's project and id, for the artifact store to remove its logs before
+    /// [`Store::prune_runs`] removes its rows.
+    fn prunable_runs(
+        &self,
+        retention: RunRetention,
+    ) -> impl Future<Output = Result<Vec<(ProjectId, RunId)>, StoreError>> + Send;
+
+    /// Removes those of `runs` still prunable under `retention` (as
+    /// [`Store::prunable_runs`] finds them) with every row that names them: attempts,
+    /// offers, leases, events, live-log chunks and the webhook delivery. Returns how many
+    /// runs went. An agent that still names one (a completion replayed after months) is
+    /// answered `not_found`, which ends its job.
+    fn prune_runs(
+        &self,
+        runs: Vec<RunId>,
+        retention: RunRetention,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Per worker, how many session opens were refused as a twin's (`session_conflict`)
     /// within the last `within_ms` of DB time, from the audit records.

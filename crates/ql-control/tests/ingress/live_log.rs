@@ -96,6 +96,10 @@ impl BlobStore for Gated {
         self.inner.remove_chunk(key, offset, sha256).await
     }
 
+    async fn remove_run(&self, project: &ql_wire::ids::ProjectId, run: &ql_wire::ids::RunId) -> Result<u64, BlobError> {
+        self.inner.remove_run(project, run).await
+    }
+
     async fn collect<R: Recorded>(&self, before: SystemTime, recorded: &R) -> Result<Collected, BlobError> {
         self.inner.collect(before, recorded).await
     }

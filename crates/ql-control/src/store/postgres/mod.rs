@@ -104,7 +104,7 @@ use tokio::sync::watch;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Config, Row};
 
-use ql_wire::ids::{AttemptId, RunId, WorkerId};
+use ql_wire::ids::{AttemptId, ProjectId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use super::loaded::{Known, Loaded};
@@ -113,7 +113,7 @@ use super::records::{
     LOG_CHUNK_COLS, OFFERS, OPERATORS, RUNS, SCHEDULES, SESSIONS, WORKERS,
 };
 use super::wakes::Wakes;
-use super::{Audit, AuditRetention, RunDetail, RunQuery, SessionRetention, Snapshot, Store, StoreError};
+use super::{Audit, AuditRetention, RunDetail, RunQuery, RunRetention, SessionRetention, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Rows, Timings, Write};
 use crate::model::{Attempt, AuditRecord, Certificate, Fire, LogChunk, Millis, Operator, Run, Schedule, Worker};
 use crate::store::records::{CERTIFICATE_COLS, DELIVERY_COLS, ENROLMENT_COLS, FIRE_COLS, OPERATOR_COLS};
@@ -861,6 +861,9 @@ fn map_all<T>(rows: Vec<Row>, f: fn(&Row) -> Result<T, Error>) -> Result<Vec<T>,
     rows.iter().map(f).collect()
 }
 
+/// The statement's DB time in milliseconds, before the replica's clock offset.
+const DB_NOW_MS: &str = "(floor(extract(epoch FROM statement_timestamp()) * 1000))::bigint";
+
 /// Appends an audit record stamped with DB time: `$1` the clock offset, then principal,
 /// route and outcome.
 const AUDIT_SQL: &str = "INSERT INTO audit (at, principal, route, outcome) VALUES \
@@ -984,6 +987,32 @@ impl Store for PgStore {
             .query_one("SELECT prune_sessions($1, $2)", &[&clamp(retention.kept.max(1)), &clamp(retention.batch)])
             .await
             .map_err(Error::Pg)?;
+        conn.keep();
+        Ok(row.get::<_, i64>(0).max(0) as u64)
+    }
+
+    async fn prunable_runs(&self, retention: RunRetention) -> Result<Vec<(ProjectId, RunId)>, StoreError> {
+        let sql = super::prunable_runs_sql(&format!("{DB_NOW_MS} + $1::bigint - $2::bigint"), "$3");
+        let clamp = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let conn = self.reading().await?;
+        let found = conn
+            .client()
+            .query(&sql, &[&self.offset(), &clamp(retention.max_age_ms), &clamp(retention.batch)])
+            .await
+            .map_err(Error::Pg)?;
+        Self::done(conn).await?;
+        found.iter().map(|r| super::ended_run(r.get(0), r.get(1))).collect()
+    }
+
+    async fn prune_runs(&self, runs: Vec<RunId>, retention: RunRetention) -> Result<u64, StoreError> {
+        if runs.is_empty() {
+            return Ok(0);
+        }
+        let sql = format!("SELECT prune_runs($1::text[], {DB_NOW_MS} + $2::bigint - $3::bigint)");
+        let ids: Vec<&str> = runs.iter().map(RunId::as_str).collect();
+        let age = i64::try_from(retention.max_age_ms).unwrap_or(i64::MAX);
+        let mut conn = self.inner.pool.get().await?;
+        let row = conn.client().query_one(&sql, &[&ids, &self.offset(), &age]).await.map_err(Error::Pg)?;
         conn.keep();
         Ok(row.get::<_, i64>(0).max(0) as u64)
     }

@@ -39,6 +39,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0021_session_pruning.sql"),
     include_str!("../../../migrations/postgres/0022_lease_projection_read.sql"),
     include_str!("../../../migrations/postgres/0023_twin_refusals.sql"),
+    include_str!("../../../migrations/postgres/0024_run_retention.sql"),
 ];
 
 /// The schema version this build reads and writes.

@@ -85,7 +85,7 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 use tokio::sync::{oneshot, watch};
 
-use ql_wire::ids::{AttemptId, RunId, WorkerId};
+use ql_wire::ids::{AttemptId, ProjectId, RunId, WorkerId};
 use ql_wire::ErrorCode;
 
 use super::loaded::{Known, Loaded};
@@ -94,7 +94,7 @@ use super::records::{
     LOG_CHUNK_COLS, OFFER_COLS, OPERATOR_COLS, RUN_COLS, SCHEDULE_COLS, SESSION_COLS, WORKER_COLS,
 };
 use super::wakes::Wakes;
-use super::{Audit, AuditRetention, RunDetail, RunQuery, SessionRetention, Snapshot, Store, StoreError};
+use super::{Audit, AuditRetention, RunDetail, RunQuery, RunRetention, SessionRetention, Snapshot, Store, StoreError};
 use crate::core::{self, Command, IdGen, Reply, Timings, Write};
 use crate::model::{AuditRecord, Certificate, Fire, LogChunk, Operator, Run, Schedule};
 
@@ -804,6 +804,25 @@ const PRUNE_SESSIONS: &str = "DELETE FROM sessions WHERE id IN (SELECT s.id FROM
 const TWIN_REFUSALS: &str = "SELECT principal, count(*) FROM audit WHERE at >= ?1 AND route = 'session.open' \
      AND outcome = 'session_conflict' AND principal IS NOT NULL GROUP BY principal ORDER BY principal";
 
+/// [`Store::prune_runs`]: those of the runs `?1` (a JSON array of ids) that are still
+/// prunable with the cutoff `?2`, as a JSON array.
+const PRUNABLE_AMONG: &str =
+    "SELECT json_group_array(r.id) FROM runs r WHERE r.id IN (SELECT value FROM json_each(?1)) \
+     AND r.status IN ('succeeded', 'failed', 'cancelled', 'timed_out') AND r.finished_at < ?2 \
+     AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.run_id = r.id AND d.state IN ('waiting', 'pending'))";
+
+/// [`Store::prune_runs`]: every row naming the runs `?1` (a JSON array of ids), each
+/// found through its table's key or an index that starts with the run or attempt, before
+/// the runs themselves (the foreign keys are checked at the commit).
+const PRUNE_RUNS: [&str; 6] = [
+    "DELETE FROM log_chunks WHERE attempt_id IN (SELECT a.id FROM attempts a WHERE a.run_id IN (SELECT value FROM json_each(?1)))",
+    "DELETE FROM offers WHERE attempt_id IN (SELECT a.id FROM attempts a WHERE a.run_id IN (SELECT value FROM json_each(?1)))",
+    "DELETE FROM leases WHERE run_id IN (SELECT value FROM json_each(?1))",
+    "DELETE FROM events WHERE run_id IN (SELECT value FROM json_each(?1))",
+    "DELETE FROM deliveries WHERE run_id IN (SELECT value FROM json_each(?1))",
+    "DELETE FROM attempts WHERE run_id IN (SELECT value FROM json_each(?1))",
+];
+
 fn clamp(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -936,6 +955,40 @@ impl Store for SqliteStore {
             let pruned =
                 w.conn.execute(PRUNE_SESSIONS, [clamp(retention.kept.max(1)), clamp(retention.batch)]).map_err(sql)?;
             Ok(pruned as u64)
+        })
+        .await
+    }
+
+    async fn prunable_runs(&self, retention: RunRetention) -> Result<Vec<(ProjectId, RunId)>, StoreError> {
+        self.read(move |conn, offset| {
+            let cutoff = schema::db_now(conn, offset).map_err(sql)?.saturating_sub(clamp(retention.max_age_ms));
+            let mut stmt = conn.prepare_cached(&super::prunable_runs_sql("?1", "?2")).map_err(sql)?;
+            let found: Vec<(String, String)> = stmt
+                .query_map([cutoff, clamp(retention.batch)], |r| Ok((r.get(0)?, r.get(1)?)))
+                .map_err(sql)?
+                .collect::<rusqlite::Result<_>>()
+                .map_err(sql)?;
+            found.into_iter().map(|(p, r)| super::ended_run(&p, &r)).collect()
+        })
+        .await
+    }
+
+    async fn prune_runs(&self, runs: Vec<RunId>, retention: RunRetention) -> Result<u64, StoreError> {
+        if runs.is_empty() {
+            return Ok(0);
+        }
+        let ids = serde_json::to_string(&runs.iter().map(RunId::as_str).collect::<Vec<_>>())
+            .map_err(|e| StoreError(e.to_string()))?;
+        self.call(move |w| {
+            let cutoff = schema::db_now(&w.conn, w.offset()).map_err(sql)?.saturating_sub(clamp(retention.max_age_ms));
+            // Those still prunable, as a JSON array for the statements below.
+            let doomed: String =
+                w.conn.query_row(PRUNABLE_AMONG, rusqlite::params![ids, cutoff], |r| r.get(0)).map_err(sql)?;
+            for statement in PRUNE_RUNS {
+                w.conn.execute(statement, [&doomed]).map_err(sql)?;
+            }
+            let gone = w.conn.execute("DELETE FROM runs WHERE id IN (SELECT value FROM json_each(?1))", [&doomed]);
+            Ok(gone.map_err(sql)? as u64)
         })
         .await
     }

@@ -29,6 +29,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0013_certificate_lineage.sql"),
     include_str!("../../../migrations/sqlite/0014_session_pruning.sql"),
     include_str!("../../../migrations/sqlite/0015_twin_refusals.sql"),
+    include_str!("../../../migrations/sqlite/0016_run_retention.sql"),
 ];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.
