@@ -70,24 +70,6 @@ pub async fn sweep_once<S: Store>(store: &S) {
     }
 }
 
-/// What the sweeper keeps: audit records, ended sessions, ended runs (`None`: all).
-#[derive(Debug, Clone, Copy)]
-pub struct Retention {
-    /// Audit records.
-    pub audit: AuditRetention,
-    /// Ended sessions.
-    pub sessions: SessionRetention,
-    /// Ended runs.
-    pub runs: Option<RunRetention>,
-}
-
-impl Retention {
-    /// As `config` says.
-    pub fn of(config: &Config) -> Self {
-        Self { audit: config.audit_retention(), sessions: config.session_retention(), runs: config.run_retention() }
-    }
-}
-
 /// Removes the oldest ended runs past `retention` ([`Store::prunable_runs`]): each
 /// one's stored logs from `blobs` first, then the rows of those whose logs went. A run
 /// whose logs could not be removed keeps its rows, so the next sweep tries it again
@@ -109,9 +91,24 @@ pub async fn prune_runs<S: Store, B: BlobStore>(store: &S, blobs: &B, retention:
     }
 }
 
-/// Sweeps lapsed offers, sessions and leases every `every`, and prunes what `retention`
-/// does not keep, for ever.
-pub async fn sweep_forever<S: Store, B: BlobStore>(store: S, blobs: B, every: Duration, retention: Retention) {
+/// Removes ended runs past `retention` every `every` ([`prune_runs`]), for ever: a task
+/// of its own, since removing a backlog (a first start on months of history, a bucket
+/// answering slowly) takes what it takes, and the sweeps must not wait for it (a sweep
+/// late by more than `outage_grace_after_ms` is taken for an outage).
+pub async fn prune_runs_forever<S: Store, B: BlobStore>(store: S, blobs: B, every: Duration, retention: RunRetention) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = prune_runs(&store, &blobs, retention).await {
+            eprintln!("ql-control: pruning ended runs failed: {e}");
+        }
+    }
+}
+
+/// Sweeps lapsed offers, sessions and leases every `every`, and prunes the audit records
+/// beyond `retention` and the ended sessions beyond `sessions`, for ever.
+pub async fn sweep_forever<S: Store>(store: S, every: Duration, retention: AuditRetention, sessions: SessionRetention) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -122,16 +119,11 @@ pub async fn sweep_forever<S: Store, B: BlobStore>(store: S, blobs: B, every: Du
         if let Err(e) = store.execute(Command::FireSchedules).await {
             eprintln!("ql-control: firing schedules failed: {e}");
         }
-        if let Err(e) = store.prune_audit(retention.audit).await {
+        if let Err(e) = store.prune_audit(retention).await {
             eprintln!("ql-control: pruning audit records failed: {e}");
         }
-        if let Err(e) = store.prune_sessions(retention.sessions).await {
+        if let Err(e) = store.prune_sessions(sessions).await {
             eprintln!("ql-control: pruning ended sessions failed: {e}");
-        }
-        if let Some(runs) = retention.runs {
-            if let Err(e) = prune_runs(&store, &blobs, runs).await {
-                eprintln!("ql-control: pruning ended runs failed: {e}");
-            }
         }
     }
 }
@@ -523,12 +515,18 @@ async fn serve_on<S: Store>(
         tokio::spawn(crate::notifier::notify_forever(store.clone(), Arc::new(notifier), every))
     };
     let every = Duration::from_millis(config.sweep_interval_ms);
-    let sweeper = tokio::spawn(sweep_forever(store.clone(), retained, every, Retention::of(config)));
+    let sweeper =
+        tokio::spawn(sweep_forever(store.clone(), every, config.audit_retention(), config.session_retention()));
+    let pruner =
+        config.run_retention().map(|runs| tokio::spawn(prune_runs_forever(store.clone(), retained, every, runs)));
     let collector = Collection::of(config)
         .map(|collection| tokio::spawn(collect_forever(leftovers, store.clone(), collection, Some(metrics.clone()))));
     shutdown.await;
     notifying(&notify, |n| n.stopping("stopping: finishing the requests in flight", None));
     sweeper.abort();
+    if let Some(pruner) = pruner {
+        pruner.abort();
+    }
     notifier.abort();
     if let Some(collector) = collector {
         collector.abort();

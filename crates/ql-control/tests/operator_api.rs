@@ -453,3 +453,88 @@ fn one_address_cannot_keep_the_operators_out() {
     let said = std::fs::read_to_string(dir.join("serve.err")).unwrap();
     assert!(said.contains("operator connection(s) turned away") && said.contains("from 127.0.0.2"), "{said}");
 }
+
+/// A connection closed for a newcomer answers the request it is serving first: here a
+/// submit whose body the client sends only once the server asked for it (`100
+/// Continue`), so the request is surely being served when the newcomer takes its place.
+/// Its answer comes whole, then the connection closes.
+#[test]
+fn a_connection_closed_for_a_newcomer_answers_its_request_in_flight_first() {
+    use std::io::{Read as _, Write as _};
+    use std::sync::Arc;
+    let root = TempDir(std::env::temp_dir().join(format!("ql-operator-evicted-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&root.0);
+    let dir = root.0.join("state");
+    ql(&["init", "--host", "127.0.0.1", "--dir", dir.to_str().unwrap()]);
+    let config = dir.join("control.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    c["operator_max_connections"] = json!(2);
+    c["operator_max_connections_per_ip"] = json!(2);
+    c["handshake_timeout_ms"] = json!(600_000);
+    c["header_timeout_ms"] = json!(600_000);
+    std::fs::write(&config, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+    let admin = add_operator(&dir, "boss", "admin");
+    let (_serve, url) = serve(&dir);
+    let port: u16 = url.rsplit_once(':').unwrap().1.trim_end_matches('/').parse().unwrap();
+
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in ql_control::client::certificates(&std::fs::read(dir.join("pki").join("ca.crt")).unwrap()) {
+        roots.add(rustls::pki_types::CertificateDer::from(cert.der().to_vec())).unwrap();
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let client = rustls::ClientConnection::new(Arc::new(tls), name).unwrap();
+    let tcp = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut operator = rustls::StreamOwned::new(client, tcp);
+    let body = br#"{"argv":["true"]}"#;
+    let head = format!(
+        "POST /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {admin}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+        body.len()
+    );
+    operator.write_all(head.as_bytes()).unwrap();
+    operator.flush().unwrap();
+    let mut seen = Vec::new();
+    while !seen.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        assert_eq!(operator.read(&mut byte).unwrap(), 1, "the server asks for the body");
+        seen.push(byte[0]);
+    }
+    assert!(seen.starts_with(b"HTTP/1.1 100"), "{}", String::from_utf8_lossy(&seen));
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let connect = |from: &str| {
+        rt.block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+            socket.connect(([127, 0, 0, 1], port).into()).await.unwrap()
+        })
+    };
+    // 127.0.0.1 fills the places; a newcomer from 127.0.0.3 takes the operator's, the
+    // oldest; the next from 127.0.0.3 finds none (one fewer is not enough), and its close
+    // tells that the server has handled the newcomer before it.
+    let _second = connect("127.0.0.1");
+    let _newcomer = connect("127.0.0.3");
+    let mut after = connect("127.0.0.3");
+    let closed = rt.block_on(async {
+        use tokio::io::AsyncReadExt as _;
+        let mut byte = [0u8; 1];
+        tokio::time::timeout(Duration::from_secs(60), after.read(&mut byte)).await.map(|r| !matches!(r, Ok(n) if n > 0))
+    });
+    assert_eq!(closed, Ok(true), "no place for the second newcomer");
+
+    operator.write_all(body).unwrap();
+    operator.flush().unwrap();
+    let mut answer = Vec::new();
+    let ended = operator.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 20") && answer.contains("\"runId\""), "answered whole: {answer}");
+    // Closed (with or without TLS's close_notify), not left open until the read timed out.
+    let closed = ended.as_ref().map_or_else(|e| e.kind() == std::io::ErrorKind::UnexpectedEof, |_| true);
+    assert!(closed, "then closed, not left open: {ended:?}");
+}

@@ -6,6 +6,12 @@
 -- holds the ended runs by when they ended, so finding the oldest reads only them. Every
 -- statement here may run again (a migrate that finds the version before this one).
 CREATE INDEX IF NOT EXISTS runs_ended ON runs (finished_at) WHERE status IN ('succeeded', 'failed', 'cancelled', 'timed_out');
+-- Deleting a row makes PostgreSQL look, at the commit, for rows still naming it through
+-- a foreign key: an offer's run, a run's current attempt and an attempt's offer had no
+-- index, so each deleted run, attempt or offer would read its whole referencing table.
+CREATE INDEX IF NOT EXISTS offers_run ON offers (run_id);
+CREATE INDEX IF NOT EXISTS runs_current_attempt ON runs (current_attempt_id) WHERE current_attempt_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS attempts_offer ON attempts (offer_id);
 
 DROP TRIGGER IF EXISTS events_append_only ON events;
 CREATE TRIGGER events_append_only BEFORE UPDATE ON events

@@ -10,9 +10,11 @@
 //! [`ApiConfig::max_body_bytes`]. At most [`ApiConfig::max_connections`] at once, of which
 //! one address holds at most [`ApiConfig::max_connections_per_ip`]: beyond that a
 //! connection is closed at once, unless every place is taken and an address holding at
-//! least two more than the newcomer's gives up its oldest ([`crate::http::occupancy`]).
-//! Anyone who reaches the port holds a place from its first byte, before any token is
-//! shown, so one address cannot keep the operators out.
+//! least two more than the newcomer's gives up its oldest ([`crate::http::occupancy`]):
+//! closed at once in its handshake, else once the request in flight is answered. Anyone
+//! who reaches the port holds a place from its first byte, before any token is shown, so
+//! one address cannot keep the operators out (operators behind one proxy or NAT share its
+//! address's share).
 
 mod routes;
 
@@ -166,25 +168,37 @@ async fn accept_loop<S: Store, B: BlobStore>(
             (acceptor.clone(), shared.clone(), config.clone(), stopped.clone());
         connections.spawn(async move {
             let evicted = place.evicted.clone();
-            let served = async {
-                let Ok(Ok(tls)) = tokio::time::timeout(config.handshake_timeout, acceptor.accept(tcp)).await else {
-                    return;
-                };
-                let service = hyper::service::service_fn(move |request| {
-                    let shared = shared.clone();
-                    async move { Ok::<_, std::convert::Infallible>(routes::answered(&shared, request).await) }
-                });
-                let connection = http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(config.header_read_timeout)
-                    .serve_connection(TokioIo::new(tls), service);
-                connection.await.ok();
+            let handshake = tokio::time::timeout(config.handshake_timeout, acceptor.accept(tcp));
+            // A place taken in the handshake by a newcomer from an address holding fewer
+            // ends the connection there.
+            let tls = tokio::select! {
+                accepted = handshake => match accepted {
+                    Ok(Ok(tls)) => tls,
+                    _ => return,
+                },
+                _ = evicted.notified() => return,
+                _ = stopped.changed() => return,
             };
-            // A place taken by a newcomer from an address holding fewer ends the
-            // connection, in its handshake or between requests alike.
+            let service = hyper::service::service_fn(move |request| {
+                let shared = shared.clone();
+                async move { Ok::<_, std::convert::Infallible>(routes::answered(&shared, request).await) }
+            });
+            let connection = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(config.header_read_timeout)
+                .serve_connection(TokioIo::new(tls), service);
+            tokio::pin!(connection);
             tokio::select! {
-                _ = served => {}
-                _ = evicted.notified() => {}
+                _ = connection.as_mut() => {}
+                // Taken later, it closes once the request in flight, if any, is answered:
+                // an operator's command is never cut off halfway.
+                _ = evicted.notified() => {
+                    connection.as_mut().graceful_shutdown();
+                    tokio::select! {
+                        _ = connection.as_mut() => {}
+                        _ = stopped.changed() => {}
+                    }
+                }
                 _ = stopped.changed() => {}
             }
             drop(place);

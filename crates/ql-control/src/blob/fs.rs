@@ -287,13 +287,26 @@ fn collect_in(walk: &Walk<'_>, dir: &Path, ask: &mut Ask<'_>, collected: &mut Co
     // Whether this directory's attempt recorded its artifact: asked once, and only if
     // it holds an old chunk.
     let mut recorded = None;
-    for entry in std::fs::read_dir(dir)? {
+    // A run's place removed meanwhile (its retention past, `remove_run`) is nothing left
+    // to collect, not a failed collection.
+    let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
+    let entries = match std::fs::read_dir(dir) {
+        Err(e) if gone(&e) => return Ok(()),
+        entries => entries?,
+    };
+    for entry in entries {
         if walk.abandoned.load(Ordering::Relaxed) {
             return Ok(());
         }
-        let entry = entry?;
+        let entry = match entry {
+            Err(e) if gone(&e) => continue,
+            entry => entry?,
+        };
         // Not followed: every file here is one this store made, none a link.
-        let meta = entry.metadata()?;
+        let meta = match entry.metadata() {
+            Err(e) if gone(&e) => continue,
+            meta => meta?,
+        };
         if meta.is_dir() {
             collect_in(walk, &entry.path(), ask, collected)?;
             continue;
@@ -331,7 +344,6 @@ fn collect_in(walk: &Walk<'_>, dir: &Path, ask: &mut Ask<'_>, collected: &mut Co
     Ok(())
 }
 
-/// The key of the chunk file `name` in the attempt directory `dir`, if it is one.
 /// Removes `dir` and everything under it, counting the files; a `dir` that is not there
 /// is nothing to remove. Ids make every part of a run's place, so nothing under it is a
 /// link out of the store.
@@ -360,6 +372,7 @@ fn remove_tree(dir: &Path) -> std::io::Result<u64> {
     }
 }
 
+/// The key of the chunk file `name` in the attempt directory `dir`, if it is one.
 fn chunk_of(root: &Path, dir: &Path, name: &str) -> Option<ArtifactKey> {
     let artifact = super::chunk_artifact(name)?;
     let mut parts = dir.strip_prefix(root).ok()?.iter().map(|p| p.to_str());
@@ -552,12 +565,20 @@ impl BlobStore for FsBlobStore {
     }
 
     async fn remove_run(&self, project: &ProjectId, run: &RunId) -> Result<u64, BlobError> {
-        let dir = self.root.join(project.as_str()).join(run.as_str());
-        // Not fsynced, as a chunk's removal: one a power cut undoes leaves files no row names.
-        tokio::task::spawn_blocking(move || remove_tree(&dir))
-            .await
-            .map_err(|e| err(format!("removing a run: {e}")))?
-            .map_err(|e| err(format!("removing a run: {e}")))
+        let parent = self.root.join(project.as_str());
+        let dir = parent.join(run.as_str());
+        // The project's directory synced once the run's place is gone from it, before the
+        // rows go: a power cut then cannot bring back files no row names.
+        tokio::task::spawn_blocking(move || {
+            let removed = remove_tree(&dir)?;
+            match sync_dir(&parent) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(removed),
+            }
+        })
+        .await
+        .map_err(|e| err(format!("removing a run: {e}")))?
+        .map_err(|e| err(format!("removing a run: {e}")))
     }
 
     async fn collect<R: Recorded>(&self, before: SystemTime, recorded: &R) -> Result<Collected, BlobError> {

@@ -257,13 +257,14 @@ impl<S: Store, B: BlobStore> Local<S, B> {
             .filter(|w| !w.is_empty())
             .map(|w| WorkerId::parse(w).map_err(|e| OpError::invalid(format!("worker {w:?}: {e}"))))
             .transpose()?;
-        let after = after.filter(|a| !a.is_empty());
-        if let Some(a) = after {
+        // Serials are recorded in lowercase hex.
+        let after = after.filter(|a| !a.is_empty()).map(str::to_ascii_lowercase);
+        if let Some(a) = &after {
             if a.len() > 64 || !a.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(OpError::invalid(format!("after {a:?}: a certificate's serial (hex) is expected")));
             }
         }
-        let page = self.store.certificates(worker.as_ref(), after, limit).await?;
+        let page = self.store.certificates(worker.as_ref(), after.as_deref(), limit).await?;
         let next = (page.len() == limit).then(|| page.last().map(|c| c.serial.clone())).flatten();
         Ok(CertificateList { certificates: page.iter().map(CertificateRow::from).collect(), next })
     }

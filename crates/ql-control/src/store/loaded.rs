@@ -9,11 +9,12 @@
 //!
 //! The same rows vouch for the events a decision appends ([`Loaded::dangling`]): an
 //! event may name only a run its command loaded or wrote, and an attempt of that run
-//! that it loaded or wrote or that is the run's current attempt. Runs and attempts are
-//! never deleted and never change their ids, so such a row still exists when the
-//! command commits. That is the events' whole referential check on
-//! PostgreSQL, which keeps no foreign key on them (migration 0017); SQLite keeps its own
-//! as well.
+//! that it loaded or wrote or that is the run's current attempt. Runs and attempts never
+//! change their ids, and are deleted only with every row naming them once ended and past
+//! their retention (`Store::prune_runs`), which on PostgreSQL skips a run a command holds
+//! locked and on SQLite waits for the writer: so such a row still exists when the command
+//! commits. That is the events' whole referential check on PostgreSQL, which keeps no
+//! foreign key on them (migration 0017); SQLite keeps its own as well.
 
 use std::collections::HashMap;
 

@@ -179,7 +179,7 @@ pub fn worker_ids_sql(mark: char) -> String {
 /// A page of [`Store::certificates`], by worker, then newest first (the serial breaking
 /// ties): the parameters are, in order, the worker when `worker`, the cursor's serial when
 /// `after`, and the limit. The cursor's row is found by its serial, and the page is read
-/// from the cursor's worker on through `certificates_worker`, not the whole table.
+/// from the cursor's worker on in the order of `certificates_page`, not the whole table.
 #[doc(hidden)]
 pub fn certificates_sql(mark: char, worker: bool, after: bool) -> String {
     let mut n = 0;

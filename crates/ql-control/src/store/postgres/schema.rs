@@ -40,6 +40,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/postgres/0022_lease_projection_read.sql"),
     include_str!("../../../migrations/postgres/0023_twin_refusals.sql"),
     include_str!("../../../migrations/postgres/0024_run_retention.sql"),
+    include_str!("../../../migrations/postgres/0025_certificate_pages.sql"),
 ];
 
 /// The schema version this build reads and writes.

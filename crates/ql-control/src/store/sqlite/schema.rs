@@ -30,6 +30,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("../../../migrations/sqlite/0014_session_pruning.sql"),
     include_str!("../../../migrations/sqlite/0015_twin_refusals.sql"),
     include_str!("../../../migrations/sqlite/0016_run_retention.sql"),
+    include_str!("../../../migrations/sqlite/0017_certificate_pages.sql"),
 ];
 
 /// The schema version (SQLite `user_version`) this build reads and writes.
