@@ -484,6 +484,15 @@ impl Config {
                 self.longest_upload_ms()
             ));
         }
+        // An upload or a chunk admitted before its run ended may still be writing: its
+        // run's place must outlive it, or its files would outlive the run's rows.
+        if self.run_retention_ms > 0 && self.run_retention_ms < self.longest_upload_ms() {
+            return Err(format!(
+                "run_retention_ms must be at least {} ms (or 0: for ever): an upload admitted before its run ended \
+                 may take upload_grace_ms plus 64 MiB at min_upload_rate, and its receipt s3_timeout_ms more",
+                self.longest_upload_ms()
+            ));
+        }
         if self.outage_grace_after_ms <= self.sweep_interval_ms {
             return Err(
                 "outage_grace_after_ms must be longer than sweep_interval_ms, or every sweep finds an outage".into()
@@ -560,6 +569,9 @@ mod tests {
     fn refuses_zero_durations_and_a_heartbeat_longer_than_the_session() {
         let c = Config { artifact_leftover_age_ms: 3_600_000, ..Config::default() };
         assert!(c.check().unwrap_err().contains("artifact_leftover_age_ms"), "under the slowest 64 MiB upload");
+        let c = Config { run_retention_ms: 3_600_000, ..Config::default() };
+        assert!(c.check().unwrap_err().contains("run_retention_ms"), "a run gone before its slowest upload");
+        assert!(Config { run_retention_ms: 0, ..Config::default() }.check().is_ok(), "0: for ever");
         let c = Config { artifact_leftover_age_ms: 3_600_000, min_upload_rate: 1 << 20, ..Config::default() };
         assert_eq!(c.check(), Ok(()), "a faster floor allows an hour");
         let c = Config { artifact_leftover_age_ms: 3_600_000, artifact_collect_ms: 0, ..Config::default() };

@@ -77,16 +77,22 @@ pub async fn sweep_once<S: Store>(store: &S) {
 pub async fn prune_runs<S: Store, B: BlobStore>(store: &S, blobs: &B, retention: RunRetention) -> Result<u64, String> {
     let ended = store.prunable_runs(retention).await.map_err(|e| e.to_string())?;
     let mut gone = Vec::with_capacity(ended.len());
-    let mut failed = None;
+    let (mut failed, mut last) = (0, None);
     for (project, run) in ended {
         match blobs.remove_run(&project, &run).await {
             Ok(_) => gone.push(run),
-            Err(e) => failed = Some(format!("removing the stored logs of {run}: {e}")),
+            Err(e) => {
+                failed += 1;
+                last = Some(format!("{run}: {e}"));
+            }
         }
     }
     let pruned = store.prune_runs(gone, retention).await.map_err(|e| e.to_string())?;
-    match failed {
-        Some(e) => Err(format!("{e} (its rows stay until a sweep removes them; {pruned} other run(s) removed)")),
+    match last {
+        Some(e) => Err(format!(
+            "the stored files of {failed} run(s) could not be removed, the last {e}; their rows stay for the next \
+             try, {pruned} other run(s) removed"
+        )),
         None => Ok(pruned),
     }
 }

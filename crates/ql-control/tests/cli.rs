@@ -249,30 +249,41 @@ fn serve_removes_ended_runs_past_their_retention_with_their_stored_logs() {
     };
     let ended = run_of(cli(&dir, &["submit", "--", "true"]));
     assert!(cli(&dir, &["cancel", &ended]).status.success());
+    let stuck = run_of(cli(&dir, &["submit", "--", "true"]));
+    assert!(cli(&dir, &["cancel", &stuck]).status.success());
     let queued = run_of(cli(&dir, &["submit", "--", "true"]));
-    // What each run stored (as a completion's log would be).
+    // What each run stored (as a completion's log would be); the stuck run's place is a
+    // file where a directory belongs, which no removal can take as a run's place.
     let (gone, kept) = (dir.join("artifacts/default").join(&ended), dir.join("artifacts/default").join(&queued));
     for place in [&gone, &kept] {
         std::fs::create_dir_all(place.join("att_1")).unwrap();
         std::fs::write(place.join("att_1/log.receipt"), b"{}").unwrap();
     }
+    let unremovable = dir.join("artifacts/default").join(&stuck);
+    std::fs::write(&unremovable, b"not a directory").unwrap();
     let config = dir.join("control.json");
     let mut settings: serde_json::Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
-    settings["run_retention_ms"] = 1.into();
+    // The shortest retention the check allows: no upload outlives a second here.
+    settings["upload_grace_ms"] = 100.into();
+    settings["min_upload_rate"] = (1u64 << 40).into();
+    settings["s3_timeout_ms"] = 100.into();
+    settings["run_retention_ms"] = 1_000.into();
     settings["sweep_interval_ms"] = 50.into();
     std::fs::write(&config, serde_json::to_vec_pretty(&settings).unwrap()).unwrap();
     let mut child = Command::new(BIN)
         .args(["serve", "--listen", "127.0.0.1:0", "--operator-listen", "", "--dir"])
         .arg(&dir)
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.join("serve.err")).unwrap())
         .spawn()
         .unwrap();
-    // Waits for the run to go, asking every 50 ms for a minute at most.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    // Waits, asking every 50 ms for a minute at most, for the run to go and for the line
+    // about the stuck one (said once the others' rows went).
+    let told = || std::fs::read_to_string(dir.join("serve.err")).unwrap().contains("could not be removed");
     let shown = loop {
         let shown = cli(&dir, &["show", &ended]);
-        if !shown.status.success() || std::time::Instant::now() > deadline {
+        if (!shown.status.success() && told()) || std::time::Instant::now() > deadline {
             break shown;
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -284,6 +295,10 @@ fn serve_removes_ended_runs_past_their_retention_with_their_stored_logs() {
     assert!(!gone.exists(), "and what it stored with it");
     assert!(kept.join("att_1/log.receipt").exists(), "a queued run's stays");
     assert!(cli(&dir, &["show", &queued]).status.success(), "a queued run stays");
+    assert!(cli(&dir, &["show", &stuck]).status.success(), "a run whose files could not go keeps its rows");
+    assert!(unremovable.exists());
+    let err = std::fs::read_to_string(dir.join("serve.err")).unwrap();
+    assert!(err.contains("the stored files of 1 run(s) could not be removed") && err.contains(&stuck), "{err}");
 }
 
 /// `ql-control <words> --dir <dir> <rest>`: a subcommand's own `--dir`.

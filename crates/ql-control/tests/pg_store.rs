@@ -83,6 +83,8 @@ async fn the_worker_ingress_role_may_append_audit_records_and_nothing_else() {
         "DELETE FROM audit".to_owned(),
         // The custom setting the pruning function uses does not open the table either.
         "SET ql.audit_prune = 'on'; DELETE FROM audit".to_owned(),
+        "SET ql.run_prune = 'on'; DELETE FROM events".to_owned(),
+        "DELETE FROM log_chunks".to_owned(),
         "CREATE TABLE forged (x int)".to_owned(),
     ] {
         assert_eq!(sqlstate(&runtime, &sql).await.as_deref(), Some(INSUFFICIENT_PRIVILEGE), "runtime: {sql}");
@@ -96,6 +98,11 @@ async fn the_worker_ingress_role_may_append_audit_records_and_nothing_else() {
     // Nor remove an audit record but through the pruning function.
     assert_eq!(sqlstate(&owner, "DELETE FROM audit").await.as_deref(), Some(INSUFFICIENT_PRIVILEGE));
     assert_eq!(sqlstate(&ingress, "SELECT prune_audit(NULL, 0)").await.as_deref(), Some(INSUFFICIENT_PRIVILEGE));
+    // Nor an event but with its run, through the run pruning function (the run's events
+    // are there to hit; chunks have the same trigger).
+    assert_eq!(sqlstate(&owner, "DELETE FROM events").await.as_deref(), Some(INSUFFICIENT_PRIVILEGE));
+    let prune = format!("SELECT prune_runs(ARRAY['{run}'], 0)");
+    assert_eq!(sqlstate(&ingress, &prune).await.as_deref(), Some(INSUFFICIENT_PRIVILEGE));
 
     // Nothing the refused statements tried changed anything.
     let d = detail(&store, h.run()).await;

@@ -194,8 +194,12 @@ async fn accept_loop<S: Store, B: BlobStore>(
                 // an operator's command is never cut off halfway.
                 _ = evicted.notified() => {
                     connection.as_mut().graceful_shutdown();
+                    // Its place is the newcomer's already: the longest answer (a follow,
+                    // after its body) bounds how long it stays uncounted, whatever the
+                    // client's pace of reading.
+                    let longest = config.body_timeout + config.max_log_wait + config.header_read_timeout;
                     tokio::select! {
-                        _ = connection.as_mut() => {}
+                        _ = tokio::time::timeout(longest, connection.as_mut()) => {}
                         _ = stopped.changed() => {}
                     }
                 }

@@ -297,10 +297,17 @@ pub fn prunable_runs_sql(cutoff: &str, limit: &str) -> String {
     )
 }
 
-/// An ended run's project and id as [`prunable_runs_sql`] reads them back.
-pub(crate) fn ended_run(project: &str, run: &str) -> Result<(ProjectId, RunId), StoreError> {
-    let bad = |e: ql_wire::ids::Invalid| StoreError(format!("a stored run: {e}"));
-    Ok((ProjectId::parse(project).map_err(bad)?, RunId::parse(run).map_err(bad)?))
+/// An ended run's project and id as [`prunable_runs_sql`] reads them back. A row whose
+/// ids do not parse (written by no build of this) is told and left, so it cannot stop
+/// the pruning of every run after it.
+pub(crate) fn ended_run(project: &str, run: &str) -> Option<(ProjectId, RunId)> {
+    match (ProjectId::parse(project), RunId::parse(run)) {
+        (Ok(project), Ok(run)) => Some((project, run)),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("ql-control: an ended run {run:?} of project {project:?} is left: {e}");
+            None
+        }
+    }
 }
 
 /// The audit of the request a command answers ([`Store::execute_audited`]).

@@ -1001,7 +1001,7 @@ impl Store for PgStore {
             .await
             .map_err(Error::Pg)?;
         Self::done(conn).await?;
-        found.iter().map(|r| super::ended_run(r.get(0), r.get(1))).collect()
+        Ok(found.iter().filter_map(|r| super::ended_run(r.get(0), r.get(1))).collect())
     }
 
     async fn prune_runs(&self, runs: Vec<RunId>, retention: RunRetention) -> Result<u64, StoreError> {

@@ -14,7 +14,8 @@
 //! Every read of a claimed attempt that can reach a decision or an answer loads its
 //! lease in the same transaction (the fenced loads, a cancel, a worker's work, the sweep,
 //! a run's detail, the snapshot; the attempts of open offers, read without one, are not
-//! claimed and hold no projection), and a lease row is never deleted, so the stored
+//! claimed and hold no projection), and a lease row is deleted only with its attempt
+//! (an ended run past its retention, `Store::prune_runs`), so the stored
 //! columns are never what anyone sees. So the fence's check that the projection agrees
 //! with the lease can, here, only catch the other six facts drifting; the SQLite store
 //! keeps both copies, and the contract suite checks there that every decision advances

@@ -968,7 +968,7 @@ impl Store for SqliteStore {
                 .map_err(sql)?
                 .collect::<rusqlite::Result<_>>()
                 .map_err(sql)?;
-            found.into_iter().map(|(p, r)| super::ended_run(&p, &r)).collect()
+            Ok(found.iter().filter_map(|(p, r)| super::ended_run(p, r)).collect())
         })
         .await
     }
