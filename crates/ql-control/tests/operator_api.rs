@@ -375,47 +375,71 @@ fn every_route_answers_its_role_over_tls_and_no_refusal_changes_anything() {
     assert_eq!(api.call("GET", "/v1/runs", Some(&admin), None).status, 200);
 }
 
+/// A `serve` whose operator listener has `all` places, `per_ip` to an address, and
+/// timeouts long enough that connections which never start their handshake stay until
+/// the limits alone close them; with a runtime to open bare connections from other
+/// loopback addresses.
+struct Door {
+    _root: TempDir,
+    dir: PathBuf,
+    _serve: Proc,
+    url: String,
+    port: u16,
+    admin: String,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Door {
+    fn open(name: &str, all: u64, per_ip: u64) -> Self {
+        let root = TempDir(std::env::temp_dir().join(format!("ql-operator-{name}-{}", std::process::id())));
+        let _ = std::fs::remove_dir_all(&root.0);
+        let dir = root.0.join("state");
+        ql(&["init", "--host", "127.0.0.1", "--dir", dir.to_str().unwrap()]);
+        let config = dir.join("control.json");
+        let mut c: Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+        c["operator_max_connections"] = json!(all);
+        c["operator_max_connections_per_ip"] = json!(per_ip);
+        c["handshake_timeout_ms"] = json!(600_000);
+        c["header_timeout_ms"] = json!(600_000);
+        std::fs::write(&config, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+        let admin = add_operator(&dir, "boss", "admin");
+        let (serve, url) = serve(&dir);
+        let port = url.rsplit_once(':').unwrap().1.trim_end_matches('/').parse().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        Self { _root: root, dir, _serve: serve, url, port, admin, rt }
+    }
+
+    /// A bare TCP connection from `from` (a loopback address), no handshake.
+    fn connect(&self, from: &str) -> tokio::net::TcpStream {
+        self.rt.block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+            socket.connect(([127, 0, 0, 1], self.port).into()).await.unwrap()
+        })
+    }
+
+    /// Whether the server closed `stream`: its read ends (EOF or reset) within a minute.
+    fn closed(&self, stream: &mut tokio::net::TcpStream) -> bool {
+        use tokio::io::AsyncReadExt as _;
+        let mut byte = [0u8; 1];
+        self.rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(60), stream.read(&mut byte)).await })
+            .map(|read| !matches!(read, Ok(n) if n > 0))
+            .unwrap_or(false)
+    }
+}
+
 /// One address holds at most its share of the listener, from its first byte and before
 /// any token: its next connection is closed at once while an operator from another
 /// address is served; with every place taken a newcomer is turned away unless the
 /// heaviest address holds two more than its own, whose oldest connection then closes.
 #[test]
 fn one_address_cannot_keep_the_operators_out() {
-    let root = TempDir(std::env::temp_dir().join(format!("ql-operator-door-{}", std::process::id())));
-    let _ = std::fs::remove_dir_all(&root.0);
-    let dir = root.0.join("state");
-    let d = dir.to_str().unwrap();
-    ql(&["init", "--host", "127.0.0.1", "--dir", d]);
-    let config = dir.join("control.json");
-    let mut c: Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
-    c["operator_max_connections"] = json!(4);
-    c["operator_max_connections_per_ip"] = json!(2);
-    // Connections that never start their handshake stay until closed by the limits alone.
-    c["handshake_timeout_ms"] = json!(600_000);
-    c["header_timeout_ms"] = json!(600_000);
-    std::fs::write(&config, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
-    let admin = add_operator(&dir, "boss", "admin");
-    let (_serve, url) = serve(&dir);
+    let door = Door::open("door", 4, 2);
+    let (dir, url, admin) = (&door.dir, &door.url, door.admin.as_str());
     let api = Api::new(&dir.join("pki").join("ca.crt"), url.clone());
-    let port: u16 = url.rsplit_once(':').unwrap().1.trim_end_matches('/').parse().unwrap();
-
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    // A bare TCP connection from `from` (another loopback address), no handshake.
-    let connect = |from: &str| {
-        rt.block_on(async {
-            let socket = tokio::net::TcpSocket::new_v4().unwrap();
-            socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
-            socket.connect(([127, 0, 0, 1], port).into()).await.unwrap()
-        })
-    };
-    // Whether the server closed `stream`: its read ends (EOF or reset) within the deadline.
-    let closed = |stream: &mut tokio::net::TcpStream| {
-        use tokio::io::AsyncReadExt as _;
-        let mut byte = [0u8; 1];
-        rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), stream.read(&mut byte)).await })
-            .map(|read| !matches!(read, Ok(n) if n > 0))
-            .unwrap_or(false)
-    };
+    let connect = |from: &str| door.connect(from);
+    let closed = |stream: &mut tokio::net::TcpStream| door.closed(stream);
     // A connection still open: the server has not closed it (the server sends nothing first).
     let open = |stream: &tokio::net::TcpStream| {
         let mut byte = [0u8; 1];
@@ -427,7 +451,7 @@ fn one_address_cannot_keep_the_operators_out() {
     let mut x3 = connect("127.0.0.2");
     assert!(closed(&mut x3), "an address's third connection is closed unserved");
     // The operator, from 127.0.0.1, is served meanwhile (and keeps its connection).
-    assert_eq!(api.call("GET", "/v1/runs", Some(&admin), None).status, 200);
+    assert_eq!(api.call("GET", "/v1/runs", Some(admin), None).status, 200);
     let y1 = connect("127.0.0.3");
     // All four places taken: 127.0.0.3 holds one, the heaviest two, one fewer is not enough.
     let mut y2 = connect("127.0.0.3");
@@ -462,21 +486,8 @@ fn one_address_cannot_keep_the_operators_out() {
 fn a_connection_closed_for_a_newcomer_answers_its_request_in_flight_first() {
     use std::io::{Read as _, Write as _};
     use std::sync::Arc;
-    let root = TempDir(std::env::temp_dir().join(format!("ql-operator-evicted-{}", std::process::id())));
-    let _ = std::fs::remove_dir_all(&root.0);
-    let dir = root.0.join("state");
-    ql(&["init", "--host", "127.0.0.1", "--dir", dir.to_str().unwrap()]);
-    let config = dir.join("control.json");
-    let mut c: Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
-    c["operator_max_connections"] = json!(2);
-    c["operator_max_connections_per_ip"] = json!(2);
-    c["handshake_timeout_ms"] = json!(600_000);
-    c["header_timeout_ms"] = json!(600_000);
-    std::fs::write(&config, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
-    let admin = add_operator(&dir, "boss", "admin");
-    let (_serve, url) = serve(&dir);
-    let port: u16 = url.rsplit_once(':').unwrap().1.trim_end_matches('/').parse().unwrap();
-
+    let door = Door::open("evicted", 2, 2);
+    let (dir, admin, port) = (&door.dir, door.admin.as_str(), door.port);
     let mut roots = rustls::RootCertStore::empty();
     for cert in ql_control::client::certificates(&std::fs::read(dir.join("pki").join("ca.crt")).unwrap()) {
         roots.add(rustls::pki_types::CertificateDer::from(cert.der().to_vec())).unwrap();
@@ -507,26 +518,13 @@ fn a_connection_closed_for_a_newcomer_answers_its_request_in_flight_first() {
     }
     assert!(seen.starts_with(b"HTTP/1.1 100"), "{}", String::from_utf8_lossy(&seen));
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let connect = |from: &str| {
-        rt.block_on(async {
-            let socket = tokio::net::TcpSocket::new_v4().unwrap();
-            socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
-            socket.connect(([127, 0, 0, 1], port).into()).await.unwrap()
-        })
-    };
     // 127.0.0.1 fills the places; a newcomer from 127.0.0.3 takes the operator's, the
     // oldest; the next from 127.0.0.3 finds none (one fewer is not enough), and its close
     // tells that the server has handled the newcomer before it.
-    let _second = connect("127.0.0.1");
-    let _newcomer = connect("127.0.0.3");
-    let mut after = connect("127.0.0.3");
-    let closed = rt.block_on(async {
-        use tokio::io::AsyncReadExt as _;
-        let mut byte = [0u8; 1];
-        tokio::time::timeout(Duration::from_secs(60), after.read(&mut byte)).await.map(|r| !matches!(r, Ok(n) if n > 0))
-    });
-    assert_eq!(closed, Ok(true), "no place for the second newcomer");
+    let _second = door.connect("127.0.0.1");
+    let _newcomer = door.connect("127.0.0.3");
+    let mut after = door.connect("127.0.0.3");
+    assert!(door.closed(&mut after), "no place for the second newcomer");
 
     operator.write_all(body).unwrap();
     operator.flush().unwrap();
